@@ -1,0 +1,87 @@
+"""Knobs, their limits, and the one error type for bad input.
+
+Every check here runs before anything is launched, so bad input costs
+milliseconds and says what is wrong, never a hang or a silent "ok".
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+DEFAULT_TIMEOUT_S = 120.0
+MAX_TIMEOUT_S = 3600.0
+DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")
+ZERO_STAGES = (0, 1, 2, 3)
+MAX_GA = 64
+# CPU ranks of the kit's tiny models mostly wait on each other in collectives,
+# so two ranks per core still finish in seconds; beyond that gloo timeouts
+# become likely on a loaded machine.
+RANKS_PER_CORE = 2
+VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+-]*)?$")
+INSTALLED = "installed"  # the version string that means "whatever the base environment has"
+
+
+class ConfigError(ValueError):
+    """Bad input: a knob out of range, an unknown name, an impossible world."""
+
+
+def cache_dir() -> Path:
+    """Where overlays and JIT-built ops live between runs (``GRADKIT_CACHE`` overrides)."""
+    d = Path(os.environ.get("GRADKIT_CACHE", Path.home() / ".cache" / "gradkit"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def max_world_size(device: str) -> int:
+    if device == "cuda":
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return RANKS_PER_CORE * (os.cpu_count() or 1)
+
+
+def check_device(device: str) -> None:
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda" and max_world_size("cuda") == 0:
+        raise ConfigError("device='cuda' asked for, but torch sees no CUDA device here; use device='cpu'")
+
+
+def check_world_size(world_size, device: str = "cpu") -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if device in DEVICES:
+        limit = max_world_size(device)
+        if world_size > limit:
+            why = (f"{os.cpu_count()} CPU cores x {RANKS_PER_CORE} ranks per core" if device == "cpu"
+                   else f"{limit} visible GPUs")
+            raise ConfigError(f"world_size={world_size} is more than this machine can run on {device} "
+                              f"(at most {limit}: {why})")
+
+
+def check_ga(ga) -> None:
+    if not isinstance(ga, int) or isinstance(ga, bool) or not 1 <= ga <= MAX_GA:
+        raise ConfigError(f"gradient accumulation steps must be an integer in 1..{MAX_GA}, got {ga!r}")
+
+
+def check_zero_stage(stage) -> None:
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise ConfigError(f"unknown ZeRO stage {stage!r}; DeepSpeed has stages {ZERO_STAGES}")
+
+
+def check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def check_timeout(timeout_s) -> None:
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ConfigError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+
+
+def check_version(version) -> None:
+    if version == INSTALLED:
+        return
+    if not isinstance(version, str) or not VERSION_RE.match(version):
+        raise ConfigError(f"a version must be {INSTALLED!r} or a release number like '0.18.9', got {version!r}")

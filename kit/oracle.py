@@ -1,0 +1,176 @@
+"""The one judge of a gradient: a plain-PyTorch fp32 reference and the comparison against it.
+
+Three questions, in this order:
+
+1. **Reference.** What gradient should one step of this global batch apply?
+   ``reference_gradients`` runs the same initial weights in fp32, in one process,
+   over every micro-batch of every rank, and returns each micro-batch's own
+   gradient (the *basis*) and their sample-weighted mean (the *reference*: the
+   gradient of the mean loss over the whole global batch).
+2. **Comparison.** How far is an effective gradient from the reference?
+   ``compare`` gives the norm ratio, cosine, relative L2 error and max relative
+   error. A scaled gradient moves the ratio, a rotated one the cosine, a
+   truncated one both.
+3. **Attribution.** Which micro-batches reached the optimizer, with what weight?
+   ``attribute`` solves effective ~= sum_k w_k * basis_k by least squares. A
+   correct engine gives w_k = n_k / N for every (rank, micro-batch) k; "only the
+   last micro-batch survives" gives zeros and one big weight; "summed, not
+   averaged" gives GA times the right weights. ``misplaced_weight`` =
+   1/2 * sum_k |w_k - n_k/N| is the share of the gradient that went to the
+   wrong micro-batches (0 = correct).
+
+``verdict`` turns a measurement and its control into one of four words.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AFFECTED = "affected"
+NOT_AFFECTED = "not-affected"
+INCONCLUSIVE = "inconclusive"
+CANNOT_RUN = "cannot-run"
+VERDICTS = (AFFECTED, NOT_AFFECTED, INCONCLUSIVE, CANNOT_RUN)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far an effective gradient may sit from the fp32 reference and still count as correct."""
+
+    rel_l2: float  # ||eff - ref|| / ||ref||
+    norm_ratio: float  # |ratio - 1|
+    misplaced_weight: float  # share of the gradient attributed to the wrong micro-batches
+    why: str
+
+
+# Why these numbers (the kit's models are 2-3 layers of width <= 64, batches of <= 64 samples):
+# - fp32: unit roundoff 2**-24 ~ 6e-8. Engine and reference add the same terms in different
+#   orders (allreduce, flat buffers), which moves each sum by ~sqrt(terms) * 6e-8 ~ 1e-6.
+#   1e-4 leaves 100x headroom; the bugs under study move the gradient by >= 1e-2.
+# - bf16: 8 significant bits, unit roundoff 2**-9 ~ 2e-3. Weights, activations and the
+#   per-micro-batch gradients are each rounded once or twice, so the effective gradient sits
+#   ~0.5-1% from the fp32 reference (measured here: 0.3-0.9% on the fixed engine). 3e-2 is
+#   ~3x that; a leak or a missing 1/GA moves the gradient by >= 6e-2 for GA <= 8, W >= 2.
+TOLERANCES = {
+    "fp32": Tolerance(rel_l2=1e-4, norm_ratio=1e-4, misplaced_weight=1e-3,
+                      why="fp32 unit roundoff 6e-8; reduction order changes sums by ~1e-6; 100x headroom"),
+    "bf16": Tolerance(rel_l2=3e-2, norm_ratio=3e-2, misplaced_weight=2e-2,
+                      why="bf16 unit roundoff 2e-3; rounded weights/activations/grads give 0.3-1% error; 3x headroom"),
+}
+
+
+def tolerance(dtype: str) -> Tolerance:
+    if dtype not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(TOLERANCES)}")
+    return TOLERANCES[dtype]
+
+
+# ---------------------------------------------------------------- reference
+
+def reference_gradients(model, micro_batches, loss_fn):
+    """fp32, one process: per-micro-batch gradients and the global-batch gradient.
+
+    ``micro_batches`` is a list of ``(inputs, targets)``; ``loss_fn(output, targets)``
+    returns the *mean* loss of that micro-batch. Returns ``(basis, weights, reference)``:
+    basis[k] is the flat fp32 gradient of micro-batch k's mean loss, weights[k] = n_k / N,
+    reference = sum_k weights[k] * basis[k] (the gradient of the mean loss over all N samples).
+    """
+    import copy
+
+    import torch
+
+    ref_model = copy.deepcopy(model).float()
+    params = [p for p in ref_model.parameters() if p.requires_grad]
+    sizes = [len(x) for x, _ in micro_batches]
+    total = float(sum(sizes))
+    basis = []
+    for x, y in micro_batches:
+        ref_model.zero_grad(set_to_none=True)
+        loss = loss_fn(ref_model(x.float()), y.float())
+        grads = torch.autograd.grad(loss, params)
+        basis.append(torch.cat([g.reshape(-1) for g in grads]).double())
+    basis = torch.stack(basis)
+    weights = torch.tensor([n / total for n in sizes], dtype=torch.float64)
+    return basis, weights, weights @ basis
+
+
+# ---------------------------------------------------------------- comparison
+
+def compare(effective, reference) -> dict:
+    """Norm ratio, cosine, relative L2 error, max relative error (as plain floats).
+
+    max_rel_err is max_i |eff_i - ref_i| / max_i |ref_i|: an element-wise ratio
+    would divide by reference entries that are ~0 and report noise.
+    """
+    import torch
+
+    e = torch.as_tensor(effective, dtype=torch.float64).reshape(-1)
+    r = torch.as_tensor(reference, dtype=torch.float64).reshape(-1)
+    if e.shape != r.shape:
+        raise ValueError(f"effective has {e.numel()} elements, reference {r.numel()}")
+    rn, en = r.norm().item(), e.norm().item()
+    if rn == 0.0:
+        raise ValueError("the reference gradient is zero: nothing to compare against")
+    return {
+        "norm_ratio": en / rn,
+        "cosine": (e @ r).item() / (en * rn) if en > 0 else 0.0,
+        "rel_l2": (e - r).norm().item() / rn,
+        "max_rel_err": (e - r).abs().max().item() / r.abs().max().item(),
+        "effective_norm": en,
+        "reference_norm": rn,
+    }
+
+
+def attribute(vector, basis, expected_weights) -> dict:
+    """Least-squares weights w with vector ~= w @ basis, and how far they are from ``expected_weights``."""
+    import torch
+
+    v = torch.as_tensor(vector, dtype=torch.float64).reshape(-1)
+    b = torch.as_tensor(basis, dtype=torch.float64)
+    w_exp = torch.as_tensor(expected_weights, dtype=torch.float64)
+    w = torch.linalg.lstsq(b.T, v.unsqueeze(1)).solution.squeeze(1)
+    residual = (v - w @ b).norm().item() / max(v.norm().item(), 1e-300)
+    return {
+        "weights": [float(x) for x in w],
+        "expected_weights": [float(x) for x in w_exp],
+        "misplaced_weight": 0.5 * (w - w_exp).abs().sum().item(),
+        "weight_sum_ratio": w.sum().item() / w_exp.sum().item(),
+        "residual": residual,
+    }
+
+
+# ---------------------------------------------------------------- verdict
+
+def matches_reference(metrics: dict, dtype: str) -> bool:
+    """Is this effective gradient the reference, within the dtype's tolerance?"""
+    tol = tolerance(dtype)
+    return (metrics["rel_l2"] <= tol.rel_l2 and abs(metrics["norm_ratio"] - 1.0) <= tol.norm_ratio
+            and math.isfinite(metrics["cosine"]))
+
+
+def verdict(measured: dict | None, control: dict | None) -> tuple[str, str]:
+    """One word and one sentence for a measurement judged next to its control.
+
+    Each argument is ``None`` (did not run) or a dict with ``metrics`` (from ``compare``)
+    and ``dtype``; an optional ``error`` key means it ran and failed.
+    - the measurement could not run               -> cannot-run
+    - the control did not run, or is off          -> inconclusive (the harness itself is suspect)
+    - the measurement matches the reference       -> not-affected
+    - otherwise                                   -> affected
+    """
+    if measured is None or measured.get("error"):
+        why = (measured or {}).get("error", "the measured configuration did not run")
+        return CANNOT_RUN, f"could not run: {why}"
+    if control is None or control.get("error"):
+        why = (control or {}).get("error", "no control was run")
+        return INCONCLUSIVE, f"the control did not run ({why}), so a mismatch cannot be blamed on the engine"
+    if not matches_reference(control["metrics"], control["dtype"]):
+        m = control["metrics"]
+        return INCONCLUSIVE, (f"the control is off the reference itself (ratio {m['norm_ratio']:.4f}, "
+                              f"rel. error {m['rel_l2']:.2e}): the harness, not the engine, is suspect")
+    m, tol = measured["metrics"], tolerance(measured["dtype"])
+    if matches_reference(m, measured["dtype"]):
+        return NOT_AFFECTED, (f"effective gradient matches the fp32 reference: ratio {m['norm_ratio']:.4f}, "
+                              f"cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e} <= {tol.rel_l2:g} ({measured['dtype']})")
+    return AFFECTED, (f"effective gradient is off the fp32 reference: ratio {m['norm_ratio']:.4f}, "
+                      f"cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e} > {tol.rel_l2:g} ({measured['dtype']})")

@@ -1,0 +1,182 @@
+"""B4: does DeepSpeed's BF16_Optimizer leave the boundary micro-batch out of the cross-rank average?
+
+The configuration under test (seed ``003``): bf16 model, ``data_types.grad_accum_dtype: fp32``,
+ZeRO stage 1 -> DeepSpeed wraps the optimizer in ``BF16_Optimizer``, which keeps its own fp32
+gradient accumulator. The suspected mechanism: ``_backward_epilogue`` allreduces that
+accumulator *before* ``optimizer.backward_epilogue()`` adds the boundary micro-batch to it, so
+each rank steps with avg(earlier micro-batches) + its *own* last micro-batch.
+
+One world runs every case, for every GA, back to back:
+
+=================  =========================================================  ===========
+case               config                                                     role
+=================  =========================================================  ===========
+leak               bf16, grad_accum_dtype fp32, ZeRO-1 (BF16_Optimizer)       measured
+workaround         the same + ``bf16.immediate_grad_update: true``            fix check
+bf16_accum         bf16, grad_accum_dtype bf16, ZeRO-1 (no BF16_Optimizer)    comparison
+control            fp32, ZeRO-0 (no optimizer wrapper at all)                 control
+=================  =========================================================  ===========
+
+Per case and rank the probe records the fp32 accumulator norm after each micro-batch (the
+seed's view), each rank's accumulator just before ``step()``, and the effective gradient
+``step()`` applied (SGD, lr=1, read from the fp32 master weights). Rank 0 judges both
+against the oracle's fp32 reference of the same global batch.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+
+from kit import config as kconfig
+
+CASES = {
+    "leak": {"role": "measured", "dtype": "bf16", "zero_stage": 1, "grad_accum_dtype": "fp32",
+             "immediate_grad_update": False},
+    "workaround": {"role": "workaround", "dtype": "bf16", "zero_stage": 1, "grad_accum_dtype": "fp32",
+                   "immediate_grad_update": True},
+    "bf16_accum": {"role": "comparison", "dtype": "bf16", "zero_stage": 1, "grad_accum_dtype": "bf16",
+                   "immediate_grad_update": False},
+    "control": {"role": "control", "dtype": "fp32", "zero_stage": 0, "grad_accum_dtype": None,
+                "immediate_grad_update": False},
+}
+BUG = "B4"
+PROBE = "bf16_leak"
+
+
+def predicted_misplaced_weight(world_size: int, ga: int) -> float:
+    """The seed's formula: the boundary micro-batch (1/GA of the step) keeps only its own rank's share."""
+    return (world_size - 1) / world_size / ga
+
+
+# ====================================================================== inside a rank
+
+def ds_config(case: dict, world_size: int) -> dict:
+    ga, mb = case["ga"], case["micro_batch"]
+    cfg = {
+        "train_micro_batch_size_per_gpu": mb,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": mb * ga * world_size,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10 ** 9,
+        "zero_allow_untested_optimizer": True,  # torch.optim.SGD: the applied update is exactly the gradient
+        "zero_optimization": {"stage": case["zero_stage"]},
+    }
+    if case["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True, "immediate_grad_update": case["immediate_grad_update"]}
+        cfg["communication_data_type"] = "fp32"  # keep bf16 rounding out of the allreduce, as the seed did
+    if case.get("grad_accum_dtype"):
+        cfg["data_types"] = {"grad_accum_dtype": case["grad_accum_dtype"]}
+    return cfg
+
+
+def _bf16_accumulator(engine, module):
+    """This rank's fp32 accumulator of a BF16_Optimizer, flat in module parameter order (else None)."""
+    opt = engine.optimizer
+    if type(opt).__name__ != "BF16_Optimizer":
+        return None
+    import torch
+    by_param = {}
+    for group_params, group_grads in zip(opt.bf16_groups, opt.fp32_groups_gradients):
+        for p, g in zip(group_params, group_grads):
+            by_param[id(p)] = g
+    return torch.cat([by_param[id(p)].detach().float().reshape(-1).cpu() for p in module.parameters()]).double()
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+    import torch
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    r, w = c.rank(), c.world_size()
+    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
+    dtype = c.DTYPE[case["dtype"]]
+    model = c.tiny_mlp(hidden, seed).to(dtype)  # weights rounded to bf16 once; the reference starts from these
+    start = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
+    dev = c.device()
+    before = c.full_fp32_params(engine.module)
+    acc_norms = []
+    for i, (x, y) in enumerate(c.micro_batches(seed, r, ga, mb, hidden)):
+        engine.set_gradient_accumulation_boundary(is_boundary=(i == ga - 1))  # what accelerate does
+        engine.backward(c.mse(engine(x.to(dev, dtype)), y.to(dev)))
+        acc = _bf16_accumulator(engine, engine.module)
+        acc_norms.append(acc.norm().item() if acc is not None else float("nan"))
+    buffer = _bf16_accumulator(engine, engine.module)
+    engine.step()
+    effective = before - c.full_fp32_params(engine.module)  # lr = 1
+    out = {"optimizer": type(engine.optimizer).__name__,
+           "accumulator_norms": c.all_gather_floats(acc_norms)}  # [rank][micro-batch]
+    buffers = c.all_gather_flat(buffer) if buffer is not None else None
+    effective_per_rank = c.all_gather_flat(effective)
+    if r == 0:
+        batches = [b for rr in range(w) for b in c.micro_batches(seed, rr, ga, mb, hidden)]  # rank-major
+        basis, weights, reference = oracle.reference_gradients(start, batches, c.mse)
+        out["metrics"] = oracle.compare(effective, reference)
+        out["attribution"] = oracle.attribute(effective, basis, weights)
+        out["ranks_agree"] = max((e - effective).abs().max().item() for e in effective_per_rank) == 0.0
+        if buffers is not None:
+            out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                    "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del engine, model
+    gc.collect()
+    torch.manual_seed(0)
+    return out
+
+
+def run_rank(payload: dict) -> list[dict]:
+    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    from kit.probes import common as c
+
+    results = []
+    for case in payload["cases"]:
+        clock = c.Stopwatch()
+        try:
+            res = run_case(case)
+        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' results
+            import traceback
+            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
+        results.append(res)
+    return results
+
+
+# ====================================================================== in the caller
+
+def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, cases=tuple(CASES)) -> list[dict]:
+    for ga in ga_values:
+        kconfig.check_ga(ga)
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        raise kconfig.ConfigError(f"unknown B4 case(s) {sorted(unknown)}; known: {sorted(CASES)}")
+    if "control" not in cases:
+        raise kconfig.ConfigError("the 'control' case is required: without it no verdict can be trusted")
+    return [{"name": name, **CASES[name], "ga": ga, "micro_batch": micro_batch, "hidden": hidden, "seed": seed}
+            for ga in ga_values for name in cases]
+
+
+def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), micro_batch: int = 4, hidden: int = 32,
+        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, cases=tuple(CASES)) -> list[dict]:
+    """Run every case for every GA under every DeepSpeed version; one world per version.
+
+    Returns one record per (version, GA, case), each with its verdict (see ``kit.records``).
+    Everything is validated before the first launch.
+    """
+    from kit import launch, records, versions as kversions
+
+    kconfig.check_world_size(world_size, device)
+    kconfig.check_device(device)
+    kconfig.check_timeout(timeout_s)
+    for v in versions:
+        kconfig.check_version(v)
+    todo = plan(ga_values, micro_batch, hidden, seed, cases)
+    meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
+            "micro_batch": micro_batch, "hidden": hidden}
+    out = []
+    for v in versions:
+        out += records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta, world_size, device, timeout_s,
+                                         predicted=lambda case: predicted_misplaced_weight(world_size, case["ga"]))
+    return out

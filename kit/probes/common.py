@@ -1,0 +1,112 @@
+"""Pieces every probe shares, run inside a rank: the tiny model, the data, the engine, the measurements.
+
+Data is a deterministic function of (seed, rank, step), so any rank (and the
+oracle) can rebuild every other rank's micro-batches without communication.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def device() -> torch.device:
+    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def tiny_mlp(hidden: int, seed: int, depth: int = 2) -> nn.Sequential:
+    """``depth`` Linear layers of width ``hidden`` with GELU between; fp32, same weights on every rank."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers.append(nn.Linear(hidden, hidden))
+        if i < depth - 1:
+            layers.append(nn.GELU())
+    return nn.Sequential(*layers)
+
+
+def rank_samples(seed: int, rank_id: int, n: int, hidden: int, step: int = 0):
+    """``n`` (input, target) samples of one rank: targets from a fixed random teacher plus noise."""
+    teacher = torch.Generator().manual_seed(seed)
+    t = torch.randn(hidden, hidden, generator=teacher) / hidden ** 0.5
+    g = torch.Generator().manual_seed(seed * 100_003 + 7919 * rank_id + 104_729 * step + 1)
+    x = torch.randn(n, hidden, generator=g)
+    y = x @ t + 0.1 * torch.randn(n, hidden, generator=g)
+    return x, y
+
+
+def micro_batches(seed: int, rank_id: int, ga: int, micro_batch: int, hidden: int, step: int = 0):
+    """One rank's global-step data, split into ``ga`` micro-batches of ``micro_batch`` samples."""
+    x, y = rank_samples(seed, rank_id, ga * micro_batch, hidden, step)
+    return [(x[i * micro_batch:(i + 1) * micro_batch], y[i * micro_batch:(i + 1) * micro_batch]) for i in range(ga)]
+
+
+def mse(output, target):
+    """Mean squared error, computed in fp32 whatever the model's dtype."""
+    return ((output.float() - target.float()) ** 2).mean()
+
+
+def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:
+    """Plain SGD: the applied update is exactly lr * gradient (no momentum, no weight decay)."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
+
+
+def full_fp32_params(module: nn.Module) -> torch.Tensor:
+    """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
+
+    A collective under ZeRO: every rank must call it.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    parts = []
+    for p in module.parameters():
+        full = safe_get_full_fp32_param(p)
+        parts.append((full if full is not None else p.detach()).float().reshape(-1).cpu().clone())
+    return torch.cat(parts).double()
+
+
+def all_gather_flat(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's copy of an equally-sized tensor (gloo and nccl both do all_gather)."""
+    t = t.contiguous().to(device())
+    out = [torch.empty_like(t) for _ in range(world_size())]
+    dist.all_gather(out, t)
+    return [o.cpu() for o in out]
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return [o.tolist() for o in all_gather_flat(t)]
+
+
+def versions() -> dict:
+    import deepspeed
+    out = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    for name in ("transformers", "accelerate"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = "absent"
+    return out
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def __call__(self) -> float:
+        return round(time.perf_counter() - self.t0, 3)

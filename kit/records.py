@@ -1,0 +1,103 @@
+"""Probe results as JSON records, and the one routine that turns a world's output into verdicted records.
+
+A record is a flat dict: what ran (bug, probe, case, role, config, seed, world size, GA,
+dtype, requested and imported versions, device), what was measured (metrics, attribution,
+per-rank accumulator norms), and the verdict with its one-sentence reason. Records never
+hold tensors; they are written as JSON lines and read back by notebooks and the summary.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+from kit import config as kconfig
+from kit import oracle
+
+RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", "world_size", "seed", "ga",
+               "dtype", "config", "metrics", "verdict", "reason")
+
+
+def _base(meta: dict, case: dict, version: str) -> dict:
+    return {**meta, "case": case["name"], "role": case["role"], "ga": case["ga"], "dtype": case["dtype"],
+            "zero_stage": case.get("zero_stage"), "config": case, "version": version,
+            "host": platform.node(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def failed_records(cases: list[dict], meta: dict, version: str, reason: str, versions: dict | None = None) -> list[dict]:
+    """Every case of a world that could not run: verdict ``cannot-run``, never ``not-affected``."""
+    return [{**_base(meta, case, version), "versions": versions or {}, "metrics": None, "error": reason,
+             "verdict": oracle.CANNOT_RUN, "reason": f"could not run: {reason}"} for case in cases]
+
+
+def run_version_world(target: str, cases: list[dict], version: str, meta: dict, world_size: int, device: str,
+                      timeout_s: float, predicted=None, package: str = "deepspeed") -> list[dict]:
+    """Resolve ``package==version``, run all ``cases`` in one world, return one verdicted record per case.
+
+    Each case is judged against the case with role ``control`` and the same GA from the same world.
+    """
+    from kit import launch, versions as kversions
+
+    try:
+        stack = kversions.resolve_stack({package: version})
+    except kversions.CannotRun as e:
+        return failed_records(cases, meta, version, e.reason)
+    world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=stack.pythonpath,
+                         extensions_key=stack.extensions_key)
+    try:
+        per_rank = launch.run_world(target, {"cases": cases}, world)
+    except launch.LaunchError as e:
+        return failed_records(cases, meta, version, str(e).splitlines()[0][:300] + " (see the rank's traceback)",
+                              stack.versions)
+    rank0 = per_rank[0]
+    out = []
+    for i, case in enumerate(cases):
+        res = dict(rank0[i])
+        rec = {**_base(meta, case, version), **{k: v for k, v in res.items() if k not in ("case", "ga")}}
+        rec.setdefault("metrics", None)
+        if predicted is not None:
+            rec["predicted_misplaced_weight"] = predicted(case)
+        out.append(rec)
+    controls = {r["ga"]: r for r in out if r["role"] == "control"}
+    for rec in out:
+        control = controls.get(rec["ga"])
+        rec["verdict"], rec["reason"] = oracle.verdict(_judged(rec), _judged(control) if control else None)
+    return out
+
+
+def _judged(rec: dict) -> dict:
+    return {"metrics": rec.get("metrics"), "dtype": rec["dtype"], "error": rec.get("error")}
+
+
+def save(recs: list[dict], path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+    return path
+
+
+def load(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def select(recs: list[dict], **where) -> list[dict]:
+    return [r for r in recs if all(r.get(k) == v for k, v in where.items())]
+
+
+def one(recs: list[dict], **where) -> dict:
+    found = select(recs, **where)
+    if len(found) != 1:
+        raise LookupError(f"expected one record with {where}, found {len(found)}")
+    return found[0]
+
+
+def check(rec: dict) -> None:
+    """A record has every key a reader relies on, and a known verdict."""
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    if missing:
+        raise ValueError(f"record lacks {missing}")
+    if rec["verdict"] not in oracle.VERDICTS:
+        raise ValueError(f"unknown verdict {rec['verdict']!r}")

@@ -1,0 +1,126 @@
+"""Other DeepSpeed / transformers / accelerate versions, side by side, without touching the base environment.
+
+A version is an *overlay*: ``pip install --no-deps --target <cache>/overlays/<pkg>-<ver>``
+put first on the ``PYTHONPATH`` of a launched world. The base environment's
+torch is reused (DeepSpeed is built against it with ``--no-build-isolation``
+and ``DS_BUILD_OPS=0``, so only pure-Python code lands in the overlay; ops are
+JIT-built at run time into a per-version extensions cache).
+
+Outcomes, and what they mean for a verdict:
+- the release does not exist on the index -> ``UnknownVersion`` (bad input, raised before any launch);
+- it exists but does not install or build here -> ``CannotRun`` (verdict ``cannot-run``, never ``not-affected``).
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kit import config as kconfig
+
+PACKAGES = ("deepspeed", "transformers", "accelerate")
+INSTALL_TIMEOUT_S = 900
+_NOT_ON_INDEX = ("No matching distribution found", "Could not find a version that satisfies")
+
+
+class UnknownVersion(kconfig.ConfigError):
+    """The package index has no such release."""
+
+
+class CannotRun(RuntimeError):
+    """This version cannot be run here, for a reason unrelated to the bug under test."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def installed_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def overlay_root() -> Path:
+    d = kconfig.cache_dir() / "overlays"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def ensure_overlay(package: str, version: str) -> Path:
+    """Install ``package==version`` into its overlay folder once; return the folder."""
+    if package not in PACKAGES:
+        raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
+    kconfig.check_version(version)
+    target = overlay_root() / f"{package}-{version}"
+    if (target / ".complete").exists():
+        return target
+    with open(overlay_root() / f".{package}-{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two notebooks asking for the same version build it once
+        if (target / ".complete").exists():
+            return target
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+               "--no-compile", "--target", str(tmp), f"{package}=={version}"]
+        env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CannotRun(f"installing {package}=={version} took more than {INSTALL_TIMEOUT_S} s")
+        if out.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            text = (out.stdout + out.stderr)[-2000:]
+            if any(s in text for s in _NOT_ON_INDEX):
+                raise UnknownVersion(f"{package}=={version} is not a release on the package index")
+            raise CannotRun(f"{package}=={version} did not install here: {text.strip()[-800:]}")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        (target / ".complete").write_text(version)
+    return target
+
+
+@dataclass
+class Stack:
+    """The package versions one world runs with, and how to put them on its path."""
+
+    versions: dict[str, str]  # package -> version actually imported in the world
+    pythonpath: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{p}={v}" for p, v in self.versions.items())
+
+    @property
+    def extensions_key(self) -> str:
+        return f"deepspeed-{self.versions.get('deepspeed', 'absent')}"
+
+
+def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
+    """Turn ``{"deepspeed": "0.18.9"}`` (others: installed) into a ready ``Stack``.
+
+    Raises ``UnknownVersion`` / ``ConfigError`` for bad input and ``CannotRun``
+    when an existing release does not install here.
+    """
+    wanted = dict(wanted or {})
+    for package, version in wanted.items():
+        if package not in PACKAGES:
+            raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
+        kconfig.check_version(version)
+    versions, path = {}, []
+    for package in PACKAGES:
+        version = wanted.get(package, kconfig.INSTALLED)
+        base = installed_version(package)
+        if version in (kconfig.INSTALLED, base):
+            versions[package] = base
+        else:
+            path.append(str(ensure_overlay(package, version)))
+            versions[package] = version
+    return Stack(versions=versions, pythonpath=path)

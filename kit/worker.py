@@ -1,0 +1,61 @@
+"""The process every rank runs: ``python -m kit.worker <job dir>`` (started by ``kit.launch``).
+
+Reads ``spec.json``, joins the process group, calls the target function with
+the payload, and writes ``rank<R>.json`` (the result) or ``rank<R>.error.json``
+(the exception and its traceback). Exit code 0 only when the result was written.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+
+def init_process_group(device: str, how: str, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=max(1.0, timeout_s))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        import torch
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if how == "deepspeed":
+        import deepspeed
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+    else:
+        import torch.distributed as dist
+        dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(job: Path) -> int:
+    rank = int(os.environ["RANK"])
+    spec = json.loads((job / "spec.json").read_text())
+    try:
+        fn = resolve(spec["target"])
+        init_process_group(spec["device"], spec["init"], spec["timeout_s"])
+        result = fn(spec["payload"])
+        text = json.dumps({"rank": rank, "result": result})
+    except BaseException as e:  # noqa: BLE001 - everything a rank does wrong must reach the caller
+        (job / f"rank{rank}.error.json").write_text(json.dumps({
+            "rank": rank, "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))
+        traceback.print_exc()
+        return 1
+    (job / f"rank{rank}.json").write_text(text)
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - tear-down problems do not change the result already written
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
