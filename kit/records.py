@@ -61,6 +61,10 @@ def run_version_world(target: str, cases: list[dict], version: str, meta: dict, 
         out.append(rec)
     controls = {r["ga"]: r for r in out if r["role"] == "control"}
     for rec in out:
+        if rec["role"] == "symptom":  # a trajectory is evidence for the eye, not a gradient to judge
+            rec["verdict"], rec["reason"] = (oracle.CANNOT_RUN, f"could not run: {rec['error']}") if rec.get("error") \
+                else ("n/a", "trajectory of losses and grad norms; judged by the gradient cases")
+            continue
         control = controls.get(rec["ga"])
         rec["verdict"], rec["reason"] = oracle.verdict(_judged(rec), _judged(control) if control else None)
     return out
@@ -99,5 +103,5 @@ def check(rec: dict) -> None:
     missing = [k for k in RECORD_KEYS if k not in rec]
     if missing:
         raise ValueError(f"record lacks {missing}")
-    if rec["verdict"] not in oracle.VERDICTS:
+    if rec["verdict"] not in oracle.VERDICTS + ("n/a",):
         raise ValueError(f"unknown verdict {rec['verdict']!r}")

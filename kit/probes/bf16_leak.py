@@ -127,6 +127,37 @@ def run_case(case: dict) -> dict:
     return out
 
 
+def run_trajectory(case: dict) -> dict:
+    """The user's view: ``steps`` SGD steps of this split (micro_batch x GA), the loss and grad norm per step."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from kit.probes import common as c
+
+    r, w = c.rank(), c.world_size()
+    ga, mb, hidden, seed, lr = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["lr"]
+    dtype = c.DTYPE[case["dtype"]]
+    model = c.tiny_mlp(hidden, seed).to(dtype)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model, lr), config=ds_config(case, w))
+    dev, losses, grad_norms = c.device(), [], []
+    for step in range(case["steps"]):
+        before = c.full_fp32_params(engine.module)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for i, (x, y) in enumerate(c.micro_batches(seed, r, ga, mb, hidden, step=step + 1)):
+            engine.set_gradient_accumulation_boundary(is_boundary=(i == ga - 1))
+            loss = c.mse(engine(x.to(dev, dtype)), y.to(dev))
+            engine.backward(loss)
+            total += loss.detach().double() / ga
+        engine.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / w)
+        grad_norms.append(((before - c.full_fp32_params(engine.module)) / lr).norm().item())
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return {"optimizer": type(engine.optimizer).__name__, "losses": losses, "grad_norms": grad_norms}
+
+
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
     from kit.probes import common as c
@@ -135,7 +166,7 @@ def run_rank(payload: dict) -> list[dict]:
     for case in payload["cases"]:
         clock = c.Stopwatch()
         try:
-            res = run_case(case)
+            res = run_trajectory(case) if case.get("steps") else run_case(case)
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' results
             import traceback
             res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
@@ -158,8 +189,46 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, cases
             for ga in ga_values for name in cases]
 
 
+def plan_symptom(splits, steps: int, lr: float, hidden: int = 32, seed: int = 0, cases=("leak", "workaround")):
+    """Trajectory cases: the same global batch split as (micro_batch, GA) in different ways."""
+    out = []
+    for mb, ga in splits:
+        kconfig.check_ga(ga)
+        if not isinstance(mb, int) or mb < 1:
+            raise kconfig.ConfigError(f"micro-batch size must be an integer >= 1, got {mb!r}")
+        for name in cases:
+            out.append({"name": name, **CASES[name], "role": "symptom", "ga": ga, "micro_batch": mb,
+                        "hidden": hidden, "seed": seed, "steps": steps, "lr": lr})
+    if len({mb * ga for mb, ga in splits}) != 1:
+        raise kconfig.ConfigError(f"the splits {splits} do not share one global batch per rank (micro_batch x GA)")
+    return out
+
+
+def validate(world_size: int, ga_values, versions, device: str, timeout_s: float, grid_world_sizes=(),
+             splits=(), micro_batch: int = 4, hidden: int = 32) -> None:
+    """Every knob of the B4 notebook, checked before the first launch (``ConfigError`` says which)."""
+    kconfig.check_device(device)
+    for w in (world_size, *grid_world_sizes):
+        kconfig.check_world_size(w, device)
+    if not ga_values:
+        raise kconfig.ConfigError("GA_VALUES is empty: give at least one gradient-accumulation value")
+    for ga in ga_values:
+        kconfig.check_ga(ga)
+    if not versions:
+        raise kconfig.ConfigError("VERSIONS is empty: give at least one DeepSpeed version (or 'installed')")
+    for v in versions:
+        kconfig.check_version(v)
+    kconfig.check_timeout(timeout_s)
+    for name, value in (("micro_batch", micro_batch), ("hidden", hidden)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise kconfig.ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if splits:
+        plan_symptom(splits, steps=1, lr=0.1)
+
+
 def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), micro_batch: int = 4, hidden: int = 32,
-        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, cases=tuple(CASES)) -> list[dict]:
+        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, cases=tuple(CASES),
+        symptom: list[dict] | None = None) -> list[dict]:
     """Run every case for every GA under every DeepSpeed version; one world per version.
 
     Returns one record per (version, GA, case), each with its verdict (see ``kit.records``).
@@ -172,7 +241,7 @@ def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), mi
     kconfig.check_timeout(timeout_s)
     for v in versions:
         kconfig.check_version(v)
-    todo = plan(ga_values, micro_batch, hidden, seed, cases)
+    todo = plan(ga_values, micro_batch, hidden, seed, cases) + (symptom or [])
     meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
             "micro_batch": micro_batch, "hidden": hidden}
     out = []

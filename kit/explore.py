@@ -1,0 +1,25 @@
+"""Interactive views over records, for JupyterLab (``INTERACTIVE = True``); papermill never calls them."""
+from __future__ import annotations
+
+
+def accumulator_explorer(recs: list[dict]):
+    """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from kit import plots, records
+
+    grad = [r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"]
+    if not grad:
+        raise ValueError("no record with accumulator norms to explore")
+
+    def draw(version, case, ga):
+        found = records.select(grad, version=version, case=case, ga=ga)
+        if found:
+            plots.accumulator_norms(found[:1])
+            plt.show()
+        else:
+            print(f"no record for {version} / {case} / GA={ga}")
+
+    return widgets.interact(draw, version=sorted({r["version"] for r in grad}),
+                            case=sorted({r["case"] for r in grad}), ga=sorted({r["ga"] for r in grad}))

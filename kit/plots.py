@@ -1,0 +1,112 @@
+"""The figures the notebooks draw, each from records alone (no tensors, no re-runs).
+
+Every function returns the matplotlib Figure so a notebook shows it and a script can save it.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+VERDICT_COLOURS = {"affected": "#d62728", "not-affected": "#2ca02c", "inconclusive": "#ff7f0e",
+                   "cannot-run": "#7f7f7f", "n/a": "#cccccc"}
+
+
+def accumulator_norms(recs: list[dict], title: str = ""):
+    """Per-rank fp32 accumulator norm after each micro-batch, one panel per record (the seed's view).
+
+    Ranks agree on the accumulator after the boundary micro-batch only when it was reduced
+    together with the others; a rank-private boundary gradient shows as lines that split at the end.
+    """
+    fig, axes = plt.subplots(1, len(recs), figsize=(4.2 * len(recs), 3.2), squeeze=False)
+    for ax, rec in zip(axes[0], recs):
+        norms = rec.get("accumulator_norms") or []
+        for r, row in enumerate(norms):
+            ax.plot(range(len(row)), row, marker="o", label=f"rank {r}")
+        ga = rec["ga"]
+        ax.axvline(ga - 1, color="grey", ls=":", lw=1)
+        ax.set_xticks(range(ga))
+        ax.set_xlabel("micro-batch (last = boundary)")
+        ax.set_ylabel("fp32 accumulator norm")
+        ax.set_title(f"{rec['case']}  deepspeed {rec['versions'].get('deepspeed', rec['version'])}\nGA={ga}, "
+                     f"W={rec['world_size']}: {rec['verdict']}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def misplaced_vs_predicted(recs: list[dict], title: str = ""):
+    """Measured misplaced weight of each rank's accumulator against the predicted (W-1)/W * 1/GA."""
+    fig, ax = plt.subplots(figsize=(5, 4.2))
+    top = 0.0
+    for w in sorted({r["world_size"] for r in recs}):
+        pts = [(r["predicted_misplaced_weight"], b["attribution"]["misplaced_weight"], r["ga"])
+               for r in recs if r["world_size"] == w for b in r.get("rank_buffers") or []]
+        if not pts:
+            continue
+        xs, ys, gas = zip(*pts)
+        ax.scatter(xs, ys, label=f"W={w} (every rank)", s=30)
+        for x, y, ga in sorted(set(pts)):
+            ax.annotate(f"GA={ga}", (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
+        top = max(top, *xs, *ys)
+    ax.plot([0, top * 1.05], [0, top * 1.05], color="grey", ls="--", lw=1, label="measured = predicted")
+    ax.set_xlabel("predicted misplaced weight (W-1)/W * 1/GA")
+    ax.set_ylabel("measured misplaced weight")
+    ax.set_title(title or "share of the gradient that reached the wrong micro-batches", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def ratio_by_version(recs: list[dict], cases=("leak", "workaround", "control"), title: str = ""):
+    """Effective/reference norm ratio and relative error per version and case, bars coloured by verdict."""
+    versions = list(dict.fromkeys(r["version"] for r in recs))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / max(1, len(cases))
+    for j, case in enumerate(cases):
+        for i, v in enumerate(versions):
+            sel = [r for r in recs if r["version"] == v and r["case"] == case and r["role"] != "symptom"]
+            for rec in sel[-1:]:  # the largest GA is last in a plan
+                m = rec.get("metrics") or {}
+                x = i + (j - (len(cases) - 1) / 2) * width
+                colour = VERDICT_COLOURS.get(rec["verdict"], "black")
+                axes[0].bar(x, m.get("norm_ratio", 0.0), width, color=colour, edgecolor="black", lw=0.5)
+                axes[1].bar(x, m.get("rel_l2", 0.0), width, color=colour, edgecolor="black", lw=0.5)
+                for ax in axes:
+                    ax.annotate(case, (x, 0), rotation=90, fontsize=7, ha="center", va="bottom",
+                                xytext=(0, 2), textcoords="offset points")
+    labels = [f"{v}\n(ds {next(r['versions'].get('deepspeed', '?') for r in recs if r['version'] == v)})" for v in versions]
+    for ax, name in zip(axes, ("effective / reference norm", "relative L2 error")):
+        ax.set_xticks(range(len(versions)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel(name)
+    axes[0].axhline(1.0, color="grey", ls="--", lw=1)
+    axes[1].set_yscale("symlog", linthresh=1e-4)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in VERDICT_COLOURS.values()]
+    axes[1].legend(handles, VERDICT_COLOURS.keys(), fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def trajectories(recs: list[dict], title: str = ""):
+    """Loss and grad norm per step for each split (micro_batch x GA) of the same global batch."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for rec in recs:
+        if not rec.get("losses"):
+            continue
+        label = f"{rec['case']}: {rec['config']['micro_batch']} x GA {rec['ga']} (ds {rec['versions'].get('deepspeed')})"
+        style = "-" if rec["case"] == "leak" else ":"
+        axes[0].plot(range(1, len(rec["losses"]) + 1), rec["losses"], style, marker=".", label=label)
+        axes[1].plot(range(1, len(rec["grad_norms"]) + 1), rec["grad_norms"], style, marker=".", label=label)
+    axes[0].set_ylabel("training loss")
+    axes[1].set_ylabel("applied gradient norm")
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path) -> None:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
