@@ -69,8 +69,8 @@ class World:
     extensions_key: str = "installed"  # names the torch-extensions cache (one per DeepSpeed version)
 
     def validate(self) -> None:
-        kconfig.check_world_size(self.world_size, self.device)
         kconfig.check_device(self.device)
+        kconfig.check_world_size(self.world_size, self.device)
         kconfig.check_timeout(self.timeout_s)
         if self.init not in ("deepspeed", "torch"):
             raise kconfig.ConfigError(f"init must be 'deepspeed' or 'torch', got {self.init!r}")
@@ -189,13 +189,14 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
 
 def _failure(bad: list[int], codes: list, job: Path, logs: list[Path]) -> RankFailed:
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
-    # Prefer a rank that wrote a Python traceback over one that was merely torn down by the others.
-    for r in bad:
-        err = job / f"rank{r}.error.json"
-        if err.exists():
-            e = json.loads(err.read_text())
-            return RankFailed(f"rank {r} raised {e['type']}: {e['message']}\n--- traceback of rank {r} ---\n"
-                              f"{e['traceback']}", rank=r, traceback=e["traceback"], logs=tails)
-    r = bad[0]
+    # When one rank raises, its peers fail a moment later in their collectives ("remote worker crashed"):
+    # report the rank whose exception came first, with its traceback.
+    errors = [json.loads(p.read_text()) for p in job.glob("rank*.error.json")]
+    if errors:
+        e = min(errors, key=lambda x: x["time"])
+        r = e["rank"]
+        return RankFailed(f"rank {r} raised {e['type']}: {e['message']}\n--- traceback of rank {r} ---\n"
+                          f"{e['traceback']}", rank=r, traceback=e["traceback"], logs=tails)
+    r = bad[0]  # died without a Python traceback (killed, segfault, os._exit)
     return RankFailed(f"rank {r} exited with code {codes[r]} without a Python traceback; last output:\n"
                       f"{tails[r][-1500:]}", rank=r, logs=tails)

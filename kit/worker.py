@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def main(job: Path) -> int:
         text = json.dumps({"rank": rank, "result": result})
     except BaseException as e:  # noqa: BLE001 - everything a rank does wrong must reach the caller
         (job / f"rank{rank}.error.json").write_text(json.dumps({
-            "rank": rank, "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))
+            "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))
         traceback.print_exc()
         return 1
     (job / f"rank{rank}.json").write_text(text)

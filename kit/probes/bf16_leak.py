@@ -236,8 +236,8 @@ def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), mi
     """
     from kit import launch, records, versions as kversions
 
-    kconfig.check_world_size(world_size, device)
     kconfig.check_device(device)
+    kconfig.check_world_size(world_size, device)
     kconfig.check_timeout(timeout_s)
     for v in versions:
         kconfig.check_version(v)

@@ -1,0 +1,46 @@
+"""Tiny rank functions that check the launcher itself: one that answers, one that raises, one that hangs.
+
+    python -m kit.selftest          # a 2-rank world answers: the set-up works
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+def ping(payload: dict) -> dict:
+    """Every rank reports who it is and the sum of all ranks (a real collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "rank_sum": t.item(),
+            "echo": payload.get("echo"), "pid": os.getpid()}
+
+
+def fail_on_rank(payload: dict) -> dict:
+    """Rank ``payload['rank']`` raises; the others wait in a collective that will never complete."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == payload["rank"]:
+        raise ValueError(f"deliberate failure on rank {payload['rank']}: {payload.get('message', '')}")
+    dist.barrier()
+    return {"rank": dist.get_rank()}
+
+
+def hang_on_rank(payload: dict) -> dict:
+    """Rank ``payload['rank']`` sleeps far past any sensible timeout."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == payload["rank"]:
+        time.sleep(payload.get("seconds", 3600))
+    return {"rank": dist.get_rank()}
+
+
+if __name__ == "__main__":
+    from kit import launch
+
+    t0 = time.time()
+    out = launch.run_world("kit.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
+    print(f"2-rank DeepSpeed world answered in {time.time() - t0:.1f} s: {out}")

@@ -1,0 +1,72 @@
+"""Bad input gets one clear error before anything is launched."""
+import os
+import time
+
+import pytest
+
+from kit import config, launch, runall
+from kit.probes import bf16_leak
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"world_size": 0}, "world_size"),
+    ({"world_size": 10_000}, "more than this machine can run"),
+    ({"ga_values": (0,)}, "gradient accumulation"),
+    ({"ga_values": ()}, "GA_VALUES is empty"),
+    ({"versions": ("not-a-version",)}, "release number"),
+    ({"versions": ()}, "VERSIONS is empty"),
+    ({"device": "tpu"}, "device must be"),
+    ({"timeout_s": -1}, "timeout"),
+])
+def test_bad_b4_parameters_fail_fast(kwargs, words):
+    args = dict(world_size=2, ga_values=(1, 2), versions=("installed",), device="cpu", timeout_s=60)
+    args.update(kwargs)
+    t0 = time.time()
+    with pytest.raises(config.ConfigError, match=words):
+        bf16_leak.validate(**args)
+    assert time.time() - t0 < 5
+
+
+def test_run_validates_before_launching():
+    with pytest.raises(config.ConfigError, match="world_size"):
+        bf16_leak.run(world_size=os.cpu_count() * 100, ga_values=(1,))
+    with pytest.raises(config.ConfigError, match="control"):
+        bf16_leak.plan((1,), cases=("leak",))
+    with pytest.raises(config.ConfigError, match="unknown B4 case"):
+        bf16_leak.plan((1,), cases=("leak", "control", "nope"))
+
+
+def test_unknown_zero_stage_and_dtype():
+    with pytest.raises(config.ConfigError, match="unknown ZeRO stage 4"):
+        config.check_zero_stage(4)
+    with pytest.raises(config.ConfigError, match="dtype"):
+        config.check_dtype("fp8")
+
+
+def test_cuda_without_gpu_is_refused():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(config.ConfigError, match="no CUDA device"):
+        launch.World(world_size=1, device="cuda").validate()
+
+
+def test_symptom_splits_must_share_one_global_batch():
+    with pytest.raises(config.ConfigError, match="global batch"):
+        bf16_leak.plan_symptom([[4, 2], [2, 2]], steps=2, lr=0.1)
+
+
+def test_unknown_papermill_parameter_is_refused(repo):
+    nb = repo / "notebooks" / "04_bf16_leak.ipynb"
+    runall.validate_parameters(nb, {"WORLD_SIZE": 2, "GA_VALUES": [1]})
+    with pytest.raises(config.ConfigError, match="WORLD_SIZ"):
+        runall.validate_parameters(nb, {"WORLD_SIZ": 2})
+
+
+def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("notebooks:\n  04_bf16_leak:\n    GA_VALUE: [1]\n")
+    t0 = time.time()
+    with pytest.raises(config.ConfigError, match="GA_VALUE"):
+        runall.main([str(repo / "notebooks" / "04_bf16_leak.ipynb"), "--params", str(bad), "--out", str(tmp_path)])
+    assert time.time() - t0 < 20 and not (tmp_path / "04_bf16_leak.ipynb").exists()

@@ -1,0 +1,49 @@
+"""The launcher on real 2-rank gloo worlds: results come back, a raising rank is named, a hung rank is killed."""
+import time
+
+import pytest
+
+from kit import launch, versions
+
+pytestmark = pytest.mark.world
+
+
+def test_every_rank_answers_through_a_real_collective():
+    out = launch.run_world("kit.selftest:ping", {"echo": 7}, world_size=2, init="torch", timeout_s=60)
+    assert [r["rank"] for r in out] == [0, 1]
+    assert all(r["rank_sum"] == 1.0 and r["world_size"] == 2 and r["echo"] == 7 for r in out)
+    assert out[0]["pid"] != out[1]["pid"]
+
+
+def test_deepspeed_world_answers():
+    out = launch.run_world("kit.selftest:ping", {}, world_size=2, init="deepspeed", timeout_s=300)
+    assert [r["rank_sum"] for r in out] == [1.0, 1.0]
+
+
+def test_a_raising_rank_surfaces_its_traceback():
+    t0 = time.time()
+    with pytest.raises(launch.RankFailed) as e:
+        launch.run_world("kit.selftest:fail_on_rank", {"rank": 1, "message": "needle-42"}, world_size=2,
+                         init="torch", timeout_s=60)
+    assert e.value.rank == 1
+    assert "needle-42" in str(e.value) and "Traceback" in e.value.traceback and "fail_on_rank" in e.value.traceback
+    assert time.time() - t0 < 40  # the other rank, stuck in a barrier, is killed after a short grace
+
+
+def test_a_hung_rank_is_killed_within_its_timeout():
+    t0 = time.time()
+    with pytest.raises(launch.RankTimeout) as e:
+        launch.run_world("kit.selftest:hang_on_rank", {"rank": 0}, world_size=2, init="torch", timeout_s=8)
+    elapsed = time.time() - t0
+    assert 8 <= elapsed < 30, elapsed
+    assert e.value.rank == 0 and "timeout of 8 s" in str(e.value)
+
+
+def test_a_missing_target_is_a_failure_not_a_hang():
+    with pytest.raises(launch.RankFailed, match="no_such_function"):
+        launch.run_world("kit.selftest:no_such_function", {}, world_size=2, init="torch", timeout_s=60)
+
+
+def test_an_unknown_release_is_refused_before_launch():
+    with pytest.raises(versions.UnknownVersion, match="0.0.999"):
+        versions.resolve_stack({"deepspeed": "0.0.999"})
