@@ -66,7 +66,7 @@ class World:
     pythonpath: list[str] = field(default_factory=list)  # overlays, searched first
     env: dict[str, str] = field(default_factory=dict)
     init: str = "deepspeed"  # "deepspeed" | "torch": how the worker initialises the process group
-    extensions_key: str = "installed"  # names the torch-extensions cache (one per DeepSpeed version)
+    extensions_key: str | None = None  # names the torch-extensions cache; default: the installed DeepSpeed
 
     def validate(self) -> None:
         kconfig.check_device(self.device)
@@ -74,6 +74,11 @@ class World:
         kconfig.check_timeout(self.timeout_s)
         if self.init not in ("deepspeed", "torch"):
             raise kconfig.ConfigError(f"init must be 'deepspeed' or 'torch', got {self.init!r}")
+
+
+def _installed_key() -> str:
+    from kit import versions
+    return versions.Stack({"deepspeed": versions.installed_version("deepspeed")}).extensions_key
 
 
 def free_port() -> int:
@@ -95,7 +100,7 @@ def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world.world_size),
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
-        "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / world.extensions_key),
+        "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / (world.extensions_key or _installed_key())),
     })
     if world.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

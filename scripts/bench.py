@@ -1,0 +1,79 @@
+"""Benchmark the kit's launch path and probes (numbers for the notes, never a timed test).
+
+    .venv/bin/python scripts/bench.py [--skip-runall] [--json runs/bench.json]
+
+Measures, side by side in one run, on this machine:
+- cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
+- warm launch: the same world again (op loaded from the cache);
+- the B4 probe: all 4 cases x GA in {1, 2, 4, 8} in one warm world;
+- configs per minute: N configs in one world against one launch per config;
+- run-all: the notebooks with scripts/params/quick.yaml.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-runall", action="store_true")
+    ap.add_argument("--json", default=str(REPO / "runs" / "bench.json"))
+    a = ap.parse_args()
+
+    from kit import launch
+    from kit.probes import bf16_leak
+
+    res = {"cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="gradkit-bench-") as cold_cache:
+        saved = os.environ.get("GRADKIT_CACHE")
+        os.environ["GRADKIT_CACHE"] = cold_cache
+        res["cold_launch_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600))
+        res["warm_launch_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600))
+        if saved is None:
+            os.environ.pop("GRADKIT_CACHE")
+        else:
+            os.environ["GRADKIT_CACHE"] = saved
+    launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
+    res["b4_probe_s"], recs = timed(lambda: bf16_leak.run(world_size=2, ga_values=(1, 2, 4, 8), timeout_s=600))
+    res["b4_probe_configs"] = len(recs)
+
+    cases = bf16_leak.plan((1, 2), cases=tuple(bf16_leak.CASES))
+    world = launch.World(world_size=2, timeout_s=600)
+    t_one, _ = timed(lambda: launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": cases}, world))
+    t_each, _ = timed(lambda: [launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": [c]}, world) for c in cases])
+    res["configs"] = len(cases)
+    res["one_world_s"], res["one_launch_per_config_s"] = t_one, t_each
+    res["configs_per_min_one_world"] = 60 * len(cases) / t_one
+    res["configs_per_min_one_launch_per_config"] = 60 * len(cases) / t_each
+
+    if not a.skip_runall:
+        from kit import runall
+        with tempfile.TemporaryDirectory(prefix="gradkit-bench-runall-") as out:
+            res["runall_quick_s"], code = timed(lambda: runall.main(
+                ["--params", str(REPO / "scripts" / "params" / "quick.yaml"), "--out", out]))
+            res["runall_ok"] = code == 0
+
+    print("\n".join(f"{k:40s} {v:.2f}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in res.items()))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    print(f"written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
