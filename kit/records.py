@@ -12,7 +12,6 @@ import json
 import platform
 from pathlib import Path
 
-from kit import config as kconfig
 from kit import oracle
 
 RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", "world_size", "seed", "ga",

@@ -234,7 +234,7 @@ def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), mi
     Returns one record per (version, GA, case), each with its verdict (see ``kit.records``).
     Everything is validated before the first launch.
     """
-    from kit import launch, records, versions as kversions
+    from kit import records
 
     kconfig.check_device(device)
     kconfig.check_world_size(world_size, device)
