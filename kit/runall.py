@@ -29,9 +29,9 @@ def notebook_parameters(path) -> dict:
     return {k: v for k, v in papermill.inspect_notebook(str(path)).items()}
 
 
-def validate_parameters(path, params: dict) -> None:
+def validate_parameters(path, params: dict, known: dict | None = None) -> None:
     """Raise ``ConfigError`` naming every parameter the notebook does not have."""
-    known = notebook_parameters(path)
+    known = notebook_parameters(path) if known is None else known
     if not known:
         raise kconfig.ConfigError(f"{path} has no cell tagged 'parameters'")
     unknown = sorted(set(params) - set(known))
@@ -58,7 +58,7 @@ def params_for(path: Path, spec: dict, out: Path) -> dict:
     params.update(spec["notebooks"].get(path.stem, {}))  # named ones must fit
     if "RESULTS_DIR" in known:
         params["RESULTS_DIR"] = str(out)
-    validate_parameters(path, params)
+    validate_parameters(path, params, known)
     return params
 
 

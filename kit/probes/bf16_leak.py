@@ -236,11 +236,7 @@ def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), mi
     """
     from kit import records
 
-    kconfig.check_device(device)
-    kconfig.check_world_size(world_size, device)
-    kconfig.check_timeout(timeout_s)
-    for v in versions:
-        kconfig.check_version(v)
+    validate(world_size, ga_values, versions, device, timeout_s, micro_batch=micro_batch, hidden=hidden)
     todo = plan(ga_values, micro_batch, hidden, seed, cases) + (symptom or [])
     meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
             "micro_batch": micro_batch, "hidden": hidden}
