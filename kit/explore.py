@@ -23,3 +23,29 @@ def accumulator_explorer(recs: list[dict]):
 
     return widgets.interact(draw, version=sorted({r["version"] for r in grad}),
                             case=sorted({r["case"] for r in grad}), ga=sorted({r["ga"] for r in grad}))
+
+
+def attribution_explorer(recs: list[dict]):
+    """Dropdowns over version, case, ZeRO stage, dtype, world size and N that redraw the attribution bars."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from kit import plots, records
+
+    grad = [r for r in recs if r.get("attribution")]
+    if not grad:
+        raise ValueError("no record with an attribution to explore")
+
+    def draw(version, case, zero_stage, dtype, world_size, n):
+        found = records.select(grad, version=version, case=case, zero_stage=zero_stage, dtype=dtype,
+                               world_size=world_size, ga=n)
+        if found:
+            plots.attribution_bars(found[:1])
+            plt.show()
+            print(found[0]["reason"])
+        else:
+            print("no record for that combination (the fixes run only at FIX_N_VALUES)")
+
+    return widgets.interact(draw, **{k: sorted({r[f] for r in grad}, key=str) for k, f in (
+        ("version", "version"), ("case", "case"), ("zero_stage", "zero_stage"), ("dtype", "dtype"),
+        ("world_size", "world_size"), ("n", "ga"))})

@@ -139,6 +139,28 @@ def attribute(vector, basis, expected_weights) -> dict:
     }
 
 
+def explain(effective, basis, candidates: dict, dtype: str, reference=None) -> dict:
+    """Which hypothesis is the effective gradient? Compare it with ``sum_k w_k * basis_k`` for each candidate.
+
+    ``candidates`` maps a name ("global mean", "last micro-batch / N", ...) to its weights over
+    the basis. Returns ``{"candidates": {name: compare(...)}, "best": name, "best_matches": bool}``:
+    the candidate with the smallest relative error, and whether it is within the dtype's tolerance.
+    With ``reference``, also ``predicted_ratio``: each candidate's norm over the reference's, i.e. the
+    effective/reference ratio a user would measure if that hypothesis were true.
+    """
+    import torch
+
+    b = torch.as_tensor(basis, dtype=torch.float64)
+    vectors = {name: torch.as_tensor(w, dtype=torch.float64) @ b for name, w in candidates.items()}
+    out = {name: compare(effective, v) for name, v in vectors.items()}
+    best = min(out, key=lambda n: out[n]["rel_l2"])
+    res = {"candidates": out, "best": best, "best_matches": matches_reference(out[best], dtype)}
+    if reference is not None:
+        rn = torch.as_tensor(reference, dtype=torch.float64).norm().item()
+        res["predicted_ratio"] = {name: v.norm().item() / rn for name, v in vectors.items()}
+    return res
+
+
 # ---------------------------------------------------------------- verdict
 
 def matches_reference(metrics: dict, dtype: str) -> bool:

@@ -110,3 +110,103 @@ def trajectories(recs: list[dict], title: str = ""):
 
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def ratio_cosine_vs_n(recs: list[dict], case: str = "manual", predicted: str | None = None, title: str = ""):
+    """Effective/reference norm ratio and cosine against N (micro-batches per step), one line per (stage, dtype).
+
+    ``predicted`` names a hypothesis (e.g. "last micro-batch / N") whose predicted ratio is drawn grey,
+    from the records' ``hypotheses.predicted_ratio``: where a stage's line lies on it, that hypothesis holds.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    sel = [r for r in recs if r["case"] == case and r.get("metrics")]
+    for stage, dtype in sorted({(r["zero_stage"], r["dtype"]) for r in sel}):
+        pts = sorted((r["ga"], r["metrics"]["norm_ratio"], r["metrics"]["cosine"]) for r in sel
+                     if r["zero_stage"] == stage and r["dtype"] == dtype)
+        ns, ratios, cosines = zip(*pts)
+        style = "-" if dtype == "fp32" else "--"
+        look = {"color": f"C{stage}", "marker": "osD^"[stage % 4], "markersize": 9 - 1.5 * stage,
+                "label": f"ZeRO-{stage} {dtype}"}  # markers shrink with the stage: overlapping lines stay visible
+        axes[0].plot(ns, ratios, style, **look)
+        axes[1].plot(ns, cosines, style, **look)
+    if predicted:
+        pred = sorted({(r["ga"], r["hypotheses"]["predicted_ratio"][predicted]) for r in sel
+                       if r.get("hypotheses", {}).get("predicted_ratio") and r["dtype"] == "fp32"})
+        if pred:
+            axes[0].plot(*zip(*pred), color="grey", lw=6, alpha=0.3, label=f"if only '{predicted}'")
+    axes[0].axhline(1.0, color="black", ls=":", lw=1)
+    axes[1].axhline(1.0, color="black", ls=":", lw=1)
+    for ax, name in zip(axes, ("effective / reference norm", "cosine(effective, reference)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N: backward() calls per step() (config GA = 1)")
+        ax.set_ylabel(name)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def attribution_bars(recs: list[dict], title: str = ""):
+    """The oracle's least-squares weight of every (rank, micro-batch), one panel per record.
+
+    A correct step gives every bar the same height 1/(W*N) (dashed line); "only the last survives"
+    leaves one bar per rank.
+    """
+    fig, axes = plt.subplots(1, len(recs), figsize=(4.2 * len(recs), 3.0), squeeze=False, sharey=True)
+    for ax, rec in zip(axes[0], recs):
+        a = rec.get("attribution") or {}
+        w, exp = a.get("weights", []), a.get("expected_weights", [])
+        n = rec["ga"]
+        colours = [f"C{k // n}" for k in range(len(w))]
+        ax.bar(range(len(w)), w, color=colours)
+        if exp:
+            ax.axhline(exp[0], color="black", ls="--", lw=1, label="correct: 1/(W·N)")
+        ax.set_xticks(range(len(w)))
+        ax.set_xticklabels([f"r{k // n}\nmb{k % n}" for k in range(len(w))], fontsize=6)
+        ax.set_title(f"{rec['case']} ZeRO-{rec['zero_stage']} {rec['dtype']}, N={n}\n"
+                     f"ds {rec['versions'].get('deepspeed', rec['version'])}: {rec['verdict']}", fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("weight in the applied gradient")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def verdict_grid(recs: list[dict], row_key, col_key, title: str = "", value: str = "norm_ratio"):
+    """A coloured table: one cell per (row, column) with the verdict's colour and the measured ``value``.
+
+    ``row_key`` / ``col_key`` are record keys or functions of a record. Where several records share a
+    cell, the worst verdict wins (affected > inconclusive > cannot-run > not-affected).
+    """
+    rank = {"affected": 3, "inconclusive": 2, "cannot-run": 1, "not-affected": 0, "n/a": -1}
+    get = lambda k: (k if callable(k) else (lambda r: r.get(k)))  # noqa: E731
+    rk, ck = get(row_key), get(col_key)
+    rows = list(dict.fromkeys(rk(r) for r in recs))
+    cols = list(dict.fromkeys(ck(r) for r in recs))
+    cells = {}
+    for r in recs:
+        key = (rk(r), ck(r))
+        if key not in cells or rank.get(r["verdict"], 0) > rank.get(cells[key]["verdict"], 0):
+            cells[key] = r
+    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(cols), 0.6 + 0.45 * len(rows)))
+    for i, row in enumerate(rows):
+        for j, col in enumerate(cols):
+            r = cells.get((row, col))
+            if r is None:
+                continue
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=VERDICT_COLOURS.get(r["verdict"], "white"), alpha=0.75))
+            m = r.get("metrics") or {}
+            text = f"{m[value]:.3f}" if value in m else r["verdict"]
+            ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(cols))])
+    ax.set_xticklabels([str(c) for c in cols], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(rows))])
+    ax.set_yticklabels([str(r) for r in rows], fontsize=8)
+    ax.tick_params(length=0)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.75) for c in VERDICT_COLOURS.values()]
+    ax.legend(handles, VERDICT_COLOURS.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.set_title(title or f"verdict (colour) and {value} (number)", fontsize=9)
+    fig.tight_layout()
+    return fig

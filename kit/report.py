@@ -15,7 +15,8 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return head + "\n".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows)
 
 
-VERDICT_COLUMNS = ["deepspeed", "case", "W", "GA", "optimizer", "ratio", "cosine", "rel_err", "misplaced", "verdict"]
+VERDICT_COLUMNS = ["deepspeed", "case", "stage", "dtype", "W", "GA", "optimizer", "ratio", "cosine", "rel_err", "misplaced",
+                   "verdict"]
 
 
 def verdict_rows(recs: list[dict]) -> list[dict]:
@@ -26,7 +27,8 @@ def verdict_rows(recs: list[dict]) -> list[dict]:
             continue
         m, a = r.get("metrics") or {}, r.get("attribution") or {}
         rows.append({"deepspeed": r.get("versions", {}).get("deepspeed", r["version"]), "case": r["case"],
-                     "W": r["world_size"], "GA": r["ga"], "optimizer": r.get("optimizer", "-"),
+                     "stage": r.get("zero_stage"), "dtype": r["dtype"], "W": r["world_size"], "GA": r["ga"],
+                     "optimizer": r.get("optimizer", "-"),
                      "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "rel_err": m.get("rel_l2"),
                      "misplaced": a.get("misplaced_weight"), "verdict": r["verdict"], "reason": r["reason"]})
     return rows
@@ -34,3 +36,29 @@ def verdict_rows(recs: list[dict]) -> list[dict]:
 
 def verdict_table(recs: list[dict]) -> str:
     return markdown_table(verdict_rows(recs), VERDICT_COLUMNS)
+
+
+# Named columns any probe's records can be tabled by: name -> function of a record.
+FIELDS = {
+    "deepspeed": lambda r: r.get("versions", {}).get("deepspeed", r["version"]),
+    "case": lambda r: r["case"],
+    "W": lambda r: r["world_size"],
+    "GA": lambda r: r["ga"],
+    "N": lambda r: r["ga"],
+    "stage": lambda r: r.get("zero_stage"),
+    "dtype": lambda r: r["dtype"],
+    "optimizer": lambda r: r.get("optimizer", "-"),
+    "ratio": lambda r: (r.get("metrics") or {}).get("norm_ratio"),
+    "cosine": lambda r: (r.get("metrics") or {}).get("cosine"),
+    "rel_err": lambda r: (r.get("metrics") or {}).get("rel_l2"),
+    "misplaced": lambda r: (r.get("attribution") or {}).get("misplaced_weight"),
+    "matches": lambda r: r.get("matches") or "-",
+    "verdict": lambda r: r["verdict"],
+    "reason": lambda r: r["reason"],
+}
+
+
+def table(recs: list[dict], columns: list[str]) -> str:
+    """A markdown table of ``recs`` with the named ``FIELDS`` as columns (trajectories left out)."""
+    rows = [{c: FIELDS[c](r) for c in columns} for r in recs if r.get("role") != "symptom"]
+    return markdown_table(rows, columns)

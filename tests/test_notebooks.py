@@ -1,4 +1,4 @@
-"""The B4 notebook executes under papermill with small parameters and records its verdicts."""
+"""The bug notebooks execute under papermill with small parameters (scripts/params/quick.yaml) and record verdicts."""
 import json
 
 import pytest
@@ -6,16 +6,35 @@ import pytest
 from kit import runall
 
 pytestmark = pytest.mark.world
+NOTEBOOKS = ("03_zero_boundary", "04_bf16_leak")
 
 
-def test_bf16_notebook_runs_and_finds_the_bug(repo, tmp_path):
-    code = runall.main([str(repo / "notebooks" / "04_bf16_leak.ipynb"), "--params",
-                        str(repo / "scripts" / "params" / "quick.yaml"), "--out", str(tmp_path), "--timeout", "900"])
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert code == 0, summary
-    findings = json.loads((tmp_path / "04_bf16_leak.findings.json").read_text())
+@pytest.fixture(scope="module")
+def quick_run(repo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quick")
+    code = runall.main([*(str(repo / "notebooks" / f"{nb}.ipynb") for nb in NOTEBOOKS), "--params",
+                        str(repo / "scripts" / "params" / "quick.yaml"), "--out", str(out), "--timeout", "900"])
+    return code, out
+
+
+def test_every_notebook_ran_and_is_summarised(quick_run):
+    code, out = quick_run
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == 0, [(e["notebook"], e.get("error")) for e in summary if e["status"] != "ok"]
+    md = (out / "summary.md").read_text()
+    for nb in NOTEBOOKS:
+        assert f"{nb}.ipynb" in md
+        executed = json.loads((out / f"{nb}.ipynb").read_text())
+        assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
+
+
+def test_bf16_notebook_finds_the_bug(quick_run):
+    findings = json.loads((quick_run[1] / "04_bf16_leak.findings.json").read_text())
     assert set(findings["0.18.9"]["leak"].values()) == {"affected"}
     assert set(findings["installed"]["leak"].values()) == {"not-affected"}
-    assert "04_bf16_leak.ipynb" in (tmp_path / "summary.md").read_text()
-    executed = json.loads((tmp_path / "04_bf16_leak.ipynb").read_text())
-    assert any(c.get("outputs") for c in executed["cells"] if c["cell_type"] == "code")
+
+
+def test_zero_boundary_notebook_finds_the_reset(quick_run):
+    findings = json.loads((quick_run[1] / "03_zero_boundary.findings.json").read_text())
+    assert findings == {"installed ZeRO-0 fp32 W2": "not-affected", "installed ZeRO-2 fp32 W2": "affected",
+                        "installed ZeRO-3 fp32 W2": "not-affected"}

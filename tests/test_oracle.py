@@ -110,3 +110,16 @@ def test_reference_is_the_gradient_of_the_global_mean_loss():
     assert weights.tolist() == pytest.approx([2 / 6, 4 / 6])
     full = torch.autograd.grad(mse(model(xs), ys), list(model.parameters()))
     assert torch.allclose(ref, torch.cat([g.reshape(-1) for g in full]).double(), atol=1e-6)
+
+
+def test_explain_names_the_hypothesis_that_holds():
+    basis, weights, ref = basis_and_ref(k=8)
+    last_only = torch.zeros(8, dtype=torch.float64)
+    last_only[3], last_only[7] = 1 / 8, 1 / 8  # two ranks of N=4: each rank's last micro-batch, still / N
+    candidates = {"global mean": weights, "last micro-batch / N": last_only, "sum of micro-batches": 4 * weights}
+    got = oracle.explain(last_only @ basis, basis, candidates, "fp32", reference=ref)
+    assert got["best"] == "last micro-batch / N" and got["best_matches"]
+    assert got["candidates"]["global mean"]["rel_l2"] > 0.1
+    assert got["predicted_ratio"]["sum of micro-batches"] == pytest.approx(4.0)
+    noisy = oracle.explain(0.5 * ref, basis, candidates, "fp32")  # half the mean: none of the three
+    assert not noisy["best_matches"]

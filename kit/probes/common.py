@@ -66,17 +66,26 @@ def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
 
 
-def full_fp32_params(module: nn.Module) -> torch.Tensor:
+def full_fp32_params(module: nn.Module, optimizer=None) -> torch.Tensor:
     """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
 
+    ZeRO and BF16_Optimizer expose their masters through ``safe_get_full_fp32_param``; the
+    unfused fp16/bf16 optimizer of ZeRO-0 keeps them in ``fp32_groups`` (pass ``optimizer``),
+    otherwise a bf16 model's own rounded weights would hide the update's low bits.
     A collective under ZeRO: every rank must call it.
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
+    masters = {}
+    for lows, highs in zip(getattr(optimizer, "fp16_groups", []) or [], getattr(optimizer, "fp32_groups", []) or []):
+        if isinstance(lows, (list, tuple)) and isinstance(highs, (list, tuple)):
+            masters.update({id(lo): hi for lo, hi in zip(lows, highs)})
     parts = []
     for p in module.parameters():
         full = safe_get_full_fp32_param(p)
-        parts.append((full if full is not None else p.detach()).float().reshape(-1).cpu().clone())
+        if full is None:
+            full = masters.get(id(p), p.detach())
+        parts.append(full.detach().float().reshape(-1).cpu().clone())
     return torch.cat(parts).double()
 
 

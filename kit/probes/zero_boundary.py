@@ -1,0 +1,252 @@
+"""B3: with ``gradient_accumulation_steps: 1`` in the config and several manual ``backward()`` calls
+before one ``step()``, which micro-batches' gradients reach the optimizer?
+
+The seed (``002``) claims: every backward is an accumulation boundary, ZeRO-2 resets its
+accumulator at each boundary, so only the last micro-batch survives; ZeRO-3 is unaffected.
+The probe tests that for every ZeRO stage, fp32 and bf16, W ranks, N micro-batches.
+
+Cases (one world runs them all, for every N):
+
+==============  ======================================================================  ==========
+case            loop                                                                    role
+==============  ======================================================================  ==========
+manual          config GA=1; ``backward(loss / N)`` N times, one ``step()``             measured
+fix_boundary    the same + ``set_gradient_accumulation_boundary(i == N-1)`` first       fix
+fix_config_ga   config GA=N; ``backward(loss)`` + ``step()`` per micro-batch (engine     fix
+                divides by GA and steps at its own boundary)
+fix_unmanaged   manual loop + config ``managed_gradient_accumulation: false``           fix
+                (DeepSpeed >= 0.19.4; older releases ignore the key)
+control         ZeRO-0 fp32, the ``fix_config_ga`` loop: the documented path             control
+==============  ======================================================================  ==========
+
+Per case, rank 0 compares the effective gradient (SGD, lr=1, from the fp32 master weights)
+with the oracle's reference on the whole global batch, attributes it to the individual
+micro-batches, and tests the named hypotheses ``HYPOTHESES`` ("global mean", "last
+micro-batch / N", "sum of micro-batches").
+"""
+from __future__ import annotations
+
+import copy
+import gc
+
+from kit import config as kconfig
+
+BUG = "B3"
+PROBE = "zero_boundary"
+CASES = {
+    "manual": {"role": "measured", "loop": "manual", "config_ga": "1", "managed": True},
+    "fix_boundary": {"role": "fix", "loop": "boundary", "config_ga": "1", "managed": True},
+    "fix_config_ga": {"role": "fix", "loop": "engine_ga", "config_ga": "N", "managed": True},
+    "fix_unmanaged": {"role": "fix", "loop": "manual", "config_ga": "1", "managed": False},
+    "control": {"role": "control", "loop": "engine_ga", "config_ga": "N", "managed": True,
+                "zero_stage": 0, "dtype": "fp32"},
+}
+FIXES = ("fix_boundary", "fix_config_ga", "fix_unmanaged")
+UNMANAGED_SINCE = "0.19.4"  # first DeepSpeed release with ``managed_gradient_accumulation``
+HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches")
+
+
+def hypothesis_weights(world_size: int, n: int) -> dict:
+    """Weights over the rank-major basis (rank r, micro-batch i -> index r*n + i) for each hypothesis.
+
+    - global mean: every micro-batch of every rank, 1/(W*N) each (what a correct engine applies);
+    - last micro-batch / N: only each rank's last micro-batch, still divided by N (the reset);
+    - sum of micro-batches: every micro-batch at 1/W, i.e. N times the mean (a missing 1/N).
+    """
+    k = world_size * n
+    mean = [1.0 / k] * k
+    last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
+    total = [1.0 / world_size] * k
+    return dict(zip(HYPOTHESES, (mean, last, total)))
+
+
+# ====================================================================== inside a rank
+
+def ds_config(case: dict, world_size: int) -> dict:
+    ga = case["n"] if case["config_ga"] == "N" else 1
+    cfg = {
+        "train_micro_batch_size_per_gpu": case["micro_batch"],
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": case["micro_batch"] * ga * world_size,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10 ** 9,
+        "zero_allow_untested_optimizer": True,  # torch.optim.SGD: the applied update is exactly the gradient
+        "zero_optimization": {"stage": case["zero_stage"]},
+    }
+    if case["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "fp32"  # keep bf16 rounding out of the reductions
+    if not case["managed"]:
+        cfg["managed_gradient_accumulation"] = False
+    return cfg
+
+
+def manual_accumulation_step(engine, micro_batches, loss_fn):
+    """The pattern of the seed: N backward() calls, then one step(). Config says GA=1."""
+    n = len(micro_batches)
+    for x, y in micro_batches:
+        loss = loss_fn(engine(x), y) / n  # a manual loop averages over its own micro-batches
+        engine.backward(loss)
+    engine.step()
+
+
+def boundary_marked_step(engine, micro_batches, loss_fn):
+    """The seed's fix: tell the engine which backward is the accumulation boundary."""
+    n = len(micro_batches)
+    for i, (x, y) in enumerate(micro_batches):
+        engine.set_gradient_accumulation_boundary(is_boundary=(i == n - 1))
+        loss = loss_fn(engine(x), y) / n
+        engine.backward(loss)
+    engine.step()
+
+
+def engine_ga_step(engine, micro_batches, loss_fn):
+    """DeepSpeed's own loop: config GA=N, the engine divides by GA and steps on its boundary."""
+    for x, y in micro_batches:
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+
+
+LOOPS = {"manual": manual_accumulation_step, "boundary": boundary_marked_step, "engine_ga": engine_ga_step}
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+    import torch
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    r, w = c.rank(), c.world_size()
+    n, mb, hidden, seed = case["n"], case["micro_batch"], case["hidden"], case["seed"]
+    dtype = c.DTYPE[case["dtype"]]
+    model = c.tiny_mlp(hidden, seed).to(dtype)  # bf16 weights rounded once; the reference starts from them
+    start = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
+    dev = c.device()
+    knows_unmanaged = hasattr(engine, "managed_gradient_accumulation")
+    before = c.full_fp32_params(engine.module, engine.optimizer)
+    batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, r, n, mb, hidden)]
+    LOOPS[case["loop"]](engine, batches, c.mse)
+    effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
+    out = {"optimizer": type(engine.optimizer).__name__, "knows_unmanaged": knows_unmanaged,
+           "engine_ga": engine.gradient_accumulation_steps()}
+    effective_per_rank = c.all_gather_flat(effective)
+    if r == 0:
+        every = [b for rr in range(w) for b in c.micro_batches(seed, rr, n, mb, hidden)]  # rank-major
+        basis, weights, reference = oracle.reference_gradients(start, every, c.mse)
+        out["metrics"] = oracle.compare(effective, reference)
+        out["attribution"] = oracle.attribute(effective, basis, weights)
+        out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
+        out["ranks_agree"] = max((e - effective).abs().max().item() for e in effective_per_rank) == 0.0
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    del engine, model
+    gc.collect()
+    torch.manual_seed(0)
+    return out
+
+
+def run_rank(payload: dict) -> list[dict]:
+    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    from kit.probes import common as c
+
+    results = []
+    for case in payload["cases"]:
+        clock = c.Stopwatch()
+        try:
+            res = run_case(case)
+        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' results
+            import traceback
+            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
+        results.append(res)
+    return results
+
+
+# ====================================================================== in the caller
+
+def plan(n_values, stages=(0, 1, 2, 3), dtypes=("fp32", "bf16"), fixes=FIXES, fix_n_values=None,
+         micro_batch: int = 4, hidden: int = 32, seed: int = 0) -> list[dict]:
+    """Every case of one world: ``manual`` on the whole grid, the fixes at ``fix_n_values``, a control per N.
+
+    ``ga`` in a case is N (the micro-batches per step), so every record of one N shares a control.
+    """
+    fix_n_values = n_values if fix_n_values is None else fix_n_values
+    unknown = set(fixes) - set(FIXES)
+    if unknown:
+        raise kconfig.ConfigError(f"unknown B3 fix(es) {sorted(unknown)}; known: {list(FIXES)}")
+    missing = set(fix_n_values) - set(n_values)
+    if missing:
+        raise kconfig.ConfigError(f"FIX_N_VALUES {sorted(missing)} are not in N_VALUES {list(n_values)}: "
+                                  "a fix needs the control of the same N")
+    common = {"micro_batch": micro_batch, "hidden": hidden, "seed": seed}
+    out = []
+    for n in n_values:
+        out.append({"name": "control", **CASES["control"], "n": n, "ga": n, **common})
+        for stage in stages:
+            for dtype in dtypes:
+                names = ("manual", *fixes) if n in fix_n_values else ("manual",)
+                for name in names:
+                    out.append({"name": name, **CASES[name], "zero_stage": stage, "dtype": dtype,
+                                "n": n, "ga": n, **common})
+    return out
+
+
+def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeout_s: float, fix_n_values=(),
+             micro_batch: int = 4, hidden: int = 32) -> None:
+    """Every knob of the B3 notebook, checked before the first launch (``ConfigError`` says which)."""
+    kconfig.check_device(device)
+    if not world_sizes:
+        raise kconfig.ConfigError("WORLD_SIZES is empty: give at least one world size")
+    for w in world_sizes:
+        kconfig.check_world_size(w, device)
+    for name, values in (("N_VALUES", n_values), ("ZERO_STAGES", stages), ("DTYPES", dtypes),
+                         ("VERSIONS", versions)):
+        if not values or isinstance(values, str):
+            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
+    for n in (*n_values, *fix_n_values):
+        kconfig.check_ga(n)
+    for s in stages:
+        kconfig.check_zero_stage(s)
+    for d in dtypes:
+        kconfig.check_dtype(d)
+    for v in versions:
+        kconfig.check_version(v)
+    kconfig.check_timeout(timeout_s)
+    for name, value in (("micro_batch", micro_batch), ("hidden", hidden)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise kconfig.ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _annotate(rec: dict) -> dict:
+    """Name the hypothesis the effective gradient matches, and say when a fix was not really available."""
+    h = rec.get("hypotheses")
+    rec["matches"] = (h["best"] if h["best_matches"] else "none") if h else None
+    if rec["case"] == "fix_unmanaged" and rec.get("knows_unmanaged") is False:
+        rec["reason"] += (f"; this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE}) "
+                          "and silently ignores the key")
+    return rec
+
+
+def run(world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=("fp32", "bf16"),
+        versions=("installed",), fixes=FIXES, fix_n_values=None, micro_batch: int = 4, hidden: int = 32,
+        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Run the grid under every (DeepSpeed version, world size); one world each.
+
+    Returns one record per case with its verdict (judged against the control of the same N and world),
+    ``matches`` (the hypothesis the effective gradient is, or "none") and the attribution weights.
+    """
+    from kit import records
+
+    fix_n_values = tuple(n_values) if fix_n_values is None else tuple(fix_n_values)
+    validate(world_sizes, n_values, stages, dtypes, versions, device, timeout_s, fix_n_values, micro_batch, hidden)
+    todo = plan(n_values, stages, dtypes, fixes, fix_n_values, micro_batch, hidden, seed)
+    out = []
+    for v in versions:
+        for w in world_sizes:
+            meta = {"bug": BUG, "probe": PROBE, "world_size": w, "device": device, "seed": seed,
+                    "micro_batch": micro_batch, "hidden": hidden}
+            out += [_annotate(r) for r in records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta,
+                                                                     w, device, timeout_s)]
+    return out
