@@ -91,3 +91,43 @@ def test_bad_b3_parameters_fail_before_any_launch(kwargs, words):
     args = {"world_sizes": (2,), "n_values": (1, 4), "versions": ("installed",), **kwargs}
     with pytest.raises(kconfig.ConfigError, match=words):
         zb.run(**args)
+
+
+@pytest.mark.world
+def test_verdict_per_configuration_and_no_violated_claim(recs):
+    cv = zb.config_verdicts(recs)
+    assert len(cv) == 2 * 3 * 2  # W x stages x dtypes
+    for (version, stage, dtype, w), x in cv.items():
+        want = oracle.AFFECTED if stage == 2 else oracle.NOT_AFFECTED
+        assert x["verdict"] == want, (stage, dtype, w, x["reason"])
+    assert zb.violations(recs) == []
+
+
+def _rec(case, verdict, ratio, ga=4, stage=2, dtype="fp32", matches="global mean", role=None, knows=True):
+    return {"case": case, "role": role or zb.CASES[case]["role"], "verdict": verdict, "reason": verdict,
+            "version": "x", "zero_stage": stage, "dtype": dtype, "world_size": 2, "ga": ga, "matches": matches,
+            "knows_unmanaged": knows, "metrics": {"norm_ratio": ratio}}
+
+
+def test_an_off_configuration_at_n1_makes_b3_inconclusive():
+    recs = [_rec("manual", oracle.AFFECTED, 1e-5, ga=1, matches="none"),
+            _rec("manual", oracle.AFFECTED, 1e-5, ga=4, matches="none")]
+    got = zb.config_verdicts(recs)[("x", 2, "fp32", 2)]
+    assert got["verdict"] == oracle.INCONCLUSIVE and "N=1" in got["reason"]
+    assert zb.violations(recs) == []  # not a B3 claim: the configuration is off for another reason
+
+
+def test_violations_catch_a_fix_that_differs_from_the_engines_own_loop():
+    good = [_rec("control", oracle.NOT_AFFECTED, 1.0, stage=0),
+            _rec("manual", oracle.NOT_AFFECTED, 1.0, ga=1),
+            _rec("manual", oracle.AFFECTED, 0.4, matches="last micro-batch / N"),
+            _rec("fix_config_ga", oracle.NOT_AFFECTED, 1.0),
+            _rec("fix_boundary", oracle.NOT_AFFECTED, 1.0)]
+    assert zb.violations(good) == []
+    assert zb.config_verdicts(good)[("x", 2, "fp32", 2)]["matches"] == ["last micro-batch / N"]
+    broken_fix = good[:-1] + [_rec("fix_boundary", oracle.AFFECTED, 0.4)]
+    assert any("own GA loop" in v for v in zb.violations(broken_fix))
+    unexplained = good[:2] + [_rec("manual", oracle.AFFECTED, 0.7, matches="none")] + good[3:]
+    assert any("no named hypothesis" in v for v in zb.violations(unexplained))
+    off_control = [_rec("control", oracle.AFFECTED, 0.5, stage=0)] + good[1:]
+    assert any("control" in v for v in zb.violations(off_control))

@@ -229,6 +229,79 @@ def _annotate(rec: dict) -> dict:
     return rec
 
 
+WORST_FIRST = ("affected", "inconclusive", "cannot-run", "not-affected")
+
+
+def config_verdicts(recs: list[dict]) -> dict:
+    """B3's verdict per (version, ZeRO stage, dtype, W): the worst ``manual`` verdict over N > 1.
+
+    The same configuration with N = 1 (nothing to accumulate) is a second, config-specific control:
+    if even that is off the reference, something other than the boundary reset is wrong with the
+    configuration (seen on DeepSpeed 0.18.4, bf16 ZeRO-0: the update is 1/65536 of the gradient), so
+    B3 cannot be judged there -> ``inconclusive`` (or ``cannot-run`` if it did not run).
+    Returns ``{(version, stage, dtype, W): {"verdict", "reason", "matches", "ratio_at_max_n"}}``.
+    """
+    from kit import oracle
+
+    groups: dict = {}
+    for r in recs:
+        if r["case"] == "manual":
+            groups.setdefault((r["version"], r["zero_stage"], r["dtype"], r["world_size"]), []).append(r)
+    out = {}
+    for key, sel in groups.items():
+        sel = sorted(sel, key=lambda r: r["ga"])
+        base = next((r for r in sel if r["ga"] == 1), None)
+        rest = [r for r in sel if r["ga"] > 1] or sel
+        top = (rest[-1].get("metrics") or {}).get("norm_ratio")
+        if base is not None and base["verdict"] != oracle.NOT_AFFECTED:
+            word = oracle.CANNOT_RUN if base["verdict"] == oracle.CANNOT_RUN else oracle.INCONCLUSIVE
+            out[key] = {"verdict": word, "matches": None, "ratio_at_max_n": top,
+                        "reason": f"even N=1 (nothing to accumulate) is {base['verdict']}: {base['reason']}"}
+            continue
+        worst = min(rest, key=lambda r: WORST_FIRST.index(r["verdict"]))
+        matches = sorted({r.get("matches") or "none" for r in rest if r["verdict"] == oracle.AFFECTED})
+        out[key] = {"verdict": worst["verdict"], "matches": matches or None, "ratio_at_max_n": top,
+                    "reason": f"N={worst['ga']}: {worst['reason']}"}
+    return out
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """The claims the B3 notebook asserts, each broken one as a sentence (empty list: all hold).
+
+    1. every control matches the reference;
+    2. where the boundary reset is measured (affected, while N=1 of the same config is fine), the
+       effective gradient is one of the named hypotheses, not an unexplained mix;
+    3. marking the boundary, and ``managed_gradient_accumulation: false`` where the release knows it,
+       turn the manual loop into exactly what DeepSpeed's own GA loop gives (same verdict, ratio
+       within the dtype's tolerance) -- whether or not that loop is itself right.
+    """
+    from kit import oracle
+
+    bad = []
+    for r in recs:
+        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+            bad.append(f"control (W={r['world_size']}, N={r['ga']}, ds {r['version']}) is {r['verdict']}: {r['reason']}")
+    cv = config_verdicts(recs)
+    for r in recs:
+        key = (r["version"], r["zero_stage"], r["dtype"], r["world_size"])
+        where = f"ds {r['version']} ZeRO-{r['zero_stage']} {r['dtype']} W={r['world_size']} N={r['ga']} {r['case']}"
+        if (r["case"] == "manual" and r["verdict"] == oracle.AFFECTED and key in cv
+                and cv[key]["verdict"] == oracle.AFFECTED and r.get("matches") in (None, "none", "global mean")):
+            bad.append(f"{where}: affected, but no named hypothesis explains the effective gradient")
+        fixed = r["case"] == "fix_boundary" or (r["case"] == "fix_unmanaged" and r.get("knows_unmanaged"))
+        if not fixed or r["verdict"] == oracle.CANNOT_RUN:
+            continue
+        own = [o for o in recs if o["case"] == "fix_config_ga" and o["ga"] == r["ga"]
+               and (o["version"], o["zero_stage"], o["dtype"], o["world_size"]) == key]
+        if not own or own[0]["verdict"] == oracle.CANNOT_RUN:
+            continue
+        a, b = r["metrics"], own[0]["metrics"]
+        if r["verdict"] != own[0]["verdict"] or abs(a["norm_ratio"] - b["norm_ratio"]) > oracle.tolerance(r["dtype"]).norm_ratio:
+            bad.append(f"{where}: {r['verdict']} (ratio {a['norm_ratio']:.4f}) but DeepSpeed's own GA loop gives "
+                       f"{own[0]['verdict']} (ratio {b['norm_ratio']:.4f})")
+    return bad
+
+
 def run(world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=("fp32", "bf16"),
         versions=("installed",), fixes=FIXES, fix_n_values=None, micro_batch: int = 4, hidden: int = 32,
         seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
