@@ -6,6 +6,7 @@ Measures, side by side in one run, on this machine:
 - cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
 - warm launch: the same world again (op loaded from the cache);
 - the B4 probe: all 4 cases x GA in {1, 2, 4, 8} in one warm world;
+- the B3 probe: 4 ZeRO stages x 2 dtypes x N in {1, 2, 4, 8}, fixes at N=4 (60 configs) in one warm world;
 - configs per minute: N configs in one world against one launch per config;
 - run-all: the notebooks with scripts/params/quick.yaml.
 """
@@ -36,7 +37,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from kit import launch
-    from kit.probes import bf16_leak
+    from kit.probes import bf16_leak, zero_boundary
 
     res = {"cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-") as cold_cache:
@@ -51,6 +52,8 @@ def main() -> int:
     launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
     res["b4_probe_s"], recs = timed(lambda: bf16_leak.run(world_size=2, ga_values=(1, 2, 4, 8), timeout_s=600))
     res["b4_probe_configs"] = len(recs)
+    res["b3_probe_s"], recs = timed(lambda: zero_boundary.run(world_sizes=(2,), fix_n_values=(4,), timeout_s=600))
+    res["b3_probe_configs"] = len(recs)
 
     cases = bf16_leak.plan((1, 2), cases=tuple(bf16_leak.CASES))
     world = launch.World(world_size=2, timeout_s=600)
