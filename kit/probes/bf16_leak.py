@@ -25,7 +25,6 @@ against the oracle's fp32 reference of the same global batch.
 from __future__ import annotations
 
 import copy
-import gc
 
 from kit import config as kconfig
 
@@ -84,7 +83,6 @@ def _bf16_accumulator(engine, module):
 
 def run_case(case: dict) -> dict:
     import deepspeed
-    import torch
 
     from kit import oracle
     from kit.probes import common as c
@@ -109,21 +107,12 @@ def run_case(case: dict) -> dict:
     out = {"optimizer": type(engine.optimizer).__name__,
            "accumulator_norms": c.all_gather_floats(acc_norms)}  # [rank][micro-batch]
     buffers = c.all_gather_flat(buffer) if buffer is not None else None
-    effective_per_rank = c.all_gather_flat(effective)
-    if r == 0:
-        batches = [b for rr in range(w) for b in c.micro_batches(seed, rr, ga, mb, hidden)]  # rank-major
-        basis, weights, reference = oracle.reference_gradients(start, batches, c.mse)
-        out["metrics"] = oracle.compare(effective, reference)
-        out["attribution"] = oracle.attribute(effective, basis, weights)
-        out["ranks_agree"] = max((e - effective).abs().max().item() for e in effective_per_rank) == 0.0
-        if buffers is not None:
-            out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
-                                    "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    del engine, model
-    gc.collect()
-    torch.manual_seed(0)
+    judged, basis, weights, reference = c.judge(effective, start, seed, ga, mb, hidden)
+    out.update(judged)
+    if r == 0 and buffers is not None:
+        out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
+    c.release(engine)
     return out
 
 
@@ -153,26 +142,16 @@ def run_trajectory(case: dict) -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / w)
         grad_norms.append(((before - c.full_fp32_params(engine.module)) / lr).norm().item())
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    return {"optimizer": type(engine.optimizer).__name__, "losses": losses, "grad_norms": grad_norms}
+    out = {"optimizer": type(engine.optimizer).__name__, "losses": losses, "grad_norms": grad_norms}
+    c.release(engine)
+    return out
 
 
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
     from kit.probes import common as c
 
-    results = []
-    for case in payload["cases"]:
-        clock = c.Stopwatch()
-        try:
-            res = run_trajectory(case) if case.get("steps") else run_case(case)
-        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' results
-            import traceback
-            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
-        results.append(res)
-    return results
+    return c.run_cases(payload, lambda case: run_trajectory(case) if case.get("steps") else run_case(case))
 
 
 # ====================================================================== in the caller

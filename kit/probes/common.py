@@ -113,6 +113,55 @@ def versions() -> dict:
     return out
 
 
+def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int):
+    """The oracle's view of one step's effective gradient. A collective: every rank calls it.
+
+    Rank 0 rebuilds every rank's micro-batches (rank-major), takes the fp32 reference from the
+    initial weights ``start`` and returns ``(out, basis, weights, reference)`` with ``out`` holding
+    ``metrics``, ``attribution`` and ``ranks_agree``; other ranks get ``({}, None, None, None)``.
+    """
+    from kit import oracle
+
+    per_rank = all_gather_flat(effective)
+    if rank() != 0:
+        return {}, None, None, None
+    every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden)]
+    basis, weights, reference = oracle.reference_gradients(start, every, mse)
+    out = {"metrics": oracle.compare(effective, reference),
+           "attribution": oracle.attribute(effective, basis, weights),
+           "ranks_agree": max((e - effective).abs().max().item() for e in per_rank) == 0.0}
+    return out, basis, weights, reference
+
+
+def release(engine) -> None:
+    """Free an engine before the next case of the same world builds its own."""
+    import gc
+
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    gc.collect()
+    torch.manual_seed(0)
+
+
+def run_cases(payload: dict, run_one) -> list[dict]:
+    """Every case of a world's payload, one after another; a case that raises becomes an ``error`` result.
+
+    One broken case must not hide the others' results: its exception and traceback are kept
+    in its result, and the records turn it into ``cannot-run``.
+    """
+    results = []
+    for case in payload["cases"]:
+        clock = Stopwatch()
+        try:
+            res = run_one(case)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            import traceback
+            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=versions())
+        results.append(res)
+    return results
+
+
 class Stopwatch:
     def __init__(self):
         self.t0 = time.perf_counter()

@@ -27,7 +27,6 @@ micro-batch / N", "sum of micro-batches").
 from __future__ import annotations
 
 import copy
-import gc
 
 from kit import config as kconfig
 
@@ -112,7 +111,6 @@ LOOPS = {"manual": manual_accumulation_step, "boundary": boundary_marked_step, "
 
 def run_case(case: dict) -> dict:
     import deepspeed
-    import torch
 
     from kit import oracle
     from kit.probes import common as c
@@ -131,19 +129,11 @@ def run_case(case: dict) -> dict:
     effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
     out = {"optimizer": type(engine.optimizer).__name__, "knows_unmanaged": knows_unmanaged,
            "engine_ga": engine.gradient_accumulation_steps()}
-    effective_per_rank = c.all_gather_flat(effective)
+    judged, basis, _, reference = c.judge(effective, start, seed, n, mb, hidden)
+    out.update(judged)
     if r == 0:
-        every = [b for rr in range(w) for b in c.micro_batches(seed, rr, n, mb, hidden)]  # rank-major
-        basis, weights, reference = oracle.reference_gradients(start, every, c.mse)
-        out["metrics"] = oracle.compare(effective, reference)
-        out["attribution"] = oracle.attribute(effective, basis, weights)
         out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
-        out["ranks_agree"] = max((e - effective).abs().max().item() for e in effective_per_rank) == 0.0
-    if hasattr(engine, "destroy"):
-        engine.destroy()
-    del engine, model
-    gc.collect()
-    torch.manual_seed(0)
+    c.release(engine)
     return out
 
 
@@ -151,17 +141,7 @@ def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
     from kit.probes import common as c
 
-    results = []
-    for case in payload["cases"]:
-        clock = c.Stopwatch()
-        try:
-            res = run_case(case)
-        except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' results
-            import traceback
-            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
-        results.append(res)
-    return results
+    return c.run_cases(payload, run_case)
 
 
 # ====================================================================== in the caller
