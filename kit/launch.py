@@ -41,11 +41,13 @@ POLL_S = 0.1
 class LaunchError(RuntimeError):
     """The world did not produce a result for every rank."""
 
-    def __init__(self, message: str, rank: int | None = None, traceback: str = "", logs: dict | None = None):
+    def __init__(self, message: str, rank: int | None = None, traceback: str = "", logs: dict | None = None,
+                 partial: dict | None = None):
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.logs = logs or {}
+        self.partial = partial or {}  # rank -> the pieces it reported with kit.worker.report_partial
 
 
 class RankFailed(LaunchError):
@@ -157,7 +159,11 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
             with open(logs[r], "wb") as log:
                 procs.append(subprocess.Popen([sys.executable, "-m", "kit.worker", str(job)], env=rank_env(world, r, port),
                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        _wait(procs, world, job, logs)
+        try:
+            _wait(procs, world, job, logs)
+        except LaunchError as e:
+            e.partial = _partials(job, world.world_size)
+            raise
         results = []
         for r in range(world.world_size):
             rec = json.loads((job / f"rank{r}.json").read_text())
@@ -190,6 +196,15 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
                               f"ranks still running (killed): {running}. Last output of rank {running[0]}:\n"
                               f"{tails[running[0]][-1500:]}", rank=running[0], logs=tails)
         time.sleep(POLL_S)
+
+
+def _partials(job: Path, world_size: int) -> dict:
+    out = {}
+    for r in range(world_size):
+        path = job / f"rank{r}.partial.jsonl"
+        if path.exists():
+            out[r] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
 
 
 def _failure(bad: list[int], codes: list, job: Path, logs: list[Path]) -> RankFailed:

@@ -210,3 +210,63 @@ def verdict_grid(recs: list[dict], row_key, col_key, title: str = "", value: str
     ax.set_title(title or f"verdict (colour) and {value} (number)", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _split(rec: dict) -> str:
+    return f"{rec['config']['micro_batch']}x{rec['ga']}"
+
+
+def logged_norm_vs_ga(recs: list[dict], case: str = "pipeline", title: str = ""):
+    """The seed's view: the grad norm a user logs (from inside the optimizer) against GA at a fixed global batch.
+
+    One line per (version, dtype, ZeRO stage); the dashed line is the fp32 reference gradient's norm.
+    A correct engine keeps every line on it whatever the split.
+    """
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    sel = [r for r in recs if r["case"] in (case, "control") and r.get("logged_grad_norm")]
+    keys = sorted({(r["version"], r["dtype"], r["zero_stage"]) for r in sel if r["case"] == case}, key=str)
+    for i, (v, dtype, stage) in enumerate(keys):
+        pts = sorted((r["ga"], r["logged_grad_norm"]) for r in sel if r["case"] == case and r["version"] == v
+                     and r["dtype"] == dtype and r["zero_stage"] == stage)
+        ds = next(r["versions"].get("deepspeed", v) for r in sel if r["version"] == v)
+        ax.plot(*zip(*pts), "-" if dtype == "fp32" else "--", marker="osD^v<>"[i % 7], color=f"C{i % 10}",
+                label=f"ds {ds} {dtype} ZeRO-{stage}")
+    refs = [r["reference_grad_norm"] for r in sel if r.get("reference_grad_norm")]
+    if refs:
+        ax.axhline(refs[0], color="black", ls=":", lw=1.2, label="reference (fp32, whole batch)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("GA (micro-batch x GA = constant global batch)")
+    ax.set_ylabel("logged grad norm")
+    ax.legend(fontsize=7)
+    ax.set_title(title or "what the user logs", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = ""):
+    """Effective/reference norm ratio of every pipeline stage against GA, one panel per version.
+
+    Solid: fp32, dashed: bf16; one colour per stage. 1 is correct; GA would be "summed", 1/GA "scaled twice".
+    """
+    versions = list(dict.fromkeys(r["version"] for r in recs if r["case"] == case))
+    fig, axes = plt.subplots(1, len(versions), figsize=(3.6 * len(versions), 3.4), squeeze=False, sharey=True)
+    for ax, v in zip(axes[0], versions):
+        sel = [r for r in recs if r["version"] == v and r["case"] == case and r.get("stages")]
+        for dtype, stage_z in sorted({(r["dtype"], r["zero_stage"]) for r in sel}):
+            rows = sorted((r for r in sel if r["dtype"] == dtype and r["zero_stage"] == stage_z), key=lambda r: r["ga"])
+            for s in range(len(rows[0]["stages"])):
+                ax.plot([r["ga"] for r in rows], [r["stages"][s]["metrics"]["norm_ratio"] for r in rows],
+                        "-" if dtype == "fp32" else "--", color=f"C{s}", marker="os"[s % 2],
+                        label=f"stage {s} {dtype} Z{stage_z}")
+        ds = next((r["versions"].get("deepspeed", v) for r in sel), v)
+        ax.set_title(f"DeepSpeed {ds}", fontsize=9)
+        ax.axhline(1.0, color="black", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("GA")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("effective / reference norm, per stage")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -31,10 +31,12 @@ def failed_records(cases: list[dict], meta: dict, version: str, reason: str, ver
 
 
 def run_version_world(target: str, cases: list[dict], version: str, meta: dict, world_size: int, device: str,
-                      timeout_s: float, predicted=None, package: str = "deepspeed") -> list[dict]:
+                      timeout_s: float, predicted=None, package: str = "deepspeed",
+                      control_key=lambda rec: rec["ga"]) -> list[dict]:
     """Resolve ``package==version``, run all ``cases`` in one world, return one verdicted record per case.
 
-    Each case is judged against the case with role ``control`` and the same GA from the same world.
+    Each case is judged against the case with role ``control`` from the same world that has the same
+    ``control_key`` (by default: the same GA).
     """
     from kit import launch, versions as kversions
 
@@ -45,11 +47,15 @@ def run_version_world(target: str, cases: list[dict], version: str, meta: dict, 
     world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=stack.pythonpath,
                          extensions_key=stack.extensions_key)
     try:
-        per_rank = launch.run_world(target, {"cases": cases}, world)
+        rank0 = launch.run_world(target, {"cases": cases}, world)[0]
     except launch.LaunchError as e:
-        return failed_records(cases, meta, version, str(e).splitlines()[0][:300] + " (see the rank's traceback)",
-                              stack.versions)
-    rank0 = per_rank[0]
+        # the cases rank 0 finished before the world failed keep their results; the rest could not run
+        rank0 = e.partial.get(0, [])[:len(cases)]
+        why = str(e).splitlines()[0][:300] + " (see the rank's traceback)"
+        if not rank0:
+            return failed_records(cases, meta, version, why, stack.versions)
+        rank0 += [{"error": f"not run: the world stopped after case {len(rank0)} of {len(cases)}: {why}",
+                   "versions": rank0[0].get("versions", {})} for _ in cases[len(rank0):]]
     out = []
     for i, case in enumerate(cases):
         res = dict(rank0[i])
@@ -58,13 +64,13 @@ def run_version_world(target: str, cases: list[dict], version: str, meta: dict, 
         if predicted is not None:
             rec["predicted_misplaced_weight"] = predicted(case)
         out.append(rec)
-    controls = {r["ga"]: r for r in out if r["role"] == "control"}
+    controls = {control_key(r): r for r in out if r["role"] == "control"}
     for rec in out:
         if rec["role"] == "symptom":  # a trajectory is evidence for the eye, not a gradient to judge
             rec["verdict"], rec["reason"] = (oracle.CANNOT_RUN, f"could not run: {rec['error']}") if rec.get("error") \
                 else ("n/a", "trajectory of losses and grad norms; judged by the gradient cases")
             continue
-        control = controls.get(rec["ga"])
+        control = controls.get(control_key(rec))
         rec["verdict"], rec["reason"] = oracle.verdict(_judged(rec), _judged(control) if control else None)
     return out
 

@@ -44,3 +44,21 @@ if __name__ == "__main__":
     t0 = time.time()
     out = launch.run_world("kit.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
     print(f"2-rank DeepSpeed world answered in {time.time() - t0:.1f} s: {out}")
+
+
+def cases_then_desync(payload: dict) -> list:
+    """Cases through ``run_cases``: the first succeeds everywhere, in the second rank 1 raises while
+    rank 0 waits in a collective that rank 1 will never join (the asymmetric failure of a real probe)."""
+    import torch
+    import torch.distributed as dist
+
+    from kit.probes import common
+
+    def one(case):
+        if case["name"] == "desync" and dist.get_rank() == 1:
+            raise RuntimeError("only rank 1 fails here")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return {"sum": t.item()}
+
+    return common.run_cases(payload, one)

@@ -3,6 +3,9 @@
 Reads ``spec.json``, joins the process group, calls the target function with
 the payload, and writes ``rank<R>.json`` (the result) or ``rank<R>.error.json``
 (the exception and its traceback). Exit code 0 only when the result was written.
+A target that works through a list may call ``report_partial(obj)`` after each
+item: the lines of ``rank<R>.partial.jsonl`` reach the caller even if the world
+fails later (``LaunchError.partial``).
 """
 from __future__ import annotations
 
@@ -30,6 +33,17 @@ def init_process_group(device: str, how: str, timeout_s: float) -> None:
         dist.init_process_group(backend=backend, timeout=timeout)
 
 
+PARTIAL_ENV = "GRADKIT_PARTIAL"  # set by main(): works whether this module is __main__ or imported
+
+
+def report_partial(obj) -> None:
+    """Keep one finished piece of this rank's result, whatever happens to the rest (no-op outside a world)."""
+    path = os.environ.get(PARTIAL_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(obj) + "\n")
+
+
 def resolve(target: str):
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -38,6 +52,7 @@ def resolve(target: str):
 def main(job: Path) -> int:
     rank = int(os.environ["RANK"])
     spec = json.loads((job / "spec.json").read_text())
+    os.environ[PARTIAL_ENV] = str(job / f"rank{rank}.partial.jsonl")
     try:
         fn = resolve(spec["target"])
         init_process_group(spec["device"], spec["init"], spec["timeout_s"])

@@ -47,3 +47,29 @@ def test_a_missing_target_is_a_failure_not_a_hang():
 def test_an_unknown_release_is_refused_before_launch():
     with pytest.raises(versions.UnknownVersion, match="0.0.999"):
         versions.resolve_stack({"deepspeed": "0.0.999"})
+
+
+def test_a_case_failing_on_one_rank_stops_the_world_and_keeps_the_finished_cases():
+    cases = [{"name": "fine", "ga": 1}, {"name": "desync", "ga": 1}, {"name": "never", "ga": 1}]
+    t0 = time.time()
+    with pytest.raises(launch.RankFailed) as e:
+        launch.run_world("kit.selftest:cases_then_desync", {"cases": cases}, world_size=2, init="torch",
+                         timeout_s=120, env={"GRADKIT_SYNC_TIMEOUT_S": "5"})
+    assert time.time() - t0 < 60  # found by the monitored barrier, long before the world's timeout
+    assert "WorldDesynchronised" in str(e.value) and "only rank 1 fails here" in str(e.value)
+    assert [p["case"] for p in e.value.partial[0]] == ["fine"] and e.value.partial[0][0]["sum"] == 2.0
+
+
+def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
+    from kit import oracle, records
+
+    def stopped(*a, **k):
+        raise launch.RankFailed("rank 1 raised WorldDesynchronised: case 'b' ...", rank=1,
+                                partial={0: [{"case": "a", "ga": 1, "metrics": None, "error": "boom", "versions": {}}]})
+
+    monkeypatch.setattr(launch, "run_world", stopped)
+    cases = [{"name": n, "role": "measured", "ga": 1, "dtype": "fp32"} for n in ("a", "b", "c")]
+    recs = records.run_version_world("x:y", cases, "installed", {"bug": "T"}, 2, "cpu", 60)
+    assert [r["case"] for r in recs] == ["a", "b", "c"]
+    assert all(r["verdict"] == oracle.CANNOT_RUN for r in recs)
+    assert "world stopped after case 1 of 3" in recs[1]["reason"] and "WorldDesynchronised" in recs[2]["reason"]

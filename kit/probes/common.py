@@ -143,12 +143,31 @@ def release(engine) -> None:
     torch.manual_seed(0)
 
 
+SYNC_TIMEOUT_ENV = "GRADKIT_SYNC_TIMEOUT_S"  # how long ranks wait for each other after a case (default 120 s)
+
+
+class WorldDesynchronised(RuntimeError):
+    """A case failed on some ranks only: the others may be inside a collective, so nothing after it can be trusted."""
+
+
 def run_cases(payload: dict, run_one) -> list[dict]:
     """Every case of a world's payload, one after another; a case that raises becomes an ``error`` result.
 
-    One broken case must not hide the others' results: its exception and traceback are kept
-    in its result, and the records turn it into ``cannot-run``.
+    One broken case must not hide the others' results: its exception and traceback are kept in its
+    result and the records turn it into ``cannot-run``. That is only safe when *every* rank failed
+    at the same case: after each case the ranks meet at a monitored barrier on a side gloo group.
+    If a peer does not arrive within ``$GRADKIT_SYNC_TIMEOUT_S`` (it is stuck in a collective the failed rank
+    left), the world stops with ``WorldDesynchronised``; the cases finished before it are kept
+    (``kit.worker.report_partial``) and the records mark the rest ``cannot-run``.
     """
+    import datetime
+
+    from kit import worker
+
+    wait_s = float(os.environ.get(SYNC_TIMEOUT_ENV, "120"))
+    sync = None
+    if dist.is_initialized() and world_size() > 1:  # its own timeout also bounds the non-zero ranks' wait
+        sync = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
     results = []
     for case in payload["cases"]:
         clock = Stopwatch()
@@ -158,6 +177,16 @@ def run_cases(payload: dict, run_one) -> list[dict]:
             import traceback
             res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
         res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=versions())
+        if sync is not None:
+            try:
+                dist.monitored_barrier(group=sync, timeout=datetime.timedelta(seconds=wait_s),
+                                       wait_all_ranks=True)
+            except RuntimeError as e:
+                raise WorldDesynchronised(
+                    f"case {case['name']!r} (GA={case['ga']}) ended on rank {rank()} "
+                    f"({'error: ' + res['error'] if 'error' in res else 'ok'}) but not on every rank within "
+                    f"{wait_s:g} s: {str(e).splitlines()[0][:300]}") from e
+        worker.report_partial(res)
         results.append(res)
     return results
 

@@ -1,0 +1,295 @@
+"""B2: with ``PipelineEngine`` and GA > 1, is each pipeline stage's gradient the mean over micro-batches?
+
+The seed (``001``) saw the logged grad norm grow with GA at a constant global batch and
+suspected "summed, not averaged". The probe runs a real ``deepspeed.pipe.PipelineModule``
+(Linear/GELU layers, MSE loss) on ``STAGES`` stages x D data-parallel replicas and, for each
+split of one global batch into micro-batch x GA, takes one ``train_batch`` step (SGD, lr=1).
+
+Per stage, the effective gradient (the update of that stage's own parameters) is compared with
+the fp32 reference for those parameters: the same layers as one plain module on the whole
+global batch. Three named hypotheses per stage (``HYPOTHESES``): the mean over micro-batches
+(correct), their sum (GA times too large: the seed's claim), and the mean divided by GA again
+(a stage that scales an already-scaled gradient).
+
+Cases (one world runs them all):
+
+=================  ===========================================================  ==========
+case               what                                                          role
+=================  ===========================================================  ==========
+pipeline           the split's micro-batch x GA (GA > 1), the engine as configured measured
+loss_div_ga        the same, the loss function divided by GA (a user workaround)  workaround
+control            the same dtype and ZeRO stage with GA=1 (one micro-batch)     control
+=================  ===========================================================  ==========
+"""
+from __future__ import annotations
+
+import copy
+
+from kit import config as kconfig
+
+BUG = "B2"
+PROBE = "pipeline_ga"
+STAGES = 2
+DEPTH = 4  # Linear layers; GELU between them; split over the stages by layer count
+CASES = {
+    "pipeline": {"role": "measured", "loss_div_ga": False},
+    "loss_div_ga": {"role": "workaround", "loss_div_ga": True},
+    "control": {"role": "control", "loss_div_ga": False},
+}
+HYPOTHESES = ("mean", "sum (x GA)", "mean / GA")
+PIPE_ZERO_STAGES = (0, 1)  # the pipeline engine refuses ZeRO-2/3
+
+
+def hypothesis_weights(dp: int, ga: int) -> dict:
+    """Weights over the basis (replica d, micro-batch i -> index d*ga + i) for each hypothesis."""
+    k = dp * ga
+    return {"mean": [1.0 / k] * k, "sum (x GA)": [1.0 / dp] * k, "mean / GA": [1.0 / (k * ga)] * k}
+
+
+# ====================================================================== inside a rank
+
+def ds_config(case: dict, dp: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": case["micro_batch"],
+        "gradient_accumulation_steps": case["ga"],
+        "train_batch_size": case["micro_batch"] * case["ga"] * dp,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10 ** 9,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": case["zero_stage"]},
+    }
+    if case["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "fp32"
+    return cfg
+
+
+class LoggingSGD:
+    """Factory of a plain SGD that records the norm of the gradients it is handed, as a user's optimizer would."""
+
+    @staticmethod
+    def make(params, lr: float = 1.0):
+        import torch
+
+        class GradNormSGD(torch.optim.SGD):
+            last_sq_norm = 0.0
+
+            @torch.no_grad()
+            def step(self, closure=None):
+                sq = 0.0
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            sq += p.grad.detach().double().pow(2).sum().item()
+                self.last_sq_norm = sq
+                return super().step(closure)
+
+        return GradNormSGD(params, lr=lr, momentum=0.0, weight_decay=0.0)
+
+
+def full_model(hidden: int, seed: int):
+    from kit.probes import common as c
+
+    return c.tiny_mlp(hidden, seed, depth=DEPTH)
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    from kit.probes import common as c
+
+    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
+    dtype = c.DTYPE[case["dtype"]]
+    div = ga if case["loss_div_ga"] else 1
+
+    def loss_fn(out, y):
+        return c.mse(out, y) / div
+
+    full = full_model(hidden, seed).to(dtype)  # same weights on every rank; bf16 rounded once
+    start = copy.deepcopy(full)
+    module = PipelineModule(layers=list(full), num_stages=STAGES, loss_fn=loss_fn, partition_method="uniform")
+    opt = LoggingSGD.make([p for p in module.parameters() if p.requires_grad])
+    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config(case, c.world_size() // STAGES))
+    stage, dp_rank, dp = engine.stage_id, engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+    names = [n for n, _ in engine.module.named_parameters()]
+    dev = c.device()
+    before = c.full_fp32_params(engine.module, engine.optimizer)
+    batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, dp_rank, ga, mb, hidden)]
+    loss = engine.train_batch(data_iter=iter(batches))
+    effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
+    reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    mine = {"stage": stage, "dp_rank": dp_rank, "names": names, "effective": effective.tolist(),
+            "logged_sq_norm": _logged_sq_norm(engine.optimizer),
+            "reported_grad_norm": None if reported is None else float(reported),
+            "loss": None if loss is None else float(loss)}
+    every = [None] * c.world_size()
+    dist.all_gather_object(every, mine)
+    out = {"optimizer": type(engine.optimizer).__name__, "dp": dp}
+    if c.rank() == 0:
+        out.update(_judge(every, start, case, dp))
+    c.release(engine)
+    return out
+
+
+def _logged_sq_norm(optimizer):
+    """The squared norm the user's SGD logged, also when DeepSpeed wraps it (ZeRO-1, BF16_Optimizer)."""
+    for _ in range(3):
+        if optimizer is None or hasattr(optimizer, "last_sq_norm"):
+            break
+        optimizer = getattr(optimizer, "optimizer", None)
+    return getattr(optimizer, "last_sq_norm", None)
+
+
+def _judge(every: list[dict], start, case: dict, dp: int) -> dict:
+    """Rank 0: per stage, the effective gradient against the reference of that stage's parameters."""
+    import torch
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
+    micro = [b for d in range(dp) for b in c.micro_batches(seed, d, ga, mb, hidden)]  # replica-major
+    basis, weights, reference = oracle.reference_gradients(start, micro, c.mse)
+    offsets, k = {}, 0
+    for name, p in start.named_parameters():
+        offsets[name] = (k, k + p.numel())
+        k += p.numel()
+    per_stage, full_eff = [], torch.zeros_like(reference)
+    logged_sq = 0.0
+    for s in range(STAGES):
+        replicas = [e for e in every if e["stage"] == s]
+        first = next(e for e in replicas if e["dp_rank"] == 0)
+        idx = torch.cat([torch.arange(*offsets[n]) for n in first["names"]])
+        eff = torch.tensor(first["effective"], dtype=torch.float64)
+        full_eff[idx] = eff
+        sub_basis, sub_ref = basis[:, idx], reference[idx]
+        agree = max((torch.tensor(e["effective"], dtype=torch.float64) - eff).abs().max().item() for e in replicas)
+        per_stage.append({
+            "stage": s, "params": first["names"], "metrics": oracle.compare(eff, sub_ref),
+            "attribution": oracle.attribute(eff, sub_basis, weights),
+            "hypotheses": oracle.explain(eff, sub_basis, hypothesis_weights(dp, ga), case["dtype"], sub_ref),
+            "replicas_agree": agree == 0.0})
+        # ZeRO-1 partitions the optimizer over replicas: every rank logs its own share; ZeRO-0 replicates
+        logged = [e["logged_sq_norm"] for e in (replicas if case["zero_stage"] >= 1 else [first])]
+        logged_sq = None if logged_sq is None or None in logged else logged_sq + sum(logged)
+    with torch.no_grad():
+        ref_loss = sum(c.mse(start.float()(x.float()), y.float()).item() for x, y in micro) / len(micro)
+    last = next(e for e in every if e["stage"] == STAGES - 1 and e["dp_rank"] == 0)
+    return {"stages": per_stage, "metrics": oracle.compare(full_eff, reference),
+            "attribution": oracle.attribute(full_eff, basis, weights),
+            "logged_grad_norm": None if logged_sq is None else logged_sq ** 0.5,
+            "reported_grad_norm": last["reported_grad_norm"], "reference_grad_norm": reference.norm().item(),
+            "engine_loss": last["loss"], "reference_loss": ref_loss}
+
+
+def run_rank(payload: dict) -> list[dict]:
+    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    from kit.probes import common as c
+
+    return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(splits, dtypes=("fp32",), zero_stages=(0,), workaround: bool = True, hidden: int = 16,
+         seed: int = 0) -> list[dict]:
+    """Per dtype x ZeRO stage: the GA=1 control, then ``pipeline`` (and ``loss_div_ga``) for every split with GA > 1.
+
+    The control is the same configuration with the whole per-replica batch in one micro-batch: nothing
+    to accumulate, so if it is off the reference the pipeline is broken for another reason and every
+    verdict of that configuration is ``inconclusive``.
+    """
+    totals = {mb * ga for mb, ga in splits}
+    if len(totals) != 1:
+        raise kconfig.ConfigError(f"the splits {splits} do not share one global batch per replica (micro_batch x GA)")
+    total = totals.pop()
+    common = {"hidden": hidden, "seed": seed}
+    out = []
+    for dtype in dtypes:
+        for stage in zero_stages:
+            cfg = {"dtype": dtype, "zero_stage": stage, **common}
+            out.append({"name": "control", **CASES["control"], "micro_batch": total, "ga": 1, **cfg})
+            for mb, ga in sorted(splits, key=lambda s: s[1]):
+                if ga == 1:
+                    continue
+                for name in ("pipeline", "loss_div_ga") if workaround else ("pipeline",):
+                    out.append({"name": name, **CASES[name], "micro_batch": mb, "ga": ga, **cfg})
+    return out
+
+
+def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, timeout_s: float,
+             hidden: int = 16) -> None:
+    """Every knob of the B2 notebook, checked before the first launch (``ConfigError`` says which)."""
+    kconfig.check_device(device)
+    for name, values in (("WORLD_SIZES", world_sizes), ("SPLITS", splits), ("DTYPES", dtypes),
+                         ("ZERO_STAGES", zero_stages), ("VERSIONS", versions)):
+        if not values or isinstance(values, str):
+            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
+    for w in world_sizes:
+        kconfig.check_world_size(w, device)
+        if w % STAGES:
+            raise kconfig.ConfigError(f"world size {w} is not a multiple of the {STAGES} pipeline stages")
+    for split in splits:
+        if not isinstance(split, (list, tuple)) or len(split) != 2:
+            raise kconfig.ConfigError(f"a split is [micro_batch, GA], got {split!r}")
+        mb, ga = split
+        kconfig.check_ga(ga)
+        if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
+            raise kconfig.ConfigError(f"micro-batch size must be an integer >= 1, got {mb!r}")
+    for d in dtypes:
+        kconfig.check_dtype(d)
+    for s in zero_stages:
+        kconfig.check_zero_stage(s)
+        if s not in PIPE_ZERO_STAGES:
+            raise kconfig.ConfigError(f"ZeRO stage {s} does not combine with pipeline parallelism "
+                                      f"(DeepSpeed allows {PIPE_ZERO_STAGES})")
+    for v in versions:
+        kconfig.check_version(v)
+    kconfig.check_timeout(timeout_s)
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+        raise kconfig.ConfigError(f"hidden must be an integer >= 1, got {hidden!r}")
+    plan(splits)
+
+
+def _annotate(rec: dict) -> dict:
+    """Per-stage verdicts (each stage against the control's same stage) and the stages found off."""
+    from kit import oracle
+
+    rec["affected_stages"] = []
+    for s in rec.get("stages") or []:
+        h = s["hypotheses"]
+        s["matches"] = h["best"] if h["best_matches"] else "none"
+        if rec["verdict"] in (oracle.INCONCLUSIVE, oracle.CANNOT_RUN):
+            s["verdict"] = rec["verdict"]  # an off control makes every stage's judgement suspect too
+        elif oracle.matches_reference(s["metrics"], rec["dtype"]):
+            s["verdict"] = oracle.NOT_AFFECTED
+        else:
+            s["verdict"] = oracle.AFFECTED
+            rec["affected_stages"].append(s["stage"])
+    return rec
+
+
+def run(world_sizes=(2,), splits=((8, 1), (4, 2), (2, 4), (1, 8)), dtypes=("fp32",), zero_stages=(0,),
+        versions=("installed",), workaround: bool = True, hidden: int = 16, seed: int = 0, device: str = "cpu",
+        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Every split x dtype x ZeRO stage under every (DeepSpeed version, world size); one world each.
+
+    Each record is judged against the GA=1 control of its own world, dtype and ZeRO stage (whole model),
+    and carries ``stages``: per stage metrics, hypotheses, ``matches`` and ``verdict``.
+    """
+    from kit import records
+
+    validate(world_sizes, splits, dtypes, zero_stages, versions, device, timeout_s, hidden)
+    out = []
+    for v in versions:
+        for w in world_sizes:
+            meta = {"bug": BUG, "probe": PROBE, "world_size": w, "pipeline_stages": STAGES,
+                    "data_parallel": w // STAGES, "device": device, "seed": seed, "hidden": hidden}
+            for zero_stage in zero_stages:  # one world each: a stage that breaks the engine cannot take the other down
+                todo = plan(splits, dtypes, (zero_stage,), workaround, hidden, seed)
+                out += [_annotate(r) for r in records.run_version_world(
+                    f"kit.probes.{PROBE}:run_rank", todo, v, meta, w, device, timeout_s,
+                    control_key=lambda r: (r["dtype"], r["zero_stage"]))]
+    return out
