@@ -49,3 +49,26 @@ def attribution_explorer(recs: list[dict]):
     return widgets.interact(draw, **{k: sorted({r[f] for r in grad}, key=str) for k, f in (
         ("version", "version"), ("case", "case"), ("zero_stage", "zero_stage"), ("dtype", "dtype"),
         ("world_size", "world_size"), ("n", "ga"))})
+
+
+def pipeline_explorer(recs: list[dict]):
+    """Dropdowns over version, world size, dtype and ZeRO stage that redraw the per-stage ratio figure."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from kit import plots, records
+
+    grad = [r for r in recs if r.get("stages")]
+    if not grad:
+        raise ValueError("no pipeline record with per-stage results to explore")
+
+    def draw(version, world_size, dtype, zero_stage):
+        found = records.select(grad, version=version, world_size=world_size, dtype=dtype, zero_stage=zero_stage)
+        if found:
+            plots.stage_ratio_vs_ga(found)
+            plt.show()
+        else:
+            print("no record for that combination")
+
+    return widgets.interact(draw, **{k: sorted({r[k] for r in grad}, key=str)
+                                     for k in ("version", "world_size", "dtype", "zero_stage")})

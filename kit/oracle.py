@@ -31,6 +31,7 @@ NOT_AFFECTED = "not-affected"
 INCONCLUSIVE = "inconclusive"
 CANNOT_RUN = "cannot-run"
 VERDICTS = (AFFECTED, NOT_AFFECTED, INCONCLUSIVE, CANNOT_RUN)
+WORST_FIRST = (AFFECTED, INCONCLUSIVE, CANNOT_RUN, NOT_AFFECTED)  # how verdicts of one configuration combine
 
 
 @dataclass(frozen=True)

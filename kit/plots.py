@@ -226,7 +226,7 @@ def logged_norm_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
     sel = [r for r in recs if r["case"] in (case, "control") and r.get("logged_grad_norm")]
     keys = sorted({(r["version"], r["dtype"], r["zero_stage"]) for r in sel if r["case"] == case}, key=str)
     for i, (v, dtype, stage) in enumerate(keys):
-        pts = sorted((r["ga"], r["logged_grad_norm"]) for r in sel if r["case"] == case and r["version"] == v
+        pts = sorted((r["ga"], r["logged_grad_norm"]) for r in sel if r["version"] == v  # the GA=1 control included
                      and r["dtype"] == dtype and r["zero_stage"] == stage)
         ds = next(r["versions"].get("deepspeed", v) for r in sel if r["version"] == v)
         ax.plot(*zip(*pts), "-" if dtype == "fp32" else "--", marker="osD^v<>"[i % 7], color=f"C{i % 10}",
@@ -247,25 +247,28 @@ def logged_norm_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
 def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = ""):
     """Effective/reference norm ratio of every pipeline stage against GA, one panel per version.
 
-    Solid: fp32, dashed: bf16; one colour per stage. 1 is correct; GA would be "summed", 1/GA "scaled twice".
+    One colour per stage; solid fp32, dashed bf16, every ZeRO stage drawn (coinciding lines overlap).
+    1 is correct; GA would be "summed", 1/GA "scaled twice". The GA=1 point is the control.
     """
     versions = list(dict.fromkeys(r["version"] for r in recs if r["case"] == case))
     fig, axes = plt.subplots(1, len(versions), figsize=(3.6 * len(versions), 3.4), squeeze=False, sharey=True)
     for ax, v in zip(axes[0], versions):
-        sel = [r for r in recs if r["version"] == v and r["case"] == case and r.get("stages")]
+        sel = [r for r in recs if r["version"] == v and r["case"] in (case, "control") and r.get("stages")]
+        labelled = set()
         for dtype, stage_z in sorted({(r["dtype"], r["zero_stage"]) for r in sel}):
             rows = sorted((r for r in sel if r["dtype"] == dtype and r["zero_stage"] == stage_z), key=lambda r: r["ga"])
             for s in range(len(rows[0]["stages"])):
+                label = None if s in labelled else f"stage {s}"
+                labelled.add(s)
                 ax.plot([r["ga"] for r in rows], [r["stages"][s]["metrics"]["norm_ratio"] for r in rows],
-                        "-" if dtype == "fp32" else "--", color=f"C{s}", marker="os"[s % 2],
-                        label=f"stage {s} {dtype} Z{stage_z}")
+                        "-" if dtype == "fp32" else "--", color=f"C{s}", marker="os"[s % 2], label=label)
         ds = next((r["versions"].get("deepspeed", v) for r in sel), v)
         ax.set_title(f"DeepSpeed {ds}", fontsize=9)
         ax.axhline(1.0, color="black", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set_xlabel("GA")
-        ax.legend(fontsize=6)
+        ax.set_xlabel("GA (GA=1: the control)")
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("effective / reference norm, per stage")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

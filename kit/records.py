@@ -96,6 +96,14 @@ def select(recs: list[dict], **where) -> list[dict]:
     return [r for r in recs if all(r.get(k) == v for k, v in where.items())]
 
 
+def group_by(recs: list[dict], keys: tuple, **where) -> dict:
+    """``{(rec[k] for k in keys): [records]}`` over the records matching ``where``."""
+    out: dict = {}
+    for r in select(recs, **where):
+        out.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    return out
+
+
 def one(recs: list[dict], **where) -> dict:
     found = select(recs, **where)
     if len(found) != 1:

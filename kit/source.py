@@ -62,3 +62,20 @@ def calls_in_order(source: str, first: str, second: str) -> bool | None:
     if a is None or b is None:
         return None
     return a < b
+
+
+def excerpt(package: str, relpath: str, qualname: str, marks=(), version: str = kconfig.INSTALLED,
+            before: int = 3, after: int = 8) -> str | None:
+    """The lines of ``qualname`` from the first to the last line containing a mark (plus context), numbered,
+    with a header naming the version and file; ``None`` when that version has no such function.
+    Without marks, or when none is found, the whole function."""
+    try:
+        src, line, path = function_source(package, relpath, qualname, version=version)
+    except LookupError:
+        return None
+    lines = src.splitlines()
+    hits = [i for i, text in enumerate(lines) if any(m in text for m in marks)]
+    lo, hi = (max(0, hits[0] - before), min(len(lines), hits[-1] + after + 1)) if hits else (0, len(lines))
+    found = sorted({m for m in marks if m in src})
+    head = f"--- {qualname}  ({path}, lines {line + lo}-{line + hi - 1}); marked: {found or 'none'}"
+    return head + "\n" + numbered("\n".join(lines[lo:hi]), line + lo, highlight=marks)

@@ -6,7 +6,7 @@ import pytest
 from kit import runall
 
 pytestmark = pytest.mark.world
-NOTEBOOKS = ("03_zero_boundary", "04_bf16_leak")
+NOTEBOOKS = ("02_pipeline_ga", "03_zero_boundary", "04_bf16_leak")
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +38,11 @@ def test_zero_boundary_notebook_finds_the_reset(quick_run):
     findings = json.loads((quick_run[1] / "03_zero_boundary.findings.json").read_text())
     assert findings == {"installed ZeRO-0 fp32 W2": "not-affected", "installed ZeRO-2 fp32 W2": "affected",
                         "installed ZeRO-3 fp32 W2": "not-affected"}
+
+
+def test_pipeline_notebook_finds_the_summing_release(quick_run):
+    findings = json.loads((quick_run[1] / "02_pipeline_ga.findings.json").read_text())
+    old, new = findings["0.18.2 W2 fp32 ZeRO-0"], findings["installed W2 fp32 ZeRO-0"]
+    assert old["verdict"] == "affected" and old["affected_stages"] == [0, 1]
+    assert set(old["matches"]["0"]) == {"sum (x GA)"}
+    assert new["verdict"] == "not-affected" and new["affected_stages"] == []

@@ -38,6 +38,7 @@ CASES = {
 }
 HYPOTHESES = ("mean", "sum (x GA)", "mean / GA")
 PIPE_ZERO_STAGES = (0, 1)  # the pipeline engine refuses ZeRO-2/3
+PARTITIONED = ("DeepSpeedZeroOptimizer", "BF16_Optimizer")  # optimizers that split the fp32 master over replicas
 
 
 def hypothesis_weights(dp: int, ga: int) -> dict:
@@ -121,7 +122,7 @@ def run_case(case: dict) -> dict:
     effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
     reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
     mine = {"stage": stage, "dp_rank": dp_rank, "names": names, "effective": effective.tolist(),
-            "logged_sq_norm": _logged_sq_norm(engine.optimizer),
+            "logged_sq_norm": _logged_sq_norm(engine.optimizer), "optimizer": type(engine.optimizer).__name__,
             "reported_grad_norm": None if reported is None else float(reported),
             "loss": None if loss is None else float(loss)}
     every = [None] * c.world_size()
@@ -171,8 +172,9 @@ def _judge(every: list[dict], start, case: dict, dp: int) -> dict:
             "attribution": oracle.attribute(eff, sub_basis, weights),
             "hypotheses": oracle.explain(eff, sub_basis, hypothesis_weights(dp, ga), case["dtype"], sub_ref),
             "replicas_agree": agree == 0.0})
-        # ZeRO-1 partitions the optimizer over replicas: every rank logs its own share; ZeRO-0 replicates
-        logged = [e["logged_sq_norm"] for e in (replicas if case["zero_stage"] >= 1 else [first])]
+        # ZeRO-1 and BF16_Optimizer partition the fp32 master over replicas, so every rank logs its own
+        # share; otherwise each replica holds (and logs) the whole stage
+        logged = [e["logged_sq_norm"] for e in (replicas if first["optimizer"] in PARTITIONED else [first])]
         logged_sq = None if logged_sq is None or None in logged else logged_sq + sum(logged)
     with torch.no_grad():
         ref_loss = sum(c.mse(start.float()(x.float()), y.float()).item() for x, y in micro) / len(micro)
@@ -293,3 +295,82 @@ def run(world_sizes=(2,), splits=((8, 1), (4, 2), (2, 4), (1, 8)), dtypes=("fp32
                     f"kit.probes.{PROBE}:run_rank", todo, v, meta, w, device, timeout_s,
                     control_key=lambda r: (r["dtype"], r["zero_stage"]))]
     return out
+
+
+# ====================================================================== reading the records
+
+def stage_rows(recs: list[dict], case: str = "pipeline") -> list[dict]:
+    """One row per (record, pipeline stage) of ``case``: the numbers of the version table."""
+    rows = []
+    for r in recs:
+        if r["case"] != case:
+            continue
+        base = {"deepspeed": r.get("versions", {}).get("deepspeed", r["version"]), "W": r["world_size"],
+                "dtype": r["dtype"], "ZeRO": r["zero_stage"], "split": f"{r['config']['micro_batch']}x{r['ga']}"}
+        if not r.get("stages"):
+            rows.append({**base, "stage": "-", "verdict": r["verdict"]})
+            continue
+        for s in r["stages"]:
+            rows.append({**base, "stage": s["stage"], "ratio": s["metrics"]["norm_ratio"],
+                         "cosine": s["metrics"]["cosine"], "matches": s["matches"], "verdict": s["verdict"]})
+    return rows
+
+
+def config_verdicts(recs: list[dict]) -> dict:
+    """B2's verdict per (version, W, dtype, ZeRO stage): the worst ``pipeline`` verdict over GA > 1.
+
+    Returns ``{key: {"verdict", "affected_stages", "matches": {stage: [hypotheses]}, "reason"}}``.
+    """
+    from kit import oracle, records
+
+    out = {}
+    for key, sel in records.group_by(recs, ("version", "world_size", "dtype", "zero_stage"), case="pipeline").items():
+        worst = min(sel, key=lambda r: (oracle.WORST_FIRST.index(r["verdict"]), -r["ga"]))
+        matches: dict = {}
+        for r in sel:
+            for s in r.get("stages") or []:
+                if s["verdict"] == "affected":
+                    matches.setdefault(s["stage"], set()).add(s["matches"])
+        out[key] = {"verdict": worst["verdict"], "affected_stages": sorted(matches),
+                    "matches": {k: sorted(v) for k, v in matches.items()},
+                    "reason": f"{worst['config']['micro_batch']}x{worst['ga']}: {worst['reason']}"}
+    return out
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """The claims the B2 notebook asserts, each broken one as a sentence (empty list: all hold).
+
+    1. a control (GA=1) that ran matches the reference on every stage;
+    2. every stage the engine got wrong is one of the named hypotheses ("sum (x GA)" or "mean / GA");
+    3. data-parallel replicas of a stage applied identical updates;
+    4. dividing the loss by GA scales every stage's update by exactly 1/GA (so it repairs an engine that
+       sums on every stage, and breaks a correct one);
+    5. what the user logs from inside the optimizer is the gradient that was applied (lr = 1).
+    """
+    from kit import oracle
+
+    bad = []
+    ran = [r for r in recs if r["verdict"] != oracle.CANNOT_RUN]
+    by_key = {(r["version"], r["world_size"], r["dtype"], r["zero_stage"], r["ga"], r["case"]): r for r in ran}
+    for r in ran:
+        where = (f"ds {r['version']} W={r['world_size']} {r['dtype']} ZeRO-{r['zero_stage']} "
+                 f"{r['config']['micro_batch']}x{r['ga']} {r['case']}")
+        stages = r.get("stages") or []
+        if r["role"] == "control" and (r["verdict"] != oracle.NOT_AFFECTED
+                                       or any(s["verdict"] != oracle.NOT_AFFECTED for s in stages)):
+            bad.append(f"{where}: the GA=1 control is off the reference: {r['reason']}")
+        for s in stages:
+            if r["role"] == "measured" and s["verdict"] == oracle.AFFECTED and s["matches"] not in ("sum (x GA)", "mean / GA"):
+                bad.append(f"{where}: stage {s['stage']} is off the reference but matches no named hypothesis")
+            if not s["replicas_agree"]:
+                bad.append(f"{where}: stage {s['stage']}'s data-parallel replicas applied different updates")
+        logged, applied = r.get("logged_grad_norm"), (r.get("metrics") or {}).get("effective_norm")
+        if logged is not None and applied and abs(logged / applied - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
+            bad.append(f"{where}: logged grad norm {logged:.5g} is not the applied gradient's {applied:.5g}")
+        if r["case"] == "loss_div_ga":
+            plain = by_key.get((r["version"], r["world_size"], r["dtype"], r["zero_stage"], r["ga"], "pipeline"))
+            for s, p in zip(stages, (plain or {}).get("stages") or []):
+                scaled = s["metrics"]["norm_ratio"] * r["ga"] / p["metrics"]["norm_ratio"]
+                if abs(scaled - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
+                    bad.append(f"{where}: stage {s['stage']}: loss / GA changed the update by {1 / scaled:.4g} / GA, not 1 / GA")
+    return bad

@@ -209,9 +209,6 @@ def _annotate(rec: dict) -> dict:
     return rec
 
 
-WORST_FIRST = ("affected", "inconclusive", "cannot-run", "not-affected")
-
-
 def config_verdicts(recs: list[dict]) -> dict:
     """B3's verdict per (version, ZeRO stage, dtype, W): the worst ``manual`` verdict over N > 1.
 
@@ -221,14 +218,10 @@ def config_verdicts(recs: list[dict]) -> dict:
     B3 cannot be judged there -> ``inconclusive`` (or ``cannot-run`` if it did not run).
     Returns ``{(version, stage, dtype, W): {"verdict", "reason", "matches", "ratio_at_max_n"}}``.
     """
-    from kit import oracle
+    from kit import oracle, records
 
-    groups: dict = {}
-    for r in recs:
-        if r["case"] == "manual":
-            groups.setdefault((r["version"], r["zero_stage"], r["dtype"], r["world_size"]), []).append(r)
     out = {}
-    for key, sel in groups.items():
+    for key, sel in records.group_by(recs, ("version", "zero_stage", "dtype", "world_size"), case="manual").items():
         sel = sorted(sel, key=lambda r: r["ga"])
         base = next((r for r in sel if r["ga"] == 1), None)
         rest = [r for r in sel if r["ga"] > 1] or sel
@@ -238,7 +231,7 @@ def config_verdicts(recs: list[dict]) -> dict:
             out[key] = {"verdict": word, "matches": None, "ratio_at_max_n": top,
                         "reason": f"even N=1 (nothing to accumulate) is {base['verdict']}: {base['reason']}"}
             continue
-        worst = min(rest, key=lambda r: WORST_FIRST.index(r["verdict"]))
+        worst = min(rest, key=lambda r: oracle.WORST_FIRST.index(r["verdict"]))
         matches = sorted({r.get("matches") or "none" for r in rest if r["verdict"] == oracle.AFFECTED})
         out[key] = {"verdict": worst["verdict"], "matches": matches or None, "ratio_at_max_n": top,
                     "reason": f"N={worst['ga']}: {worst['reason']}"}

@@ -1,0 +1,23 @@
+"""The stored notebooks, as files: no outputs, one parameters cell, code that parses, short cells."""
+import ast
+
+import nbformat
+import pytest
+
+from kit import runall
+
+NOTEBOOKS = sorted(runall.NOTEBOOKS.glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stored_clean_and_parses(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), "stored with outputs"
+    tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged 'parameters'"
+    for c in code:
+        ast.parse(c.source)  # a SyntaxError names the cell's line
+        assert len(c.source.splitlines()) <= 40, f"a {len(c.source.splitlines())}-line cell: move logic into kit/"
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+    assert nb.metadata["kernelspec"]["name"] == runall.KERNEL
