@@ -7,6 +7,7 @@ Measures, side by side in one run, on this machine:
 - warm launch: the same world again (op loaded from the cache);
 - the B4 probe: all 4 cases x GA in {1, 2, 4, 8} in one warm world;
 - the B3 probe: 4 ZeRO stages x 2 dtypes x N in {1, 2, 4, 8}, fixes at N=4 (60 configs) in one warm world;
+- the B2 probe: 2 pipeline stages, 4 splits x 2 dtypes x ZeRO-0/1 (28 configs, one world per ZeRO stage);
 - configs per minute: N configs in one world against one launch per config;
 - run-all: the notebooks with scripts/params/quick.yaml.
 """
@@ -37,7 +38,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from kit import launch
-    from kit.probes import bf16_leak, zero_boundary
+    from kit.probes import bf16_leak, pipeline_ga, zero_boundary
 
     res = {"cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-") as cold_cache:
@@ -54,6 +55,9 @@ def main() -> int:
     res["b4_probe_configs"] = len(recs)
     res["b3_probe_s"], recs = timed(lambda: zero_boundary.run(world_sizes=(2,), fix_n_values=(4,), timeout_s=600))
     res["b3_probe_configs"] = len(recs)
+    res["b2_probe_s"], recs = timed(lambda: pipeline_ga.run(world_sizes=(2,), dtypes=("fp32", "bf16"), zero_stages=(0, 1),
+                                                            timeout_s=600))
+    res["b2_probe_configs"] = len(recs)
 
     cases = bf16_leak.plan((1, 2), cases=tuple(bf16_leak.CASES))
     world = launch.World(world_size=2, timeout_s=600)
