@@ -24,6 +24,9 @@ from pathlib import Path
 from kit import config as kconfig
 
 PACKAGES = ("deepspeed", "transformers", "accelerate")
+# Libraries a transformers release pins and checks at import time; an overlay of an older transformers
+# gets a companion overlay of each whose installed version falls outside that release's range.
+COMPANIONS = ("tokenizers", "huggingface-hub", "safetensors")
 INSTALL_TIMEOUT_S = 900
 _NOT_ON_INDEX = ("No matching distribution found", "Could not find a version that satisfies")
 
@@ -55,7 +58,7 @@ def overlay_root() -> Path:
 
 def ensure_overlay(package: str, version: str) -> Path:
     """Install ``package==version`` into its overlay folder once; return the folder."""
-    if package not in PACKAGES:
+    if package not in PACKAGES + COMPANIONS:
         raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
     kconfig.check_version(version)
     target = overlay_root() / f"{package}-{version}"
@@ -103,9 +106,49 @@ class Stack:
         return f"deepspeed-{self.versions.get('deepspeed', 'absent')}"
 
 
+def companion_requirements(transformers_root: Path) -> dict[str, str]:
+    """``{package: specifier}`` that this transformers overlay checks at import, for the ``COMPANIONS``."""
+    import ast
+
+    table = transformers_root / "transformers" / "dependency_versions_table.py"
+    deps = ast.literal_eval(table.read_text().split("=", 1)[1].strip()) if table.exists() else {}
+    return {pkg: deps[pkg][len(pkg):] for pkg in COMPANIONS if pkg in deps}
+
+
+def newest_matching(package: str, specifier: str) -> str:
+    """The newest release of ``package`` on the index that satisfies ``specifier`` (e.g. ">=0.22.0,<=0.23.0")."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    line = next((l for l in out.stdout.splitlines() if l.startswith("Available versions:")), "")
+    spec = SpecifierSet(specifier)
+    ok = [v for v in (x.strip() for x in line.split(":", 1)[-1].split(",")) if v and Version(v) in spec]
+    if not ok:
+        raise CannotRun(f"no release of {package} on the index satisfies {specifier}")
+    return max(ok, key=Version)
+
+
+def _companions(transformers_root: Path) -> tuple[dict[str, str], list[str]]:
+    from packaging.specifiers import SpecifierSet
+
+    versions, path = {}, []
+    for package, spec in companion_requirements(transformers_root).items():
+        have = installed_version(package)
+        if have != "absent" and have in SpecifierSet(spec):
+            continue
+        version = newest_matching(package, spec)
+        path.append(str(ensure_overlay(package, version)))
+        versions[package] = version
+    return versions, path
+
+
 def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
     """Turn ``{"deepspeed": "0.18.9"}`` (others: installed) into a ready ``Stack``.
 
+    An older transformers also gets companion overlays (``COMPANIONS``) where the installed
+    tokenizers / huggingface-hub / safetensors fall outside the ranges it checks at import.
     Raises ``UnknownVersion`` / ``ConfigError`` for bad input and ``CannotRun``
     when an existing release does not install here.
     """
@@ -121,6 +164,11 @@ def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
         if version in (kconfig.INSTALLED, base):
             versions[package] = base
         else:
-            path.append(str(ensure_overlay(package, version)))
+            root = ensure_overlay(package, version)
+            path.append(str(root))
             versions[package] = version
+            if package == "transformers":
+                extra, extra_path = _companions(root)
+                versions.update(extra)
+                path += extra_path
     return Stack(versions=versions, pythonpath=path)

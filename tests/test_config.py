@@ -70,3 +70,15 @@ def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):
     with pytest.raises(config.ConfigError, match="GA_VALUE"):
         runall.main([str(repo / "notebooks" / "04_bf16_leak.ipynb"), "--params", str(bad), "--out", str(tmp_path)])
     assert time.time() - t0 < 20 and not (tmp_path / "04_bf16_leak.ipynb").exists()
+
+
+def test_an_old_transformers_gets_companions_for_the_pins_it_checks(tmp_path):
+    from kit import versions
+
+    pkg = tmp_path / "transformers"
+    pkg.mkdir()
+    (pkg / "dependency_versions_table.py").write_text(
+        'deps = {\n    "tokenizers": "tokenizers>=0.22.0,<=0.23.0",\n    "huggingface-hub": "huggingface-hub>=1.3.0,<2.0",'
+        '\n    "torch": "torch>=2.2",\n}\n')
+    assert versions.companion_requirements(tmp_path) == {"tokenizers": ">=0.22.0,<=0.23.0",
+                                                         "huggingface-hub": ">=1.3.0,<2.0"}
