@@ -32,16 +32,17 @@ def failed_records(cases: list[dict], meta: dict, version: str, reason: str, ver
 
 def run_version_world(target: str, cases: list[dict], version: str, meta: dict, world_size: int, device: str,
                       timeout_s: float, predicted=None, package: str = "deepspeed",
-                      control_key=lambda rec: rec["ga"]) -> list[dict]:
+                      control_key=lambda rec: rec["ga"], stack: dict | None = None) -> list[dict]:
     """Resolve ``package==version``, run all ``cases`` in one world, return one verdicted record per case.
 
     Each case is judged against the case with role ``control`` from the same world that has the same
-    ``control_key`` (by default: the same GA).
+    ``control_key`` (by default: the same GA). ``stack`` ({package: version}) replaces ``package==version``
+    when a world needs several packages pinned; ``version`` is then only its label.
     """
     from kit import launch, versions as kversions
 
     try:
-        stack = kversions.resolve_stack({package: version})
+        stack = kversions.resolve_stack(stack if stack is not None else {package: version})
     except kversions.CannotRun as e:
         return failed_records(cases, meta, version, e.reason)
     world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=stack.pythonpath,

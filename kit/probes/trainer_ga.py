@@ -8,7 +8,22 @@ built from a config (no download), on a synthetic token dataset whose samples ha
 numbers of label tokens, compared with the plain fp32 gradient of the global batch's loss: the
 mean over all its label tokens, which is what the Trainer means to apply.
 
-Paths: ``no_ds`` (the Trainer alone) and ``ds_zero0`` / ``ds_zero2`` / ``ds_zero3``.
+Paths: ``no_ds`` (the Trainer alone) and ``ds_zero0`` / ``ds_zero2`` / ``ds_zero3``. Cases per path and GAS:
+
+=================  ==========================================================================  ==========
+case               what                                                                        role
+=================  ==========================================================================  ==========
+trainer            the Trainer as shipped                                                      measured
+accepts_false      ``trainer.model_accepts_loss_kwargs = False`` (the seed's workaround)       workaround
+fix_scale_gas      seed fix 1: under DeepSpeed pass ``scale_wrt_gas=True`` when the Trainer     fix
+                   did not divide the loss itself
+fix_always_divide  seed fix 2: always divide the loss by GAS, always ``scale_wrt_gas=False``    fix
+control            the same path with GAS = 1 (nothing to accumulate)                          control
+=================  ==========================================================================  ==========
+
+The trace records, per micro-batch, what ``compute_loss`` returned and with which ``num_items_in_batch``
+(against the label tokens the loss really sums over: labels are shifted by one inside the model), and
+what ``accelerator.backward`` received, by wrapping the real calls.
 """
 from __future__ import annotations
 
@@ -18,6 +33,13 @@ BUG = "B1"
 PROBE = "trainer_ga"
 VOCAB, SEQ = 64, 12
 PATHS = {"no_ds": None, "ds_zero0": 0, "ds_zero2": 2, "ds_zero3": 3}
+CASES = {
+    "trainer": {"role": "measured"},
+    "accepts_false": {"role": "workaround"},
+    "fix_scale_gas": {"role": "fix"},
+    "fix_always_divide": {"role": "fix"},
+    "control": {"role": "control"},
+}
 
 
 def tiny_qwen3(seed: int, hidden: int = 32):
@@ -94,26 +116,35 @@ def run_case(case: dict) -> dict:
                                  remove_unused_columns=False, seed=seed, use_cpu=c.device().type == "cpu",
                                  deepspeed=None if zero is None else ds_config(zero))
         trainer = Trainer(model=model, args=args, train_dataset=rows)
-        if case.get("accepts_loss_kwargs") is False:
+        if case["name"] == "accepts_false":
             trainer.model_accepts_loss_kwargs = False  # the seed's workaround
-        trace = _observe(trainer)
+        trace = _observe(trainer, fix=case["name"] if case["name"].startswith("fix_") else None)
         trainer.train()
         engine = trainer.model_wrapped if zero is not None else None
         after = c.full_fp32_params(engine.module, engine.optimizer) if engine is not None else \
             torch.cat([p.detach().reshape(-1).double() for p in trainer.model.parameters()])
         logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        accel_gas = getattr(trainer.accelerator, "gradient_accumulation_steps", None)
+        engine_gas = engine.gradient_accumulation_steps() if engine is not None else None
     before = torch.cat([p.detach().reshape(-1).double() for p in start.parameters()])
     reference, tokens, ref_loss = reference_gradient(start, rows)
     out = {"metrics": oracle.compare(before - after, reference), "label_tokens": tokens, "reference_loss": ref_loss,
            "logged_grad_norm": logged[0] if logged else None, "trace": trace,
-           "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs)}
+           "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
+           "accelerator_gas": accel_gas, "engine_gas": engine_gas}
     if engine is not None:
         c.release(engine)
     return out
 
 
-def _observe(trainer) -> list[dict]:
-    """Wrap the real calls (not re-implement them): what compute_loss got, what accelerator.backward got."""
+def _observe(trainer, fix: str | None = None) -> list[dict]:
+    """Wrap the real calls (not re-implement them): what compute_loss got, what accelerator.backward got.
+
+    ``fix`` applies one of the seed's proposed fixes at the same place its patch would act, the call
+    into ``accelerator.backward`` (the Trainer's own division has happened by then):
+    ``fix_scale_gas`` lets DeepSpeed divide when the Trainer did not; ``fix_always_divide`` divides by
+    GAS whenever the Trainer did not and keeps DeepSpeed's scaling off.
+    """
     trace: list[dict] = []
     compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
@@ -128,7 +159,16 @@ def _observe(trainer) -> list[dict]:
         return out
 
     def seen_backward(loss, **kw):
-        trace.append({"call": "accelerator.backward", "loss": float(loss.detach()),
+        last = next((t for t in reversed(trace) if t["call"] == "compute_loss"), {})
+        trainer_divided = not (trainer.model_accepts_loss_kwargs and last.get("num_items_in_batch") is not None)
+        gas = trainer.args.gradient_accumulation_steps
+        if fix == "fix_scale_gas" and "scale_wrt_gas" in kw:
+            kw["scale_wrt_gas"] = not trainer_divided
+        elif fix == "fix_always_divide" and not trainer_divided:
+            loss = loss / gas
+            if "scale_wrt_gas" in kw:
+                kw["scale_wrt_gas"] = False
+        trace.append({"call": "accelerator.backward", "loss": float(loss.detach()), "trainer_divided": trainer_divided,
                       "kwargs": {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))}})
         return backward(loss, **kw)
 
@@ -141,3 +181,97 @@ def run_rank(payload: dict) -> list[dict]:
     from kit.probes import common as c
 
     return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global_batch: int = 8,
+         seed: int = 0) -> list[dict]:
+    """Per path: the GAS = 1 control, then every case at every GAS > 1 (micro-batch = global_batch / GAS)."""
+    from kit import config as kconfig
+
+    unknown = set(paths) - set(PATHS)
+    if unknown:
+        raise kconfig.ConfigError(f"unknown B1 path(s) {sorted(unknown)}; known: {list(PATHS)}")
+    bad = set(cases) - set(CASES)
+    if bad:
+        raise kconfig.ConfigError(f"unknown B1 case(s) {sorted(bad)}; known: {list(CASES)}")
+    out = []
+    for path in paths:
+        out.append({"name": "control", **CASES["control"], "path": path, "zero_stage": PATHS[path],
+                    "dtype": "fp32", "micro_batch": global_batch, "ga": 1, "seed": seed})
+        for gas in gas_values:
+            kconfig.check_ga(gas)
+            if gas == 1:
+                continue
+            if global_batch % gas:
+                raise kconfig.ConfigError(f"GAS {gas} does not divide the global batch {global_batch}")
+            for name in cases:
+                if name != "control":
+                    out.append({"name": name, **CASES[name], "path": path, "zero_stage": PATHS[path],
+                                "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed})
+    return out
+
+
+def stack_label(stack: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(stack.items())) or "installed"
+
+
+def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), world_size: int = 1,
+        global_batch: int = 8, seed: int = 0, device: str = "cpu",
+        timeout_s: float = 600) -> list[dict]:
+    """Every path x case x GAS under every version stack ({package: version}, {} = installed); one world each.
+
+    Each record is judged against its own path's GAS = 1 control from the same world, and carries
+    ``token_factor`` (label tokens the loss sums over / ``num_items_in_batch`` it is divided by) and
+    ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS divided twice).
+    """
+    from kit import config as kconfig
+    from kit import records, versions
+
+    kconfig.check_device(device)
+    kconfig.check_world_size(world_size, device)
+    kconfig.check_timeout(timeout_s)
+    for st in stacks:
+        if not isinstance(st, dict):
+            raise kconfig.ConfigError(f"a version stack is a mapping like {{'transformers': '5.3.0'}}, got {st!r}")
+        for package, version in st.items():
+            if package not in versions.PACKAGES:
+                raise kconfig.ConfigError(f"stacks pin {versions.PACKAGES}, not {package!r}")
+            kconfig.check_version(version)
+    todo = plan(paths, gas_values, cases, global_batch, seed)
+    out = []
+    for st in stacks:
+        meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
+                "stack": dict(st)}
+        recs = records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, stack_label(st), meta, world_size,
+                                         device, timeout_s, control_key=lambda r: r["config"]["path"], stack=dict(st))
+        controls = {r["config"]["path"]: r for r in recs if r["role"] == "control"}
+        out += [_annotate(r, controls.get(r["config"]["path"])) for r in recs]
+    return out
+
+
+def _annotate(rec: dict, control: dict | None = None) -> dict:
+    """Token and GAS factors, and ``gas_verdict``: does GAS change the applied gradient at a fixed global batch?
+
+    ``verdict`` judges the step against the reference (with the GAS = 1 control as usual). ``gas_verdict``
+    judges it against that control itself: it stays meaningful when the control is off for a reason
+    that does not depend on GAS (transformers 5.3.0 counts one label token too many per sequence).
+    """
+    from kit import oracle
+
+    calls = [t for t in rec.get("trace") or [] if t["call"] == "compute_loss"]
+    rec["path"] = rec["config"]["path"]
+    if calls and rec.get("metrics"):
+        items = calls[0]["num_items_in_batch"]
+        summed = sum(t["label_tokens_shifted"] for t in calls)
+        rec["token_factor"] = summed / items if items else None
+        rec["gas_factor"] = rec["metrics"]["norm_ratio"] / rec["token_factor"] if items else None
+    if rec["role"] == "control" or not rec.get("metrics") or not (control or {}).get("metrics"):
+        rec["gas_verdict"] = rec["verdict"] if rec["role"] != "control" else "n/a"
+        return rec
+    vs_control = rec["metrics"]["norm_ratio"] / control["metrics"]["norm_ratio"]
+    rec["ratio_vs_control"] = vs_control
+    ok = abs(vs_control - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and rec["metrics"]["cosine"] > 0.9999
+    rec["gas_verdict"] = oracle.NOT_AFFECTED if ok else oracle.AFFECTED
+    return rec

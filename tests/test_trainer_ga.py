@@ -1,0 +1,54 @@
+"""B1 on real Trainer steps (tiny Qwen3, W=1): which path does GAS change, on the report's versions and the installed ones."""
+import pytest
+
+from kit import config as kconfig
+from kit import oracle, records
+from kit.probes import trainer_ga as tg
+
+SEED_STACK = {"transformers": "5.3.0", "deepspeed": "0.18.9"}  # the report's versions
+GAS = 4
+
+
+@pytest.fixture(scope="module")
+def recs():
+    return tg.run(stacks=(SEED_STACK, {}), paths=("no_ds", "ds_zero0"), gas_values=(1, GAS),
+                  cases=("trainer", "accepts_false"), timeout_s=600)
+
+
+@pytest.mark.world
+def test_every_step_ran_with_a_loss_kwargs_model(recs):
+    assert len(recs) == 2 * 2 * 3
+    for r in recs:
+        records.check(r)
+        assert r["verdict"] != oracle.CANNOT_RUN, r["reason"]
+        if r["case"] != "accepts_false":
+            assert r["model_accepts_loss_kwargs"] is True
+
+
+@pytest.mark.world
+def test_report_versions_no_deepspeed_path_divides_by_gas_twice(recs):
+    label = tg.stack_label(SEED_STACK)
+    no_ds = records.one(recs, version=label, case="trainer", path="no_ds")
+    ds = records.one(recs, version=label, case="trainer", path="ds_zero0")
+    assert no_ds["gas_verdict"] == oracle.AFFECTED and no_ds["ratio_vs_control"] == pytest.approx(1 / GAS, rel=1e-4)
+    assert ds["gas_verdict"] == oracle.NOT_AFFECTED  # DeepSpeed does not sum: GAS leaves its step unchanged
+    assert [t["kwargs"].get("scale_wrt_gas") for t in ds["trace"] if t["call"] == "accelerator.backward"] == [False] * GAS
+    # the seed's observation, grad norm with DS / without DS = GAS, holds, with the blame reversed
+    assert ds["metrics"]["effective_norm"] / no_ds["metrics"]["effective_norm"] == pytest.approx(GAS, rel=1e-4)
+
+
+@pytest.mark.world
+def test_installed_versions_match_the_reference_on_every_path(recs):
+    for path in ("no_ds", "ds_zero0"):
+        r = records.one(recs, version="installed", case="trainer", path=path)
+        assert r["verdict"] == oracle.NOT_AFFECTED and r["gas_verdict"] == oracle.NOT_AFFECTED, r["reason"]
+        assert r["token_factor"] == pytest.approx(1.0)  # num_items_in_batch = the label tokens really summed
+
+
+def test_bad_b1_parameters_fail_before_any_launch():
+    with pytest.raises(kconfig.ConfigError, match="unknown B1 path"):
+        tg.run(paths=("ds_zero5",))
+    with pytest.raises(kconfig.ConfigError, match="does not divide"):
+        tg.run(gas_values=(1, 3))
+    with pytest.raises(kconfig.ConfigError, match="stacks pin"):
+        tg.run(stacks=({"torch": "2.0"},))
