@@ -72,3 +72,24 @@ def pipeline_explorer(recs: list[dict]):
 
     return widgets.interact(draw, **{k: sorted({r[k] for r in grad}, key=str)
                                      for k in ("version", "world_size", "dtype", "zero_stage")})
+
+
+def path_explorer(recs: list[dict]):
+    """Dropdowns over version stack and case that redraw the effective/reference ratio per training path."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from kit import plots, records
+
+    grad = [r for r in recs if r.get("metrics") and r.get("path")]
+    if not grad:
+        raise ValueError("no Trainer record with metrics to explore")
+
+    def draw(version, case):
+        found = records.select(grad, version=version)
+        if found:
+            plots.path_ratio_vs_ga(found, case=case)
+            plt.show()
+
+    return widgets.interact(draw, version=sorted({r["version"] for r in grad}),
+                            case=sorted({r["case"] for r in grad if r["case"] != "control"}))

@@ -273,3 +273,27 @@ def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
+    """Effective/reference ratio against GAS, one line per training path, one panel per version stack.
+
+    The GAS=1 point is the path's control. A correct Trainer keeps every line at 1 for every GAS.
+    """
+    stacks = list(dict.fromkeys(r["version"] for r in recs))
+    fig, axes = plt.subplots(1, len(stacks), figsize=(4.2 * len(stacks), 3.4), squeeze=False, sharey=True)
+    for ax, st in zip(axes[0], stacks):
+        sel = [r for r in recs if r["version"] == st and r["case"] in (case, "control") and r.get("metrics")]
+        for i, path in enumerate(dict.fromkeys(r["path"] for r in sel)):
+            pts = sorted((r["ga"], r["metrics"]["norm_ratio"]) for r in sel if r["path"] == path)
+            ax.plot(*zip(*pts), marker="osD^"[i % 4], color=f"C{i}", markersize=8 - 1.5 * i, label=path)
+        ax.axhline(1.0, color="black", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("GAS (global batch fixed; GAS=1: the control)")
+        ax.set_title(st, fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("effective / reference norm")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -6,7 +6,7 @@ import pytest
 from kit import runall
 
 pytestmark = pytest.mark.world
-NOTEBOOKS = ("02_pipeline_ga", "03_zero_boundary", "04_bf16_leak")
+NOTEBOOKS = ("01_trainer_loss_kwargs", "02_pipeline_ga", "03_zero_boundary", "04_bf16_leak")
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +46,11 @@ def test_pipeline_notebook_finds_the_summing_release(quick_run):
     assert old["verdict"] == "affected" and old["affected_stages"] == [0, 1]
     assert set(old["matches"]["0"]) == {"sum (x GA)"}
     assert new["verdict"] == "not-affected" and new["affected_stages"] == []
+
+
+def test_trainer_notebook_blames_the_right_path(quick_run):
+    findings = json.loads((quick_run[1] / "01_trainer_loss_kwargs.findings.json").read_text())
+    seed = "deepspeed=0.18.9 transformers=5.3.0"
+    assert findings[f"{seed} | no_ds"]["gas_verdict"] == "affected"
+    assert findings[f"{seed} | ds_zero0"]["gas_verdict"] == "not-affected"
+    assert all(f["verdict"] == "not-affected" for k, f in findings.items() if k.startswith("installed"))

@@ -115,10 +115,11 @@ def run_case(case: dict) -> dict:
                                  optim="sgd", max_steps=1, logging_steps=1, report_to=[], save_strategy="no",
                                  remove_unused_columns=False, seed=seed, use_cpu=c.device().type == "cpu",
                                  deepspeed=None if zero is None else ds_config(zero))
-        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer = probe_trainer_class(Trainer)(model=model, args=args, train_dataset=rows,
+                                               fix=case["name"] if case["name"].startswith("fix_") else None)
         if case["name"] == "accepts_false":
             trainer.model_accepts_loss_kwargs = False  # the seed's workaround
-        trace = _observe(trainer, fix=case["name"] if case["name"].startswith("fix_") else None)
+        trace = trainer.gradkit_trace
         trainer.train()
         engine = trainer.model_wrapped if zero is not None else None
         after = c.full_fp32_params(engine.module, engine.optimizer) if engine is not None else \
@@ -135,6 +136,17 @@ def run_case(case: dict) -> dict:
     if engine is not None:
         c.release(engine)
     return out
+
+
+def probe_trainer_class(trainer_cls):
+    """A subclass of the Trainer under test that records its calls and, if asked, applies one of the seed's fixes."""
+
+    class ProbeTrainer(trainer_cls):
+        def __init__(self, *args, fix: str | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.gradkit_trace = _observe(self, fix)
+
+    return ProbeTrainer
 
 
 def _observe(trainer, fix: str | None = None) -> list[dict]:
@@ -213,6 +225,58 @@ def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global
     return out
 
 
+def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: int, device: str,
+             timeout_s: float) -> None:
+    """Every knob of the B1 notebook, checked before the first launch (``ConfigError`` says which)."""
+    from kit import config as kconfig
+    from kit import versions
+
+    kconfig.check_device(device)
+    kconfig.check_world_size(world_size, device)
+    kconfig.check_timeout(timeout_s)
+    for name, values in (("STACKS", stacks), ("PATHS", paths), ("GAS_VALUES", gas_values), ("CASES", cases)):
+        if not values or isinstance(values, (str, dict)):
+            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
+    for st in stacks:
+        if not isinstance(st, dict):
+            raise kconfig.ConfigError(f"a version stack is a mapping like {{'transformers': '5.3.0'}}, got {st!r}")
+        for package, version in st.items():
+            if package not in versions.PACKAGES:
+                raise kconfig.ConfigError(f"stacks pin {versions.PACKAGES}, not {package!r}")
+            kconfig.check_version(version)
+    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
+        raise kconfig.ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    plan(paths, gas_values, cases, global_batch)
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """The claims the B1 notebook asserts, each broken one as a sentence (empty list: all hold).
+
+    1. every GAS = 1 control is the reference up to its token factor (the count ``num_items_in_batch``
+       uses against the label tokens the loss sums): whatever is off at GAS = 1 is that count;
+    2. every step the Trainer took as shipped has a GAS factor of 1, GAS or 1/GAS: its GAS handling is
+       explained, not an unexplained mix;
+    3. the applied gradient keeps the reference's direction on every such step (cosine 1).
+    """
+    from kit import oracle
+
+    bad = []
+    for r in recs:
+        if r["verdict"] == oracle.CANNOT_RUN or not r.get("metrics"):
+            continue
+        where = f"{r['version']} {r['path']} GAS={r['ga']} {r['case']}"
+        tol = oracle.tolerance(r["dtype"]).norm_ratio
+        if r["role"] == "control" and r.get("gas_factor") is not None and abs(r["gas_factor"] - 1) > tol:
+            bad.append(f"{where}: the GAS=1 step is off the reference by more than its token count explains "
+                       f"({r['metrics']['norm_ratio']:.5f} vs token factor {r['token_factor']:.5f})")
+        if r["case"] == "trainer" and r.get("gas_factor") is not None:
+            if not any(abs(r["gas_factor"] / f - 1) <= tol for f in (1.0, r["ga"], 1.0 / r["ga"])):
+                bad.append(f"{where}: GAS factor {r['gas_factor']:.5f} is neither 1, GAS nor 1/GAS")
+            if r["metrics"]["cosine"] < 1 - tol:
+                bad.append(f"{where}: the applied gradient is rotated (cosine {r['metrics']['cosine']:.6f})")
+    return bad
+
+
 def stack_label(stack: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(stack.items())) or "installed"
 
@@ -226,19 +290,9 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
     ``token_factor`` (label tokens the loss sums over / ``num_items_in_batch`` it is divided by) and
     ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS divided twice).
     """
-    from kit import config as kconfig
-    from kit import records, versions
+    from kit import records
 
-    kconfig.check_device(device)
-    kconfig.check_world_size(world_size, device)
-    kconfig.check_timeout(timeout_s)
-    for st in stacks:
-        if not isinstance(st, dict):
-            raise kconfig.ConfigError(f"a version stack is a mapping like {{'transformers': '5.3.0'}}, got {st!r}")
-        for package, version in st.items():
-            if package not in versions.PACKAGES:
-                raise kconfig.ConfigError(f"stacks pin {versions.PACKAGES}, not {package!r}")
-            kconfig.check_version(version)
+    validate(stacks, paths, gas_values, cases, world_size, global_batch, device, timeout_s)
     todo = plan(paths, gas_values, cases, global_batch, seed)
     out = []
     for st in stacks:
