@@ -21,3 +21,13 @@ def test_notebook_is_stored_clean_and_parses(path):
         assert len(c.source.splitlines()) <= 40, f"a {len(c.source.splitlines())}-line cell: move logic into kit/"
     assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
     assert nb.metadata["kernelspec"]["name"] == runall.KERNEL
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_papermill_sees_every_parameter(path):
+    import re
+
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assigned = {m.group(1) for m in re.finditer(r"^([A-Z_][A-Z0-9_]*)\s*=", cell.source, re.M)}
+    assert assigned == set(runall.notebook_parameters(path)), "papermill cannot parse a line (an '=' in a comment?)"
