@@ -290,7 +290,8 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
 
     Each record is judged against its own path's GAS = 1 control from the same world, and carries
     ``token_factor`` (label tokens the loss sums over / ``num_items_in_batch`` it is divided by) and
-    ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS divided twice).
+    ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS divided twice);
+    both only at W = 1, where rank 0's trace holds every token. ``gas_verdict`` holds at any W.
     """
     from kit import records
 
@@ -318,7 +319,7 @@ def _annotate(rec: dict, control: dict | None = None) -> dict:
 
     calls = [t for t in rec.get("trace") or [] if t["call"] == "compute_loss"]
     rec["path"] = rec["config"]["path"]
-    if calls and rec.get("metrics"):
+    if calls and rec.get("metrics") and rec["world_size"] == 1:  # the trace is rank 0's: one rank's tokens only
         items = calls[0]["num_items_in_batch"]
         summed = sum(t["label_tokens_shifted"] for t in calls)
         rec["token_factor"] = summed / items if items else None
