@@ -181,9 +181,25 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
             loss = loss / gas
             if "scale_wrt_gas" in kw:
                 kw["scale_wrt_gas"] = False
+        import torch
+
+        backpropagated: list[float] = []
+        tensor_backward = torch.Tensor.backward
+
+        def seen_tensor_backward(self, *a, **k):  # the scalar autograd really starts from, after Accelerate/DS
+            if self.dim() == 0:
+                backpropagated.append(float(self.detach()))
+            return tensor_backward(self, *a, **k)
+
+        torch.Tensor.backward = seen_tensor_backward
+        try:
+            result = backward(loss, **kw)
+        finally:
+            torch.Tensor.backward = tensor_backward
         trace.append({"call": "accelerator.backward", "loss": float(loss.detach()), "trainer_divided": trainer_divided,
-                      "kwargs": {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))}})
-        return backward(loss, **kw)
+                      "kwargs": {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))},
+                      "backpropagated": backpropagated[-1] if backpropagated else None})
+        return result
 
     trainer.compute_loss, trainer.accelerator.backward = seen_compute_loss, seen_backward
     return trace
