@@ -2,94 +2,70 @@
 from __future__ import annotations
 
 
-def accumulator_explorer(recs: list[dict]):
-    """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
+def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict | None = None,
+              missing: str = "no record for that combination"):
+    """Dropdowns that redraw ``figure(found, chosen)`` for the records matching the chosen values.
+
+    ``select`` maps a dropdown's name to the record key it filters on (its choices are the values
+    found in ``grad``); ``options`` are extra dropdowns handed to ``figure`` only.
+    """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    from kit import plots, records
+    from kit import records
 
-    grad = [r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"]
     if not grad:
-        raise ValueError("no record with accumulator norms to explore")
+        raise ValueError(f"no record with {what} to explore")
 
-    def draw(version, case, ga):
-        found = records.select(grad, version=version, case=case, ga=ga)
-        if found:
-            plots.accumulator_norms(found[:1])
-            plt.show()
-        else:
-            print(f"no record for {version} / {case} / GA={ga}")
+    def draw(**chosen):
+        found = records.select(grad, **{key: chosen[name] for name, key in select.items()})
+        if not found:
+            print(missing)
+            return
+        figure(found, chosen)
+        plt.show()
 
-    return widgets.interact(draw, version=sorted({r["version"] for r in grad}),
-                            case=sorted({r["case"] for r in grad}), ga=sorted({r["ga"] for r in grad}))
+    choices = {name: sorted({r[key] for r in grad}, key=str) for name, key in select.items()}
+    return widgets.interact(draw, **choices, **(options or {}))
+
+
+def accumulator_explorer(recs: list[dict]):
+    """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
+    from kit import plots
+
+    return _explorer([r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"], "accumulator norms",
+                     {"version": "version", "case": "case", "ga": "ga"},
+                     lambda found, chosen: plots.accumulator_norms(found[:1]))
 
 
 def attribution_explorer(recs: list[dict]):
     """Dropdowns over version, case, ZeRO stage, dtype, world size and N that redraw the attribution bars."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from kit import plots
 
-    from kit import plots, records
+    def figure(found, chosen):
+        plots.attribution_bars(found[:1])
+        print(found[0]["reason"])
 
-    grad = [r for r in recs if r.get("attribution")]
-    if not grad:
-        raise ValueError("no record with an attribution to explore")
-
-    def draw(version, case, zero_stage, dtype, world_size, n):
-        found = records.select(grad, version=version, case=case, zero_stage=zero_stage, dtype=dtype,
-                               world_size=world_size, ga=n)
-        if found:
-            plots.attribution_bars(found[:1])
-            plt.show()
-            print(found[0]["reason"])
-        else:
-            print("no record for that combination (the fixes run only at FIX_N_VALUES)")
-
-    return widgets.interact(draw, **{k: sorted({r[f] for r in grad}, key=str) for k, f in (
-        ("version", "version"), ("case", "case"), ("zero_stage", "zero_stage"), ("dtype", "dtype"),
-        ("world_size", "world_size"), ("n", "ga"))})
+    return _explorer([r for r in recs if r.get("attribution")], "an attribution",
+                     {"version": "version", "case": "case", "zero_stage": "zero_stage", "dtype": "dtype",
+                      "world_size": "world_size", "n": "ga"}, figure,
+                     missing="no record for that combination (the fixes run only at FIX_N_VALUES)")
 
 
 def pipeline_explorer(recs: list[dict]):
     """Dropdowns over version, world size, dtype and ZeRO stage that redraw the per-stage ratio figure."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
+    from kit import plots
 
-    from kit import plots, records
-
-    grad = [r for r in recs if r.get("stages")]
-    if not grad:
-        raise ValueError("no pipeline record with per-stage results to explore")
-
-    def draw(version, world_size, dtype, zero_stage):
-        found = records.select(grad, version=version, world_size=world_size, dtype=dtype, zero_stage=zero_stage)
-        if found:
-            plots.stage_ratio_vs_ga(found)
-            plt.show()
-        else:
-            print("no record for that combination")
-
-    return widgets.interact(draw, **{k: sorted({r[k] for r in grad}, key=str)
-                                     for k in ("version", "world_size", "dtype", "zero_stage")})
+    return _explorer([r for r in recs if r.get("stages")], "per-stage pipeline results",
+                     {k: k for k in ("version", "world_size", "dtype", "zero_stage")},
+                     lambda found, chosen: plots.stage_ratio_vs_ga(found))
 
 
 def path_explorer(recs: list[dict]):
     """Dropdowns over version stack and case that redraw the effective/reference ratio per training path."""
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-
-    from kit import plots, records
+    from kit import plots
 
     grad = [r for r in recs if r.get("metrics") and r.get("path")]
-    if not grad:
-        raise ValueError("no Trainer record with metrics to explore")
-
-    def draw(version, case):
-        found = records.select(grad, version=version)
-        if found:
-            plots.path_ratio_vs_ga(found, case=case)
-            plt.show()
-
-    return widgets.interact(draw, version=sorted({r["version"] for r in grad}),
-                            case=sorted({r["case"] for r in grad if r["case"] != "control"}))
+    return _explorer(grad, "Trainer metrics", {"version": "version"},
+                     lambda found, chosen: plots.path_ratio_vs_ga(found, case=chosen["case"]),
+                     options={"case": sorted({r["case"] for r in grad if r["case"] != "control"})})
