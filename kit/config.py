@@ -49,8 +49,7 @@ def check_device(device: str) -> None:
 
 
 def check_world_size(world_size, device: str = "cpu") -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
+    check_positive_int("world_size", world_size)
     if device in DEVICES:
         limit = max_world_size(device)
         if world_size > limit:
@@ -58,6 +57,17 @@ def check_world_size(world_size, device: str = "cpu") -> None:
                    else f"{limit} visible GPUs")
             raise ConfigError(f"world_size={world_size} is more than this machine can run on {device} "
                               f"(at most {limit}: {why})")
+
+
+def check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_list(name: str, values) -> None:
+    """A notebook's list parameter: present, non-empty, and not a string (papermill -p passes lists as strings)."""
+    if not values or isinstance(values, (str, dict)):
+        raise ConfigError(f"{name} must be a non-empty list, got {values!r}")
 
 
 def check_ga(ga) -> None:

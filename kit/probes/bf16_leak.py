@@ -173,8 +173,7 @@ def plan_symptom(splits, steps: int, lr: float, hidden: int = 32, seed: int = 0,
     out = []
     for mb, ga in splits:
         kconfig.check_ga(ga)
-        if not isinstance(mb, int) or mb < 1:
-            raise kconfig.ConfigError(f"micro-batch size must be an integer >= 1, got {mb!r}")
+        kconfig.check_positive_int("micro-batch size", mb)
         for name in cases:
             out.append({"name": name, **CASES[name], "role": "symptom", "ga": ga, "micro_batch": mb,
                         "hidden": hidden, "seed": seed, "steps": steps, "lr": lr})
@@ -198,9 +197,8 @@ def validate(world_size: int, ga_values, versions, device: str, timeout_s: float
     for v in versions:
         kconfig.check_version(v)
     kconfig.check_timeout(timeout_s)
-    for name, value in (("micro_batch", micro_batch), ("hidden", hidden)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise kconfig.ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    kconfig.check_positive_int("micro_batch", micro_batch)
+    kconfig.check_positive_int("hidden", hidden)
     if splits:
         plan_symptom(splits, steps=1, lr=0.1)
 

@@ -227,8 +227,7 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
     kconfig.check_device(device)
     for name, values in (("WORLD_SIZES", world_sizes), ("SPLITS", splits), ("DTYPES", dtypes),
                          ("ZERO_STAGES", zero_stages), ("VERSIONS", versions)):
-        if not values or isinstance(values, str):
-            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
+        kconfig.check_list(name, values)
     for w in world_sizes:
         kconfig.check_world_size(w, device)
         if w % STAGES:
@@ -238,8 +237,7 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
             raise kconfig.ConfigError(f"a split is [micro_batch, GA], got {split!r}")
         mb, ga = split
         kconfig.check_ga(ga)
-        if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
-            raise kconfig.ConfigError(f"micro-batch size must be an integer >= 1, got {mb!r}")
+        kconfig.check_positive_int("micro-batch size", mb)
     for d in dtypes:
         kconfig.check_dtype(d)
     for s in zero_stages:
@@ -250,8 +248,7 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
     for v in versions:
         kconfig.check_version(v)
     kconfig.check_timeout(timeout_s)
-    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
-        raise kconfig.ConfigError(f"hidden must be an integer >= 1, got {hidden!r}")
+    kconfig.check_positive_int("hidden", hidden)
     plan(splits)
 
 

@@ -252,8 +252,7 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
     kconfig.check_world_size(world_size, device)
     kconfig.check_timeout(timeout_s)
     for name, values in (("STACKS", stacks), ("PATHS", paths), ("GAS_VALUES", gas_values), ("CASES", cases)):
-        if not values or isinstance(values, (str, dict)):
-            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
+        kconfig.check_list(name, values)
     for st in stacks:
         if not isinstance(st, dict):
             raise kconfig.ConfigError(f"a version stack is a mapping like {{'transformers': '5.3.0'}}, got {st!r}")
@@ -261,8 +260,7 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
             if package not in versions.PACKAGES:
                 raise kconfig.ConfigError(f"stacks pin {versions.PACKAGES}, not {package!r}")
             kconfig.check_version(version)
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1:
-        raise kconfig.ConfigError(f"global_batch must be an integer >= 1, got {global_batch!r}")
+    kconfig.check_positive_int("global_batch", global_batch)
     plan(paths, gas_values, cases, global_batch)
 
 

@@ -177,14 +177,11 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
              micro_batch: int = 4, hidden: int = 32) -> None:
     """Every knob of the B3 notebook, checked before the first launch (``ConfigError`` says which)."""
     kconfig.check_device(device)
-    if not world_sizes:
-        raise kconfig.ConfigError("WORLD_SIZES is empty: give at least one world size")
+    for name, values in (("WORLD_SIZES", world_sizes), ("N_VALUES", n_values), ("ZERO_STAGES", stages),
+                         ("DTYPES", dtypes), ("VERSIONS", versions)):
+        kconfig.check_list(name, values)
     for w in world_sizes:
         kconfig.check_world_size(w, device)
-    for name, values in (("N_VALUES", n_values), ("ZERO_STAGES", stages), ("DTYPES", dtypes),
-                         ("VERSIONS", versions)):
-        if not values or isinstance(values, str):
-            raise kconfig.ConfigError(f"{name} must be a non-empty list, got {values!r}")
     for n in (*n_values, *fix_n_values):
         kconfig.check_ga(n)
     for s in stages:
@@ -194,9 +191,8 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
     for v in versions:
         kconfig.check_version(v)
     kconfig.check_timeout(timeout_s)
-    for name, value in (("micro_batch", micro_batch), ("hidden", hidden)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise kconfig.ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    kconfig.check_positive_int("micro_batch", micro_batch)
+    kconfig.check_positive_int("hidden", hidden)
 
 
 def _annotate(rec: dict) -> dict:
