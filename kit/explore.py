@@ -69,3 +69,223 @@ def path_explorer(recs: list[dict]):
     return _explorer(grad, "Trainer metrics", {"version": "version"},
                      lambda found, chosen: plots.path_ratio_vs_ga(found, case=chosen["case"]),
                      options={"case": sorted({r["case"] for r in grad if r["case"] != "control"})})
+
+
+# ============================================================================ the probe explorer (Run button)
+
+B1_STACKS = {"installed": {}, "transformers 5.3.0 + DeepSpeed 0.18.9": {"transformers": "5.3.0", "deepspeed": "0.18.9"}}
+
+# What each bug lets a user choose; the first value of each list is the default.
+KNOBS = {
+    "B1": {"world_size": [1, 2], "ga": [4, 2, 8], "zero_stage": ["none", 0, 2, 3], "dtype": ["fp32"],
+           "version": list(B1_STACKS)},
+    "B2": {"world_size": [2, 4], "ga": [4, 2, 8], "zero_stage": [0, 1], "dtype": ["fp32", "bf16"],
+           "version": ["installed", "0.18.2", "0.18.6"]},
+    "B3": {"world_size": [2, 1, 3, 4], "ga": [4, 2, 8], "zero_stage": [2, 0, 1, 3], "dtype": ["fp32", "bf16"],
+           "version": ["installed", "0.18.6"]},
+    "B4": {"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": [1], "dtype": ["bf16"],
+           "version": ["installed", "0.18.9"]},
+}
+KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO stage", "dtype": "dtype",
+               "version": "version"}
+TYPICAL_S = {"B1": 45.0, "B2": 30.0, "B3": 15.0, "B4": 15.0}  # one warm world on 2 CPU cores, for the progress bar
+
+
+def default_selection(bug: str = "B3") -> dict:
+    if bug not in KNOBS:
+        from kit import config as kconfig
+        raise kconfig.ConfigError(f"unknown bug {bug!r}; the explorer knows {sorted(KNOBS)}")
+    return {"bug": bug, **{k: v[0] for k, v in KNOBS[bug].items()}}
+
+
+def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[str, dict]:
+    """The probe function (``kit.probes.<module>:run``) and its keyword arguments for one selection.
+
+    Pure and fast: every knob is checked here (``ConfigError``), so a bad selection never launches ranks.
+    """
+    from kit import config as kconfig
+
+    bug = sel.get("bug")
+    if bug not in KNOBS:
+        raise kconfig.ConfigError(f"unknown bug {bug!r}; the explorer knows {sorted(KNOBS)}")
+    for knob, allowed in KNOBS[bug].items():
+        if sel.get(knob) not in allowed:
+            raise kconfig.ConfigError(f"{bug}: {KNOB_LABELS[knob]} {sel.get(knob)!r} is not one of {allowed}")
+    w, ga, stage, dtype, v = sel["world_size"], sel["ga"], sel["zero_stage"], sel["dtype"], sel["version"]
+    kconfig.check_world_size(w, device)
+    common = {"device": device, "timeout_s": timeout_s}
+    if bug == "B1":
+        path = "no_ds" if stage == "none" else f"ds_zero{stage}"
+        return "trainer_ga", {"stacks": [B1_STACKS[v]], "paths": [path], "gas_values": [1, ga],
+                              "cases": ["trainer", "accepts_false"], "world_size": w, **common}
+    if bug == "B2":
+        return "pipeline_ga", {"world_sizes": [w], "splits": [[8 // ga, ga]], "dtypes": [dtype],
+                               "zero_stages": [stage], "versions": [v], **common}
+    if bug == "B3":
+        return "zero_boundary", {"world_sizes": [w], "n_values": sorted({1, ga}), "stages": [stage], "dtypes": [dtype],
+                                 "versions": [v], "fixes": ["fix_boundary"], "fix_n_values": [ga], **common}
+    return "bf16_leak", {"world_size": w, "ga_values": [ga], "versions": [v],
+                         "cases": ["leak", "workaround", "control"], **common}
+
+
+def run_probe(module: str, kwargs: dict) -> list[dict]:
+    """Launch the probe's worlds (the default runner of the explorer)."""
+    import importlib
+
+    return importlib.import_module(f"kit.probes.{module}").run(**kwargs)
+
+
+def result_rows(recs: list[dict], sel: dict) -> list[dict]:
+    """What the explorer's figure shows: one row per judged case (per pipeline stage for B2) at the chosen GA."""
+    from kit import overview
+
+    bug = overview.BUGS[sel["bug"]]
+    rows = []
+    for r in recs:
+        if r.get("role") == "symptom" or (r["ga"] != sel["ga"] and r["role"] != "control"):
+            continue
+        verdict = (r.get(bug.verdict_key) or r["verdict"]) if r["case"] == bug.measured else r["verdict"]
+        parts = [(f" · stage {s['stage'] if 'stage' in s else i}", s.get("metrics") or {}, s.get("verdict", verdict))
+                 for i, s in enumerate(r["stages"])] if r.get("stages") else [("", r.get("metrics") or {}, verdict)]
+        for suffix, m, v in parts:
+            rows.append({"label": f"{r['case']} ({r['role']}, GA {r['ga']}){suffix}", "case": r["case"],
+                         "role": r["role"], "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "verdict": v,
+                         "reason": r.get("reason", "")})
+    return rows
+
+
+def sentence(rows: list[dict], sel: dict) -> str:
+    """The result in words, with its numbers."""
+    from kit import overview
+
+    measured = [r for r in rows if r["case"] == overview.BUGS[sel["bug"]].measured]
+    if not measured:
+        return "no measured case came back"
+    worst = min(measured, key=lambda r: -abs((r["ratio"] or 1) - 1))
+    if worst["ratio"] is None:
+        return f"{sel['bug']} could not be measured here: {worst['reason'][:200]}"
+    return (f"{sel['bug']} at W={sel['world_size']}, GA/N={sel['ga']}, ZeRO {sel['zero_stage']}, {sel['dtype']}, "
+            f"{sel['version']}: **{worst['verdict']}**: the applied gradient is {worst['ratio']:.3f} x the "
+            f"reference (cosine {worst['cosine']:.3f}) for {worst['label']}.")
+
+
+class ProbeExplorer:
+    """Sliders and dropdowns for one probe run, a Run button, a progress bar, and the redrawn figure.
+
+    ``runner(module, kwargs) -> records`` launches the probe (default ``run_probe``); tests pass a fake.
+    Headless (``interactive=False``, e.g. under papermill) ``run()`` draws the figure straight into the
+    cell's output; in JupyterLab the figure goes into the widget's output area.
+    """
+
+    def __init__(self, selection: dict | None = None, device: str = "cpu", timeout_s: float = 600,
+                 runner=None, interactive: bool = True):
+        import ipywidgets as widgets
+
+        self.device, self.timeout_s, self.interactive = device, timeout_s, interactive
+        self.runner = runner or run_probe
+        self.records: list[dict] = []
+        self.rows: list[dict] = []
+        sel = selection or default_selection()
+        self.bug = widgets.Dropdown(options=sorted(KNOBS), value=sel["bug"], description="bug")
+        self.knobs = {
+            "world_size": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["world_size"]),
+            "ga": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["ga"]),
+            "zero_stage": widgets.Dropdown(options=[0], description=KNOB_LABELS["zero_stage"]),
+            "dtype": widgets.Dropdown(options=["fp32"], description=KNOB_LABELS["dtype"]),
+            "version": widgets.Dropdown(options=["installed"], description=KNOB_LABELS["version"]),
+        }
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="ranks")
+        self.status = widgets.HTML(value="choose a configuration and press Run")
+        self.output = widgets.Output()
+        self._set_options(sel)
+        self.bug.observe(lambda change: self._set_options(default_selection(change["new"])), names="value")
+        self.button.on_click(lambda _: self.run())
+
+    def _set_options(self, sel: dict) -> None:
+        for knob, w in self.knobs.items():
+            opts = sorted(KNOBS[sel["bug"]][knob], key=str)
+            w.options = opts
+            w.value = sel[knob] if sel[knob] in opts else opts[0]
+
+    def selection(self) -> dict:
+        return {"bug": self.bug.value, **{k: w.value for k, w in self.knobs.items()}}
+
+    def widget(self):
+        import ipywidgets as widgets
+
+        return widgets.VBox([widgets.HBox([self.bug, self.knobs["version"]]),
+                             widgets.HBox([self.knobs["world_size"], self.knobs["ga"]]),
+                             widgets.HBox([self.knobs["zero_stage"], self.knobs["dtype"]]),
+                             widgets.HBox([self.button, self.progress]), self.status, self.output])
+
+    def run(self) -> list[dict]:
+        """The Run button: check the selection, launch the probe in a thread while the progress bar moves, redraw."""
+        import threading
+        import time
+
+        from kit import config as kconfig
+
+        sel = self.selection()
+        try:
+            module, kwargs = probe_call(sel, self.device, self.timeout_s)
+        except kconfig.ConfigError as e:
+            self.status.value = f"<b>cannot run this selection:</b> {e}"
+            self.progress.value = 0.0
+            return []
+        result: dict = {}
+
+        def work():
+            try:
+                result["records"] = self.runner(module, kwargs)
+            except Exception as e:  # noqa: BLE001 - shown in the status line, never swallowed silently
+                result["error"] = e
+
+        self.button.disabled = True
+        self.progress.bar_style = ""
+        t0 = time.monotonic()
+        thread = threading.Thread(target=work, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            elapsed = time.monotonic() - t0
+            self.progress.value = min(0.95, elapsed / TYPICAL_S[sel["bug"]])
+            self.status.value = f"ranks running: {sel['bug']} via kit.probes.{module}, {elapsed:.0f} s"
+            thread.join(0.25)
+        self.button.disabled = False
+        self.progress.value = 1.0
+        if "error" in result:
+            self.progress.bar_style = "danger"
+            self.status.value = f"<b>the probe failed:</b> {type(result['error']).__name__}: {result['error']}"
+            return []
+        self.records = result["records"]
+        self.rows = result_rows(self.records, sel)
+        self.progress.bar_style = "success"
+        self.status.value = sentence(self.rows, sel).replace("**", "") + f" ({time.monotonic() - t0:.0f} s)"
+        self.redraw(sel)
+        return self.records
+
+    def redraw(self, sel: dict | None = None) -> None:
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+
+        from kit import plots
+
+        sel = sel or self.selection()
+        fig = plots.explorer_result(self.rows, title=_title(sel))
+        if self.interactive:  # a PNG appended to the output area: works from a kernel thread and from a test
+            import io
+
+            from IPython.display import Image
+
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+            self.output.outputs = ()
+            self.output.append_display_data(Image(data=buf.getvalue(), format="png"))
+        else:
+            display(fig)
+        plt.close(fig)
+
+
+def _title(sel: dict) -> str:
+    return (f"{sel['bug']}: W={sel['world_size']}, GA/N={sel['ga']}, ZeRO {sel['zero_stage']}, {sel['dtype']}, "
+            f"{sel['version']}")

@@ -297,3 +297,67 @@ def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def verdict_matrix(cells: list[dict], title: str = ""):
+    """Bug x DeepSpeed version: each cell coloured by its verdict, with the measured ratio and where it was taken.
+
+    ``cells`` come from ``kit.overview.verdict_matrix``. The installed release's column is marked.
+    """
+    from kit import overview, versions
+
+    installed = versions.installed_version("deepspeed")
+    bugs = [b for b in overview.BUGS if any(c["bug"] == b for c in cells)]
+    cols = sorted({c["deepspeed"] for c in cells}, key=overview._version_key)
+    fig, ax = plt.subplots(figsize=(2.0 + 1.55 * len(cols), 0.9 + 0.75 * len(bugs)))
+    for i, bug in enumerate(bugs):
+        for j, v in enumerate(cols):
+            c = next((c for c in cells if c["bug"] == bug and c["deepspeed"] == v), None)
+            if c is None:
+                ax.text(j + 0.5, i + 0.5, "not run", ha="center", va="center", fontsize=7, color="#999999")
+                continue
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=VERDICT_COLOURS.get(c["verdict"], "white"), alpha=0.75))
+            ratio = f"{c['ratio']:.3f}" if c.get("ratio") else "-"
+            cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
+            ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
+            ax.text(j + 0.5, i + 0.85, c["where"].split(", transformers")[0], ha="center", va="center", fontsize=5)
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(bugs), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(cols))])
+    ax.set_xticklabels([f"{v}\n(installed)" if v == installed else v for v in cols], fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(bugs))])
+    ax.set_yticklabels([f"{b}\n{overview.BUGS[b].notebook[:2]}" for b in bugs], fontsize=8)
+    ax.set_xlabel("DeepSpeed release", fontsize=8)
+    ax.tick_params(length=0)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=VERDICT_COLOURS[v], alpha=0.75) for v in
+               ("affected", "not-affected", "inconclusive", "cannot-run")]
+    ax.legend(handles, ["affected", "not-affected", "inconclusive", "cannot-run"], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1))
+    ax.set_title(title or "verdict per bug and DeepSpeed release; number = effective / reference ratio "
+                          "(1.000 = correct)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def explorer_result(rows: list[dict], title: str = ""):
+    """Two bar panels, effective/reference ratio and cosine, one bar per case (per stage), coloured by verdict.
+
+    ``rows`` come from ``kit.explore.result_rows``. The grey line marks 1.0: a correct engine's bar ends on it.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.42 * max(1, len(rows))), sharey=True)
+    labels = [r["label"] for r in rows]
+    colours = [VERDICT_COLOURS.get(r["verdict"], "#cccccc") for r in rows]
+    for ax, key, name in zip(axes, ("ratio", "cosine"), ("effective / reference norm", "cosine(effective, reference)")):
+        vals = [r[key] if r[key] is not None else 0.0 for r in rows]
+        ax.barh(range(len(rows)), vals, color=colours, alpha=0.8)
+        ax.axvline(1.0, color="#555555", lw=1, ls="--")
+        for i, (v, r) in enumerate(zip(vals, rows)):
+            ax.text(v, i, f" {v:.3f}" if r[key] is not None else " cannot run", va="center", fontsize=7)
+        ax.set_xlabel(name, fontsize=8)
+        ax.set_xlim(0, max(1.25, max(vals or [1]) * 1.2))
+    axes[0].set_yticks(range(len(rows)))
+    axes[0].set_yticklabels(labels, fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle(title + "  (colour = verdict, dashed = correct)", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -1,32 +1,48 @@
-"""Execute the notebooks with papermill and collect their verdicts into one summary.
+"""Execute the notebooks with papermill, in parallel, and collect their verdicts into one summary.
 
-    python -m kit.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--timeout 900] [NOTEBOOK ...]
+    python -m kit.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--jobs 2]
+                         [--timeout 1800] [NOTEBOOK ...]
 
-Parameters are checked against each notebook's ``parameters`` cell (``papermill.inspect_notebook``)
-before anything runs: papermill itself only warns about unknown names. Each notebook writes its
-records and findings into ``RESULTS_DIR`` (set to ``--out``); a failing notebook is reported with
-its failing cell and does not stop the others. Writes ``summary.json`` and ``summary.md``.
+- **Parameters** come from a YAML file (``defaults`` for every notebook that has the knob, ``notebooks``
+  per notebook stem, ``timeouts`` in seconds per stem) and are checked against each notebook's
+  ``parameters`` cell (``papermill.inspect_notebook``) before anything runs: papermill itself only warns
+  about unknown names.
+- **Each notebook runs in its own papermill process** with a wall-clock limit (its ``timeouts`` entry or
+  ``--timeout``); at the limit the process group, kernel included, is killed. ``--jobs`` notebooks run
+  at a time (each launches its own ranks). A failed or timed-out notebook is reported with its failing
+  cell and does not stop the others.
+- **Aggregating notebooks** (those with a ``LOAD_RESULTS`` parameter, i.e. the overview) run after the
+  bug notebooks and read the records those just wrote.
+- **The summary** (``summary.md``, ``summary.json``, ``verdict_matrix.png`` / ``.json``) links to every
+  executed notebook, and lists any verdict that changed since the previous run into the same folder.
+Exit status: 0 all notebooks ran, 1 one or more failed, 2 bad input (nothing ran).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import records, report
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 KERNEL = "gradkit"
+AGGREGATE_PARAMETER = "LOAD_RESULTS"
+DEFAULT_TIMEOUT_S = 1800.0
 
 
 def notebook_parameters(path) -> dict:
     import papermill
 
-    return {k: v for k, v in papermill.inspect_notebook(str(path)).items()}
+    return dict(papermill.inspect_notebook(str(path)))
 
 
 def validate_parameters(path, params: dict, known: dict | None = None) -> None:
@@ -40,63 +56,185 @@ def validate_parameters(path, params: dict, known: dict | None = None) -> None:
 
 
 def load_params(path) -> dict:
-    """``{"defaults": {...}, "notebooks": {stem: {...}}}`` from a YAML file (both keys optional)."""
+    """``{"defaults": {...}, "notebooks": {stem: {...}}, "timeouts": {stem: s}}`` from YAML (all keys optional)."""
     import yaml
 
+    keys = ("defaults", "notebooks", "timeouts")
     if path is None:
-        return {"defaults": {}, "notebooks": {}}
+        return {k: {} for k in keys}
+    if not Path(path).exists():
+        raise kconfig.ConfigError(f"no such parameters file: {path}")
     data = yaml.safe_load(Path(path).read_text()) or {}
-    extra = set(data) - {"defaults", "notebooks"}
+    extra = set(data) - set(keys)
     if extra:
-        raise kconfig.ConfigError(f"{path}: unknown top-level key(s) {sorted(extra)}; use 'defaults' and 'notebooks'")
-    return {"defaults": data.get("defaults") or {}, "notebooks": data.get("notebooks") or {}}
+        raise kconfig.ConfigError(f"{path}: unknown top-level key(s) {sorted(extra)}; use {list(keys)}")
+    spec = {k: data.get(k) or {} for k in keys}
+    for stem, t in spec["timeouts"].items():
+        kconfig.check_timeout(t)
+    return spec
 
 
-def params_for(path: Path, spec: dict, out: Path) -> dict:
+def params_for(path: Path, spec: dict, out: Path, aggregate_from: Path | None = None) -> dict:
     known = notebook_parameters(path)
     params = {k: v for k, v in spec["defaults"].items() if k in known}  # defaults apply where they fit
     params.update(spec["notebooks"].get(path.stem, {}))  # named ones must fit
     if "RESULTS_DIR" in known:
         params["RESULTS_DIR"] = str(out)
+    if AGGREGATE_PARAMETER in known and aggregate_from is not None and AGGREGATE_PARAMETER not in params:
+        params[AGGREGATE_PARAMETER] = str(aggregate_from)
     validate_parameters(path, params, known)
     return params
 
 
-def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
-    import papermill
+# ---------------------------------------------------------------------------------------------- one notebook
 
-    executed = out / path.name
-    t0 = time.time()
-    entry = {"notebook": path.name, "executed": str(executed), "parameters": params}
+def failing_cell(executed: Path) -> dict | None:
+    """The first cell of an executed notebook that raised, or the one still running when it was stopped."""
+    import nbformat
+
     try:
-        papermill.execute_notebook(str(path), str(executed), parameters=params, kernel_name=KERNEL,
-                                   cwd=str(REPO), execution_timeout=timeout_s, progress_bar=False)
-        entry["status"] = "ok"
-    except papermill.PapermillExecutionError as e:
-        entry.update(status="failed", error=f"cell {e.exec_count}: {e.ename}: {e.evalue}"[:1000])
-    except Exception as e:  # noqa: BLE001 - a kernel that dies or times out is a failed notebook, not a crash
-        entry.update(status="failed", error=f"{type(e).__name__}: {e}"[:1000])
+        nb = nbformat.read(str(executed), as_version=4)
+    except Exception:  # noqa: BLE001 - no notebook written at all: nothing to point at
+        return None
+    running = None
+    added = ("injected-parameters", "papermill-error-cell-tag")  # cells papermill put in: not the notebook's own
+    cells = [c for c in nb.cells if not set(c.get("metadata", {}).get("tags", [])) & set(added)]
+    for i, cell in enumerate(cells):  # i = the cell's index in the stored notebook
+        if cell.cell_type != "code":
+            continue
+        for o in cell.get("outputs", []):
+            if o.get("output_type") == "error" and o.get("ename") != "PapermillExecutionError":
+                return {"index": i, "source": cell.source[:600], "ename": o.get("ename"),
+                        "evalue": str(o.get("evalue"))[:600], "traceback_tail": "\n".join(o.get("traceback", []))[-1500:]}
+        if cell.get("metadata", {}).get("papermill", {}).get("status") == "running":
+            running = {"index": i, "source": cell.source[:600], "ename": "Timeout", "evalue": "still running when stopped"}
+    return running
+
+
+def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
+    """Run one notebook in its own papermill process; never raises for the notebook's own failures."""
+    executed = out / path.name
+    entry = {"notebook": path.name, "executed": str(executed), "parameters": params, "timeout_s": timeout_s}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(params, f)  # JSON is YAML: papermill reads it with -f
+    log = out / f"{path.stem}.papermill.log"
+    cmd = [sys.executable, "-m", "papermill", str(path), str(executed), "-f", f.name, "-k", KERNEL,
+           "--cwd", str(REPO), "--execution-timeout", str(int(timeout_s)), "--no-progress-bar",
+           "--request-save-on-cell-execute"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    t0 = time.time()
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # papermill, its kernel, and the kernel's ranks
+            proc.wait()
+            code, timed_out = None, True
+    os.unlink(f.name)
     entry["wall_s"] = round(time.time() - t0, 1)
-    recs_path = out / f"{path.stem}.jsonl"
-    entry["records"] = records.load(recs_path) if recs_path.exists() and entry["status"] == "ok" else []
+    if code == 0:
+        entry["status"] = "ok"
+        return entry
+    cell = failing_cell(executed)
+    entry["status"] = "timeout" if timed_out else "failed"
+    entry["failing_cell"] = cell
+    if timed_out:
+        entry["error"] = f"stopped at its limit of {timeout_s:g} s" + (f" in cell {cell['index']}" if cell else "")
+    elif cell:
+        entry["error"] = f"cell {cell['index']}: {cell['ename']}: {cell['evalue']}"[:1000]
+    else:
+        entry["error"] = f"papermill exited with {code}: " + log.read_text(errors="replace")[-800:]
     return entry
 
 
+# ---------------------------------------------------------------------------------------------- the run
+
+def _records(out: Path, entries: list[dict]) -> list[dict]:
+    from kit import records
+
+    recs = []
+    for e in entries:
+        path = out / (Path(e["notebook"]).stem + ".jsonl")
+        if e["status"] == "ok" and path.exists():
+            recs += records.load(path)
+    return recs
+
+
 def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
-    summary = [{k: v for k, v in e.items() if k != "records"} | {"verdicts": report.verdict_rows(e["records"])}
-               for e in entries]
+    """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran."""
+    from kit import overview, report
+
+    recs = _records(out, entries)
+    cells = overview.verdict_matrix(recs)
     js = out / "summary.json"
+    previous = json.loads(js.read_text()).get("matrix", []) if js.exists() else None
+    changed = overview.differences(previous, cells) if previous is not None else None
+    if cells:
+        overview.save_matrix(cells, out)
+    by_nb = {e["notebook"]: [r for r in recs if overview.BUGS.get(r.get("bug")) and
+                             overview.BUGS[r["bug"]].notebook == e["notebook"]] for e in entries}
+    summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
+               "matrix": cells, "changed_since_previous": changed}
     js.write_text(json.dumps(summary, indent=1, default=str))
-    lines = ["# gradkit run-all summary", ""]
+    ok = sum(e["status"] == "ok" for e in entries)
+    lines = ["# gradkit run-all summary", "",
+             f"{ok} of {len(entries)} notebooks ran to the end (their last cells assert what they found).", ""]
+    if cells:
+        link = lambda nb: nb  # noqa: E731 - the executed copies sit next to this file
+        lines += ["## Verdict matrix", "", "![verdict matrix](verdict_matrix.png)", "",
+                  overview.matrix_table(cells, link=link), "",
+                  "Each cell: the worst verdict of the bug's reported configuration on that DeepSpeed release, "
+                  "with the effective/reference ratio (1.000 = correct) and cosine of the configuration shown.", ""]
+    if changed is not None:
+        lines += ["Verdicts identical to the previous run into this folder." if not changed else
+                  "**Verdicts changed since the previous run into this folder:** " + "; ".join(changed), ""]
     for e in entries:
         lines.append(f"## [{e['notebook']}]({Path(e['executed']).name}) — {e['status']} in {e['wall_s']} s")
         if e["status"] != "ok":
-            lines.append(f"\n**Failed:** `{e['error']}`\n")
+            cell = e.get("failing_cell") or {}
+            lines += ["", f"**{e['status'].capitalize()}:** `{e['error']}`", ""]
+            if cell.get("source"):
+                lines += [f"Cell {cell['index']}:", "", "```python", cell["source"], "```", ""]
             continue
-        lines += ["", report.verdict_table(e["records"]), ""]
+        if by_nb[e["notebook"]]:
+            lines += ["", report.verdict_table(by_nb[e["notebook"]]), ""]
     md = out / "summary.md"
     md.write_text("\n".join(lines) + "\n")
     return md, js
+
+
+def default_jobs() -> int:
+    """Two notebooks at a time where the cores allow 2 ranks each (``RANKS_PER_CORE`` x cores >= 4)."""
+    return max(1, min(2, kconfig.RANKS_PER_CORE * (os.cpu_count() or 1) // 4))
+
+
+def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
+    """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote."""
+    known = {p: notebook_parameters(p) for p in paths}
+    aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
+    first = [p for p in paths if p not in aggregating]
+    source = out if first else None
+    plan = {p: params_for(p, spec, out, source if p in aggregating else None) for p in paths}  # all checked first
+    entries: dict[Path, dict] = {}
+    bar = _bar(len(paths), progress)
+    for wave in (first, aggregating):
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = {pool.submit(execute, p, out, plan[p], float(spec["timeouts"].get(p.stem, timeout_s))): p
+                       for p in wave}
+            for fut in as_completed(futures):
+                e = entries[futures[fut]] = fut.result()
+                bar.write(f"{e['notebook']}: {e['status']} in {e['wall_s']} s" + (f" — {e['error']}" if e.get("error") else ""))
+                bar.update(1)
+    bar.close()
+    return [entries[p] for p in paths]
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="notebooks", unit="nb", file=sys.stderr, disable=not enabled)
 
 
 def main(argv=None) -> int:
@@ -104,25 +242,25 @@ def main(argv=None) -> int:
     ap.add_argument("notebooks", nargs="*", help="notebooks to run (default: notebooks/*.ipynb)")
     ap.add_argument("--params", help="YAML file of parameters (scripts/params/*.yaml)")
     ap.add_argument("--out", default=str(REPO / "runs" / "latest"), help="folder for executed notebooks and summary")
-    ap.add_argument("--timeout", type=float, default=1800, help="per-cell execution timeout in seconds")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="per-notebook wall-clock limit in seconds (a params file's 'timeouts' override it)")
+    ap.add_argument("--jobs", type=int, default=default_jobs(), help="notebooks run at the same time")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     kconfig.check_timeout(a.timeout)
-    paths = [Path(p) for p in a.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
+    kconfig.check_positive_int("jobs", a.jobs)
+    paths = [Path(p).resolve() for p in a.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         raise kconfig.ConfigError(f"no such notebook(s): {missing}")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     spec = load_params(a.params)
-    unknown_nb = set(spec["notebooks"]) - {p.stem for p in paths}
+    stems = {p.stem for p in paths}
+    unknown_nb = (set(spec["notebooks"]) | set(spec["timeouts"])) - stems
     if unknown_nb:
-        raise kconfig.ConfigError(f"parameters given for notebook(s) not being run: {sorted(unknown_nb)}")
-    plan = [(p, params_for(p, spec, out)) for p in paths]  # every parameter checked before the first run
-    entries = []
-    for p, params in plan:
-        print(f"running {p.name} ...", flush=True)
-        entries.append(execute(p, out, params, a.timeout))
-        print(f"  {entries[-1]['status']} in {entries[-1]['wall_s']} s", flush=True)
+        raise kconfig.ConfigError(f"parameters or timeouts given for notebook(s) not being run: {sorted(unknown_nb)}")
+    entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress)
     md, js = summarise(entries, out)
     failed = [e["notebook"] for e in entries if e["status"] != "ok"]
     print(f"executed notebooks: {out}\nsummary: {md}\n         {js}")

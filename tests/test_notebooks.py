@@ -20,7 +20,7 @@ def quick_run(repo, tmp_path_factory):
 def test_every_notebook_ran_and_is_summarised(quick_run):
     code, out = quick_run
     summary = json.loads((out / "summary.json").read_text())
-    assert code == 0, [(e["notebook"], e.get("error")) for e in summary if e["status"] != "ok"]
+    assert code == 0, [(e["notebook"], e.get("error")) for e in summary["notebooks"] if e["status"] != "ok"]
     md = (out / "summary.md").read_text()
     for nb in NOTEBOOKS:
         assert f"{nb}.ipynb" in md

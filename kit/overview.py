@@ -1,0 +1,259 @@
+"""The four bugs side by side: one verdict matrix (bug x DeepSpeed version) and what to do about each.
+
+    recs = overview.run_probes(["installed"])          # a small run of every probe, or
+    recs = overview.load_results("runs/latest")        # the records a run-all left behind
+    cells = overview.verdict_matrix(recs)              # one cell per (bug, version)
+    overview.save_matrix(cells, "runs/latest")         # verdict_matrix.json + verdict_matrix.png
+
+A cell is the worst verdict of the bug's *measured* configurations on that version (affected >
+inconclusive > cannot-run > not-affected: a version is only `not-affected` when every configuration
+ran and matched the reference) with the most extreme effective/reference ratio among the records
+that carry that verdict, and the configuration it came from.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from kit import config as kconfig
+from kit import oracle
+
+
+@dataclass(frozen=True)
+class Bug:
+    """What the overview needs to know about one bug and its probe."""
+
+    id: str
+    title: str
+    notebook: str
+    probe: str  # module under kit.probes
+    measured: str  # the case that is the reported configuration
+    verdict_key: str  # record key holding that case's verdict
+    ratio_meaning: str  # what the number in a cell is
+    do_if_affected: str
+
+
+BUGS = {b.id: b for b in (
+    Bug("B1", "HF Trainer + DeepSpeed + model_accepts_loss_kwargs=True", "01_trainer_loss_kwargs.ipynb",
+        "trainer_ga", "trainer", "gas_verdict", "applied gradient at GAS > 1 / at GAS = 1 (same global batch)",
+        "a Trainer path's gradient changes with gradient_accumulation_steps at a fixed global batch: compare "
+        "with and without DeepSpeed in notebook 01 before changing the loss; upgrade transformers (5.23.0 "
+        "measured correct on every path), and never add the report's extra division by GAS"),
+    Bug("B2", "PipelineEngine with GA > 1", "02_pipeline_ga.ipynb", "pipeline_ga", "pipeline", "verdict",
+        "effective / reference gradient of the pipeline stage furthest from 1",
+        "on DeepSpeed <= 0.18.2 divide the pipeline loss by GA; on 0.18.3 - 0.19.2 do not (earlier stages are "
+        "already divided twice): upgrade to >= 0.19.3 or train with GA = 1"),
+    Bug("B3", "ZeRO-1/2, config GA = 1, several backward() per step()", "03_zero_boundary.ipynb",
+        "zero_boundary", "manual", "verdict", "effective / reference gradient (the last micro-batch / N survives)",
+        "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward, or put the real N in "
+        "gradient_accumulation_steps and step after every backward; from 0.19.4 "
+        "\"managed_gradient_accumulation\": false also works"),
+    Bug("B4", "BF16_Optimizer (bf16 + grad_accum_dtype fp32 + ZeRO-1)", "04_bf16_leak.ipynb", "bf16_leak", "leak",
+        "verdict", "effective / reference gradient of the reported configuration",
+        "set \"bf16\": {\"enabled\": true, \"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0"),
+)}
+
+RESULT_FILES = {b.id: b.notebook.replace(".ipynb", ".jsonl") for b in BUGS.values()}
+_RANK = {v: i for i, v in enumerate(reversed(oracle.WORST_FIRST))}  # higher = worse
+
+
+# ---------------------------------------------------------------------------------------------- getting records
+
+def quick_plan(world_size: int = 2) -> dict:
+    """The smallest configuration of each probe that still shows its bug (what the overview runs)."""
+    return {
+        "B1": dict(paths=("no_ds", "ds_zero0"), gas_values=(1, 4), cases=("trainer",), world_size=1),
+        "B2": dict(world_sizes=(2,), splits=((8, 1), (1, 8)), dtypes=("fp32",), zero_stages=(0,), workaround=False),
+        "B3": dict(world_sizes=(world_size,), n_values=(1, 4), stages=(0, 1, 2, 3), dtypes=("fp32",),
+                   fixes=("fix_boundary",), fix_n_values=(4,)),
+        "B4": dict(world_size=world_size, ga_values=(4,), cases=("leak", "workaround", "control")),
+    }
+
+
+def run_probes(versions=(kconfig.INSTALLED,), bugs=tuple(BUGS), world_size: int = 2, device: str = "cpu",
+               timeout_s: float = 600, progress=None) -> list[dict]:
+    """Run ``quick_plan`` of every bug under every DeepSpeed version; one record list for all of them.
+
+    B1 runs the installed transformers with each DeepSpeed version; B2 needs an even world (2 stages).
+    ``progress(bug, i, n)`` is called before each bug, if given.
+    """
+    from kit.probes import bf16_leak, pipeline_ga, trainer_ga, zero_boundary
+
+    kconfig.check_list("versions", versions)
+    kconfig.check_list("bugs", bugs)
+    unknown = sorted(set(bugs) - set(BUGS))
+    if unknown:
+        raise kconfig.ConfigError(f"unknown bug(s) {unknown}; the kit knows {sorted(BUGS)}")
+    for v in versions:
+        kconfig.check_version(v)
+    kconfig.check_world_size(world_size, device)
+    plan = quick_plan(world_size)
+    common = dict(device=device, timeout_s=timeout_s)
+    runs = {
+        "B1": lambda: trainer_ga.run(stacks=[{} if v == kconfig.INSTALLED else {"deepspeed": v} for v in versions],
+                                     **plan["B1"], **common),
+        "B2": lambda: pipeline_ga.run(versions=versions, **plan["B2"], **common),
+        "B3": lambda: zero_boundary.run(versions=versions, **plan["B3"], **common),
+        "B4": lambda: bf16_leak.run(versions=versions, **plan["B4"], **common),
+    }
+    out = []
+    for i, bug in enumerate(bugs):
+        if progress:
+            progress(bug, i, len(bugs))
+        out += runs[bug]()
+    return out
+
+
+def load_results(folder) -> list[dict]:
+    """Every bug notebook's records from a run-all folder (``<stem>.jsonl``); a clear error if there are none."""
+    from kit import records
+
+    folder = Path(folder)
+    found = [folder / name for name in RESULT_FILES.values() if (folder / name).exists()]
+    if not found:
+        raise FileNotFoundError(f"no bug-notebook records ({', '.join(RESULT_FILES.values())}) in {folder}: "
+                                f"run `python -m kit.runall` first, or run the probes here")
+    return [r for path in found for r in records.load(path)]
+
+
+# ---------------------------------------------------------------------------------------------- the matrix
+
+def deepspeed_version(rec: dict) -> str:
+    """The DeepSpeed release a record really imported (its request where it never got that far)."""
+    from kit import versions
+
+    got = (rec.get("versions") or {}).get("deepspeed") or (rec.get("stack") or {}).get("deepspeed")
+    if got:
+        return got
+    label = rec.get("version", "")
+    return versions.installed_version("deepspeed") if label in (kconfig.INSTALLED, "") else label.split("=")[-1]
+
+
+def _ratio(rec: dict) -> float | None:
+    """The number that shows the bug: the extreme per-stage ratio (B2), the GAS effect (B1), else the ratio."""
+    if rec.get("stages"):
+        vals = [(s.get("metrics") or {}).get("norm_ratio") for s in rec["stages"]]
+    elif rec.get("ratio_vs_control") is not None:
+        vals = [rec["ratio_vs_control"]]
+    else:
+        vals = [(rec.get("metrics") or {}).get("norm_ratio")]
+    vals = [v for v in vals if v]
+    return max(vals, key=lambda v: abs(math.log(v))) if vals else None
+
+
+def _where(rec: dict) -> str:
+    bits = [f"GA {rec['ga']}" if rec["bug"] != "B1" else f"GAS {rec['ga']}"]
+    if rec.get("path"):
+        bits.append(rec["path"])
+    elif rec.get("zero_stage") is not None:
+        bits.append(f"ZeRO-{rec['zero_stage']}")
+    bits += [rec["dtype"], f"W {rec['world_size']}"]
+    tf = (rec.get("versions") or {}).get("transformers")
+    if rec["bug"] == "B1" and tf:
+        bits.append(f"transformers {tf}")
+    return ", ".join(bits)
+
+
+def verdict_matrix(recs: list[dict]) -> list[dict]:
+    """One cell per (bug, DeepSpeed version) over the bug's measured records, worst verdict first."""
+    groups: dict = {}
+    for r in recs:
+        bug = BUGS.get(r.get("bug"))
+        if bug is None or r.get("role") != "measured" or r.get("case") != bug.measured:
+            continue
+        groups.setdefault((bug.id, deepspeed_version(r)), []).append(r)
+    cells = []
+    for (bug_id, version), group in groups.items():
+        verdict_of = lambda r: r.get(BUGS[bug_id].verdict_key) or r["verdict"]  # noqa: E731
+        worst = max((verdict_of(r) for r in group), key=lambda v: _RANK.get(v, -1))
+        bad = [r for r in group if verdict_of(r) == worst]
+        with_ratio = [r for r in bad if _ratio(r)]
+        # the representative record: fp32 before bf16 (no rounding noise), the largest GA, the most extreme ratio
+        pick = max(with_ratio, key=lambda r: (r["dtype"] == "fp32", r["ga"], abs(math.log(_ratio(r))))) \
+            if with_ratio else bad[0]
+        cells.append({"bug": bug_id, "deepspeed": version, "verdict": worst, "ratio": _ratio(pick),
+                      "cosine": (pick.get("metrics") or {}).get("cosine"),
+                      "ratio_means": BUGS[bug_id].ratio_meaning, "where": _where(pick),
+                      "configs": len(group), "configs_with_verdict": len(bad),
+                      "reason": pick.get("reason", ""), "notebook": BUGS[bug_id].notebook})
+    return sorted(cells, key=lambda c: (c["bug"], _version_key(c["deepspeed"])))
+
+
+def _version_key(v: str):
+    return tuple(int(p) if p.isdigit() else 0 for p in v.split("+")[0].split("."))
+
+
+def cell_text(cell: dict) -> str:
+    if not cell.get("ratio"):
+        return cell["verdict"]
+    cos = f", cos {cell['cosine']:.3f}" if cell.get("cosine") is not None else ""
+    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos})"
+
+
+def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebook}") -> str:
+    """Markdown: bugs as rows (linked to ``link(notebook)``), DeepSpeed versions as columns, verdict (ratio, cosine)."""
+    from kit import versions
+
+    installed = versions.installed_version("deepspeed")
+    cols = sorted({c["deepspeed"] for c in cells}, key=_version_key)
+    head = ["bug"] + [f"{v} (installed)" if v == installed else v for v in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bug in BUGS:
+        row = {c["deepspeed"]: c for c in cells if c["bug"] == bug}
+        if row:
+            lines.append(f"| [{bug}]({link(BUGS[bug].notebook)}) | "
+                         + " | ".join(cell_text(row[v]) if v in row else "" for v in cols) + " |")
+    return "\n".join(lines)
+
+
+def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
+    """``verdict_matrix.json`` and ``verdict_matrix.png`` in ``folder``."""
+    import matplotlib.pyplot as plt
+
+    from kit import plots
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    js = folder / "verdict_matrix.json"
+    js.write_text(json.dumps(cells, indent=1, sort_keys=True))
+    png = folder / "verdict_matrix.png"
+    fig = plots.verdict_matrix(cells)
+    plots.save(fig, png)
+    plt.close(fig)
+    return js, png
+
+
+def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
+    """One sentence per bug for one DeepSpeed version (default: the installed one)."""
+    from kit import versions
+
+    deepspeed = deepspeed or versions.installed_version("deepspeed")
+    out = []
+    for bug in BUGS.values():
+        cell = next((c for c in cells if c["bug"] == bug.id and c["deepspeed"] == deepspeed), None)
+        if cell is None:
+            out.append(f"{bug.id} ({bug.title}): not measured on DeepSpeed {deepspeed}; run {bug.notebook}.")
+        elif cell["verdict"] == oracle.AFFECTED:
+            out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (ratio {cell['ratio']:.3f} at "
+                       f"{cell['where']}). To avoid it: {bug.do_if_affected}.")
+        elif cell["verdict"] == oracle.NOT_AFFECTED:
+            out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} (all {cell['configs']} measured "
+                       f"configurations match the reference); nothing to change.")
+        elif cell["verdict"] == oracle.CANNOT_RUN:
+            out.append(f"{bug.id} ({bug.title}): could not run {cell['configs_with_verdict']} of {cell['configs']} "
+                       f"configurations on {deepspeed} here ({cell['reason'][:160]}); this is not a clean bill of "
+                       f"health: run {bug.notebook} where it runs (e.g. on a GPU).")
+        else:
+            out.append(f"{bug.id} ({bug.title}): inconclusive on {deepspeed}: the control of the same launch is off "
+                       f"the reference ({cell['reason'][:160]}); see {bug.notebook}.")
+    return out
+
+
+def differences(old: list[dict], new: list[dict]) -> list[str]:
+    """Cells whose verdict changed between two matrices (what a re-run must not show)."""
+    before = {(c["bug"], c["deepspeed"]): c["verdict"] for c in old}
+    after = {(c["bug"], c["deepspeed"]): c["verdict"] for c in new}
+    return [f"{b} on {v}: {before.get((b, v), 'absent')} -> {after.get((b, v), 'absent')}"
+            for b, v in sorted(set(before) | set(after)) if before.get((b, v)) != after.get((b, v))]

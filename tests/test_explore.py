@@ -1,0 +1,85 @@
+"""The explorer's callback logic, driven without a browser: widgets are set and the Run button clicked in Python."""
+import matplotlib
+import pytest
+
+from kit import config, explore
+
+matplotlib.use("Agg")
+
+
+def _fake_records(module, kwargs, ratio=0.4026, cosine=0.6225):
+    """What a B3 probe world returns, reduced to the keys the explorer reads."""
+    ga = kwargs["fix_n_values"][0]
+    rec = lambda case, role, g, r, c, v: {"bug": "B3", "case": case, "role": role, "ga": g, "dtype": "fp32",  # noqa: E731
+                                         "world_size": kwargs["world_sizes"][0], "verdict": v, "reason": "",
+                                         "metrics": {"norm_ratio": r, "cosine": c}}
+    return [rec("control", "control", ga, 1.0, 1.0, "not-affected"),
+            rec("manual", "measured", 1, 1.0, 1.0, "not-affected"),
+            rec("manual", "measured", ga, ratio, cosine, "affected"),
+            rec("fix_boundary", "fix", ga, 1.0, 1.0, "not-affected")]
+
+
+class Recorder:
+    def __init__(self, result=_fake_records):
+        self.calls, self.result = [], result
+
+    def __call__(self, module, kwargs):
+        self.calls.append((module, kwargs))
+        return self.result(module, kwargs)
+
+
+def test_run_button_launches_the_chosen_probe_and_redraws():
+    runner = Recorder()
+    ex = explore.ProbeExplorer(runner=runner, interactive=True)
+    ex.bug.value = "B3"
+    ex.knobs["ga"].value = 8
+    ex.knobs["zero_stage"].value = 1
+    ex.button.click()
+    (module, kwargs), = runner.calls
+    assert module == "zero_boundary"
+    assert kwargs["n_values"] == [1, 8] and kwargs["stages"] == [1] and kwargs["fix_n_values"] == [8]
+    assert kwargs["world_sizes"] == [2] and kwargs["versions"] == ["installed"]
+    assert ex.progress.value == 1.0 and ex.progress.bar_style == "success"
+    assert "affected" in ex.status.value and "0.403" in ex.status.value
+    assert [r["case"] for r in ex.rows] == ["control", "manual", "fix_boundary"]  # GA 1 measured row left out
+    assert len(ex.output.outputs) == 1  # the figure, redrawn into the output area
+    ex.button.click()
+    assert len(runner.calls) == 2 and len(ex.output.outputs) == 1  # replaced, not appended
+
+
+def test_choosing_a_bug_offers_only_its_knobs():
+    ex = explore.ProbeExplorer(runner=Recorder(), interactive=False)
+    ex.bug.value = "B4"
+    assert ex.knobs["dtype"].options == ("bf16",) and ex.knobs["zero_stage"].options == (1,)
+    assert explore.probe_call(ex.selection())[0] == "bf16_leak"
+    ex.bug.value = "B2"
+    assert set(ex.knobs["world_size"].options) == {2, 4}
+    module, kwargs = explore.probe_call(ex.selection())
+    assert module == "pipeline_ga" and kwargs["splits"] == [[2, 4]]
+    ex.bug.value = "B1"
+    ex.knobs["zero_stage"].value = "none"
+    module, kwargs = explore.probe_call(ex.selection())
+    assert module == "trainer_ga" and kwargs["paths"] == ["no_ds"] and kwargs["gas_values"] == [1, 4]
+
+
+def test_a_bad_selection_never_launches():
+    runner = Recorder()
+    ex = explore.ProbeExplorer(runner=runner, interactive=False)
+    sel = {**ex.selection(), "world_size": 999}
+    with pytest.raises(config.ConfigError):
+        explore.probe_call(sel)
+    ex.knobs["world_size"].options = [2, 999]  # what a hand-edited widget could hold
+    ex.knobs["world_size"].value = 999
+    assert ex.run() == [] and runner.calls == []
+    assert "cannot run this selection" in ex.status.value
+    with pytest.raises(config.ConfigError, match="unknown bug"):
+        explore.default_selection("B9")
+
+
+def test_a_failing_probe_is_reported_not_swallowed():
+    def boom(module, kwargs):
+        raise RuntimeError("rank 1 raised ValueError")
+    ex = explore.ProbeExplorer(runner=boom, interactive=False)
+    assert ex.run() == []
+    assert ex.progress.bar_style == "danger" and "rank 1 raised ValueError" in ex.status.value
+    assert not ex.button.disabled

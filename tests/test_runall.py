@@ -1,0 +1,69 @@
+"""The batch runner: parallel papermill processes, per-notebook limits, failures reported and survived."""
+import json
+
+import nbformat
+import pytest
+
+from kit import config, runall
+
+pytestmark = pytest.mark.world
+
+
+def _notebook(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": runall.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
+    params = nbformat.v4.new_code_cell("X = 1")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("out")
+    fails = _notebook(src / "a_fails.ipynb", "y = X + 1", "assert y == 3, f'deliberate failure: y is {y}'",
+                      "print('never reached')")
+    hangs = _notebook(src / "b_hangs.ipynb", "import time\ntime.sleep(600)")
+    works = _notebook(src / "c_works.ipynb", "print('ran with X =', X)")
+    params = src / "p.yaml"
+    params.write_text("notebooks:\n  c_works:\n    X: 7\ntimeouts:\n  b_hangs: 25\n")
+    code = runall.main([str(fails), str(hangs), str(works), "--params", str(params), "--out", str(out),
+                        "--jobs", "2", "--timeout", "120", "--no-progress"])
+    return code, out
+
+
+def test_runner_keeps_going_past_a_failing_notebook(mixed_run):
+    code, out = mixed_run
+    assert code == 1
+    entries = {e["notebook"]: e for e in json.loads((out / "summary.json").read_text())["notebooks"]}
+    assert entries["c_works.ipynb"]["status"] == "ok"
+    assert entries["c_works.ipynb"]["parameters"] == {"X": 7}
+    executed = nbformat.read(str(out / "c_works.ipynb"), as_version=4)
+    assert "ran with X = 7" in "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    failed = entries["a_fails.ipynb"]
+    assert failed["status"] == "failed"
+    assert failed["failing_cell"]["index"] == 2 and failed["failing_cell"]["ename"] == "AssertionError"
+    assert "deliberate failure: y is 2" in failed["error"]
+    md = (out / "summary.md").read_text()
+    assert "1 of 3 notebooks ran to the end" in md
+    assert "assert y == 3" in md and "[a_fails.ipynb](a_fails.ipynb)" in md
+
+
+def test_runner_stops_a_notebook_at_its_own_limit(mixed_run):
+    code, out = mixed_run
+    e = {e["notebook"]: e for e in json.loads((out / "summary.json").read_text())["notebooks"]}["b_hangs.ipynb"]
+    assert e["status"] == "timeout" and e["timeout_s"] == 25
+    assert e["wall_s"] < 60, "the hung notebook was not stopped at its limit"
+    assert e["failing_cell"]["index"] == 1
+
+
+def test_runner_refuses_timeouts_for_notebooks_not_run(tmp_path):
+    nb = _notebook(tmp_path / "n.ipynb", "pass")
+    bad = tmp_path / "p.yaml"
+    bad.write_text("timeouts:\n  other: 10\n")
+    with pytest.raises(config.ConfigError, match="other"):
+        runall.main([str(nb), "--params", str(bad), "--out", str(tmp_path / "o")])
+    bad.write_text("timeouts:\n  n: -1\n")
+    with pytest.raises(config.ConfigError, match="timeout"):
+        runall.main([str(nb), "--params", str(bad), "--out", str(tmp_path / "o")])
