@@ -34,6 +34,7 @@ from pathlib import Path
 from kit import config as kconfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+LAUNCHERS = ("local", "torchrun", "deepspeed")
 GRACE_AFTER_FAILURE_S = 5.0  # other ranks usually block in a collective once one dies
 POLL_S = 0.1
 
@@ -69,13 +70,41 @@ class World:
     env: dict[str, str] = field(default_factory=dict)
     init: str = "deepspeed"  # "deepspeed" | "torch": how the worker initialises the process group
     extensions_key: str | None = None  # names the torch-extensions cache; default: the installed DeepSpeed
+    # How the ranks are started (defaults from the environment, so notebooks and run-all need no new knobs):
+    # "local" = the kit starts one process per rank on this machine; "torchrun" = torchrun (one per node,
+    # over ssh for the other nodes of the hostfile); "deepspeed" = the DeepSpeed launcher with the hostfile.
+    launcher: str = field(default_factory=lambda: os.environ.get("GRADKIT_LAUNCHER", "local"))
+    nnodes: int = field(default_factory=lambda: int(os.environ.get("GRADKIT_NNODES", "1")))
+    hostfile: str | None = field(default_factory=lambda: os.environ.get("GRADKIT_HOSTFILE") or None)
+    master_addr: str = field(default_factory=lambda: os.environ.get("GRADKIT_MASTER_ADDR", "127.0.0.1"))
+
+    @property
+    def nproc_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
     def validate(self) -> None:
         kconfig.check_device(self.device)
-        kconfig.check_world_size(self.world_size, self.device)
         kconfig.check_timeout(self.timeout_s)
         if self.init not in ("deepspeed", "torch"):
             raise kconfig.ConfigError(f"init must be 'deepspeed' or 'torch', got {self.init!r}")
+        if self.launcher not in LAUNCHERS:
+            raise kconfig.ConfigError(f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        kconfig.check_positive_int("nnodes", self.nnodes)
+        kconfig.check_positive_int("world_size", self.world_size)
+        if self.world_size % self.nnodes:
+            raise kconfig.ConfigError(f"world_size={self.world_size} does not split evenly over {self.nnodes} nodes")
+        if self.nnodes > 1:
+            if self.launcher == "local":
+                raise kconfig.ConfigError("several nodes need launcher 'torchrun' or 'deepspeed' (GRADKIT_LAUNCHER)")
+            hosts = read_hostfile(self.hostfile)
+            if len(hosts) < self.nnodes:
+                raise kconfig.ConfigError(f"{self.nnodes} nodes asked for, the hostfile {self.hostfile} names {len(hosts)}")
+            slots = min(n for _, n in hosts[:self.nnodes])
+            if slots < self.nproc_per_node:
+                raise kconfig.ConfigError(f"{self.nproc_per_node} ranks per node asked for, the hostfile gives "
+                                          f"a node only {slots} slots")
+        else:
+            kconfig.check_world_size(self.world_size, self.device)  # this machine's own limit
 
 
 def _installed_key() -> str:
@@ -87,6 +116,68 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def read_hostfile(path) -> list[tuple[str, int]]:
+    """``[(host, slots)]`` from a DeepSpeed-style hostfile (``worker-1 slots=8``; ``#`` comments)."""
+    if not path:
+        raise kconfig.ConfigError("several nodes need a hostfile (GRADKIT_HOSTFILE): lines like 'node-1 slots=8'")
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise kconfig.ConfigError(f"cannot read the hostfile {path}: {e}") from None
+    hosts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.split("#")[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = [p for p in parts[1:] if p.startswith("slots=")]
+        if len(parts) > 2 or (len(parts) == 2 and not slots) or (slots and not slots[0][6:].isdigit()):
+            raise kconfig.ConfigError(f"{path}:{n}: expected 'HOST slots=N', got {line!r}")
+        hosts.append((parts[0], int(slots[0][6:]) if slots else 1))
+    return hosts
+
+
+def worker_module_args(job: Path) -> list[str]:
+    return ["kit.worker", str(job)]
+
+
+def launch_commands(world: World, job: Path, port: int) -> list[list[str]]:
+    """The command line(s) that start ``world``: one per rank (local), per node (torchrun), or one (deepspeed).
+
+    torchrun on several nodes: node 0 (this machine) runs torchrun itself, every other node of the hostfile
+    is reached with ``ssh HOST cd REPO && ...`` (the repo and the job folder must be at the same path there:
+    a shared filesystem). The DeepSpeed launcher reads the hostfile and reaches the nodes itself (pdsh).
+    """
+    py = sys.executable
+    if world.launcher == "local":
+        return [[py, "-m", *worker_module_args(job)] for _ in range(world.world_size)]
+    if world.launcher == "deepspeed":
+        cmd = [py, "-m", "deepspeed.launcher.runner", "--master_addr", world.master_addr, "--master_port", str(port)]
+        if world.nnodes > 1:
+            cmd += ["--hostfile", str(world.hostfile), "--num_nodes", str(world.nnodes)]
+        return [cmd + ["--num_gpus", str(world.nproc_per_node), "--no_local_rank", "--module", *worker_module_args(job)]]
+    cmds = []
+    hosts = read_hostfile(world.hostfile)[:world.nnodes] if world.nnodes > 1 else [("localhost", world.world_size)]
+    for node, (host, _) in enumerate(hosts):
+        cmd = [py, "-m", "torch.distributed.run", "--nnodes", str(world.nnodes), "--nproc_per_node",
+               str(world.nproc_per_node), "--node_rank", str(node), "--master_addr", world.master_addr,
+               "--master_port", str(port), "-m", *worker_module_args(job)]
+        if node > 0:  # the other nodes: over ssh, in the same folder, with the kit's PYTHONPATH
+            cmd = ["ssh", host, f"cd {REPO_ROOT} && PYTHONPATH={REPO_ROOT} " + " ".join(cmd)]
+        cmds.append(cmd)
+    return cmds
+
+
+def launcher_env(world: World, port: int) -> dict[str, str]:
+    """The environment of a torchrun / DeepSpeed launcher: the kit's variables, ranks numbered by the launcher."""
+    env = rank_env(world, 0, port)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if world.device == "cpu":
+        env["LOCAL_SIZE"] = str(world.nproc_per_node)  # DeepSpeed's CPU accelerator counts "devices" from it
+    return env
 
 
 def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
@@ -149,25 +240,34 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
         raise kconfig.ConfigError(f"target must look like 'package.module:function', got {target!r}")
     job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
     job.mkdir(parents=True, exist_ok=True)
-    (job / "spec.json").write_text(json.dumps({"target": target, "payload": payload, "device": world.device,
-                                               "init": world.init, "timeout_s": world.timeout_s}))
     port = free_port()
+    env0 = rank_env(world, 0, port)
+    # What every rank needs, whoever starts it (a launcher may not pass the kit's variables on to other nodes):
+    (job / "spec.json").write_text(json.dumps({
+        "target": target, "payload": payload, "device": world.device, "init": world.init, "timeout_s": world.timeout_s,
+        "pythonpath": [*world.pythonpath, str(REPO_ROOT)],
+        "env": {k: env0[k] for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env0}}))
     procs: list[subprocess.Popen] = []
-    logs = [job / f"rank{r}.log" for r in range(world.world_size)]
+    commands = launch_commands(world, job, port)
+    logs = [job / (f"rank{r}.log" if world.launcher == "local" else f"launcher{r}.log") for r in range(len(commands))]
     try:
-        for r in range(world.world_size):
+        for r, cmd in enumerate(commands):
+            env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
             with open(logs[r], "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", "kit.worker", str(job)], env=rank_env(world, r, port),
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
         try:
             _wait(procs, world, job, logs)
+            if not (job / "rank0.json").exists():
+                raise RankFailed("the launcher exited 0 but rank 0 wrote no result; its output:\n"
+                                 + _tail(logs[0])[-1500:], rank=0, logs={0: _tail(logs[0])})
         except LaunchError as e:
             e.partial = _partials(job, world.world_size)
             raise
         results = []
-        for r in range(world.world_size):
-            rec = json.loads((job / f"rank{r}.json").read_text())
-            results.append(rec["result"])
+        for r in range(world.world_size):  # other nodes' ranks are visible only on a shared filesystem
+            path = job / f"rank{r}.json"
+            results.append(json.loads(path.read_text())["result"] if path.exists() else None)
         return results
     finally:
         _kill(procs)

@@ -239,8 +239,8 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
             out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (ratio {cell['ratio']:.3f} at "
                        f"{cell['where']}). To avoid it: {bug.do_if_affected}.")
         elif cell["verdict"] == oracle.NOT_AFFECTED:
-            out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} (all {cell['configs']} measured "
-                       f"configurations match the reference); nothing to change.")
+            out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} ({_count(cell['configs'])} "
+                       f"measured, all match the reference); nothing to change.")
         elif cell["verdict"] == oracle.CANNOT_RUN:
             out.append(f"{bug.id} ({bug.title}): could not run {cell['configs_with_verdict']} of {cell['configs']} "
                        f"configurations on {deepspeed} here ({cell['reason'][:160]}); this is not a clean bill of "
@@ -251,9 +251,56 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
     return out
 
 
+def _count(n: int) -> str:
+    return f"{n} configuration" + ("" if n == 1 else "s")
+
+
 def differences(old: list[dict], new: list[dict]) -> list[str]:
     """Cells whose verdict changed between two matrices (what a re-run must not show)."""
     before = {(c["bug"], c["deepspeed"]): c["verdict"] for c in old}
     after = {(c["bug"], c["deepspeed"]): c["verdict"] for c in new}
     return [f"{b} on {v}: {before.get((b, v), 'absent')} -> {after.get((b, v), 'absent')}"
             for b, v in sorted(set(before) | set(after)) if before.get((b, v)) != after.get((b, v))]
+
+
+def sentences(cells: list[dict]) -> list[str]:
+    """Each cell of the matrix in one sentence, with its numbers."""
+    from kit import versions
+
+    installed = versions.installed_version("deepspeed")
+    out = []
+    for c in cells:
+        where = f"DeepSpeed {c['deepspeed']}" + (" (installed)" if c["deepspeed"] == installed else "")
+        share = f"{c['configs_with_verdict']} of {_count(c['configs'])}"
+        if c.get("ratio"):
+            cos = f", cosine {c['cosine']:.3f}" if c.get("cosine") is not None else ""
+            out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}); at {c['where']} the applied "
+                       f"gradient is {c['ratio']:.3f} x the reference{cos}.")
+        else:
+            out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}): {c['reason'][:200]}")
+    return out
+
+
+def violations(cells: list[dict], bugs=tuple(BUGS), versions_run=None) -> list[str]:
+    """What must hold for the matrix to be trusted; the overview notebook asserts the list is empty.
+
+    Every requested bug has a cell on every version run; an ``affected`` cell's number is off 1 (or its
+    cosine is); a ``not-affected`` cell's number is 1 within the loosest (bf16) tolerance.
+    """
+    from kit import versions
+
+    out = []
+    loose = oracle.tolerance("bf16").norm_ratio
+    if versions_run is not None:
+        want = {versions.installed_version("deepspeed") if v == kconfig.INSTALLED else v for v in versions_run}
+        have = {(c["bug"], c["deepspeed"]) for c in cells}
+        out += [f"{b} has no verdict on DeepSpeed {v}" for b in bugs for v in sorted(want) if (b, v) not in have]
+    for c in cells:
+        ratio, cos = c.get("ratio"), c.get("cosine")
+        if c["verdict"] == oracle.NOT_AFFECTED and (ratio is None or abs(ratio - 1) > loose):
+            out.append(f"{c['bug']} on {c['deepspeed']}: not-affected but the ratio is {ratio}")
+        if c["verdict"] == oracle.AFFECTED and ratio is not None and abs(ratio - 1) <= 1e-4 and (cos or 1) > 1 - 1e-4:
+            out.append(f"{c['bug']} on {c['deepspeed']}: affected but ratio {ratio} and cosine {cos} look correct")
+        if c["verdict"] not in oracle.VERDICTS:
+            out.append(f"{c['bug']} on {c['deepspeed']}: unknown verdict {c['verdict']!r}")
+    return out

@@ -215,7 +215,10 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     known = {p: notebook_parameters(p) for p in paths}
     aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
     first = [p for p in paths if p not in aggregating]
-    source = out if first else None
+    from kit import overview
+
+    bug_notebooks = {b.notebook for b in overview.BUGS.values()}
+    source = out if any(p.name in bug_notebooks for p in first) else None  # else the overview runs the probes itself
     plan = {p: params_for(p, spec, out, source if p in aggregating else None) for p in paths}  # all checked first
     entries: dict[Path, dict] = {}
     bar = _bar(len(paths), progress)

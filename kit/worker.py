@@ -52,6 +52,12 @@ def resolve(target: str):
 def main(job: Path) -> int:
     rank = int(os.environ["RANK"])
     spec = json.loads((job / "spec.json").read_text())
+    # torchrun / the DeepSpeed launcher on another node may not pass the kit's variables on: the spec carries them
+    for key, value in spec.get("env", {}).items():
+        os.environ.setdefault(key, value)
+    for path in reversed(spec.get("pythonpath", [])):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     os.environ[PARTIAL_ENV] = str(job / f"rank{rank}.partial.jsonl")
     try:
         fn = resolve(spec["target"])

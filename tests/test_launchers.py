@@ -1,0 +1,89 @@
+"""The kit's launcher driving torchrun and the DeepSpeed launcher: command lines for several nodes, real single-node runs."""
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kit import config, launch
+
+JOB = Path("/shared/job")
+
+
+def _hostfile(tmp_path, text="node-a slots=8\nnode-b slots=8  # second node\n"):
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def test_local_launcher_starts_one_worker_per_rank():
+    cmds = launch.launch_commands(launch.World(world_size=2, launcher="local"), JOB, 29500)
+    assert cmds == [[sys.executable, "-m", "kit.worker", str(JOB)]] * 2
+
+
+def test_torchrun_on_two_nodes_runs_node_0_here_and_node_1_over_ssh(tmp_path):
+    world = launch.World(world_size=16, device="cpu", launcher="torchrun", nnodes=2, hostfile=_hostfile(tmp_path),
+                         master_addr="node-a")
+    world.validate()
+    here, there = launch.launch_commands(world, JOB, 29500)
+    torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8"]
+    assert here == [sys.executable, *torchrun, "--node_rank", "0", "--master_addr", "node-a", "--master_port", "29500",
+                    "-m", "kit.worker", str(JOB)]
+    assert there[:2] == ["ssh", "node-b"]
+    assert there[2].startswith(f"cd {launch.REPO_ROOT} && PYTHONPATH={launch.REPO_ROOT} ")
+    assert " ".join(torchrun) + " --node_rank 1 --master_addr node-a --master_port 29500 -m kit.worker /shared/job" in there[2]
+
+
+def test_deepspeed_launcher_gets_the_hostfile_and_the_worker_module(tmp_path):
+    hf = _hostfile(tmp_path)
+    world = launch.World(world_size=16, launcher="deepspeed", nnodes=2, hostfile=hf, master_addr="node-a")
+    world.validate()
+    (cmd,) = launch.launch_commands(world, JOB, 29501)
+    assert cmd == [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", "node-a", "--master_port", "29501",
+                   "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "8", "--no_local_rank", "--module", "kit.worker",
+                   str(JOB)]
+
+
+def test_launcher_settings_come_from_the_environment(monkeypatch, tmp_path):
+    hf = _hostfile(tmp_path)
+    for k, v in {"GRADKIT_LAUNCHER": "deepspeed", "GRADKIT_NNODES": "2", "GRADKIT_HOSTFILE": hf,
+                 "GRADKIT_MASTER_ADDR": "node-a"}.items():
+        monkeypatch.setenv(k, v)
+    world = launch.World(world_size=4)
+    assert (world.launcher, world.nnodes, world.hostfile, world.master_addr, world.nproc_per_node) == \
+        ("deepspeed", 2, hf, "node-a", 2)
+
+
+@pytest.mark.parametrize("kw, hosts, match", [
+    ({"nnodes": 2, "launcher": "local"}, "a slots=2\nb slots=2\n", "several nodes need launcher"),
+    ({"nnodes": 2, "launcher": "torchrun"}, None, "need a hostfile"),
+    ({"nnodes": 3, "launcher": "torchrun", "world_size": 6}, "a slots=2\nb slots=2\n", "hostfile .* names 2"),
+    ({"nnodes": 2, "launcher": "deepspeed", "world_size": 8}, "a slots=2\nb slots=2\n", "only 2 slots"),
+    ({"nnodes": 2, "launcher": "deepspeed", "world_size": 3}, "a slots=2\nb slots=2\n", "does not split evenly"),
+    ({"nnodes": 2, "launcher": "deepspeed"}, "a slots=two\n", "expected 'HOST slots=N'"),
+    ({"launcher": "mpirun"}, None, "launcher must be one of"),
+])
+def test_impossible_launches_are_refused_before_anything_starts(tmp_path, kw, hosts, match):
+    kw = {"world_size": 4, **kw}
+    if hosts is not None:
+        kw["hostfile"] = _hostfile(tmp_path, hosts)
+    with pytest.raises(config.ConfigError, match=match):
+        launch.World(**kw).validate()
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_real_world_through_each_launcher(launcher):
+    out = launch.run_world("kit.selftest:ping", {"echo": 3}, launch.World(world_size=2, launcher=launcher, init="torch",
+                                                                          timeout_s=120))
+    assert [r["rank"] for r in out] == [0, 1] and all(r["rank_sum"] == 1.0 and r["echo"] == 3 for r in out)
+
+
+@pytest.mark.world
+def test_a_raising_rank_under_torchrun_is_named():
+    t0 = time.time()
+    with pytest.raises(launch.RankFailed) as e:
+        launch.run_world("kit.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"},
+                         launch.World(world_size=2, launcher="torchrun", init="torch", timeout_s=60))
+    assert e.value.rank == 1 and "needle-7" in str(e.value)
+    assert time.time() - t0 < 60
