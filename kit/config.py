@@ -34,11 +34,27 @@ def cache_dir() -> Path:
     return d
 
 
+def nnodes() -> int:
+    """Nodes a world spans (``GRADKIT_NNODES``, with ``GRADKIT_LAUNCHER`` torchrun or deepspeed); 1 by default."""
+    if os.environ.get("GRADKIT_LAUNCHER", "local") == "local":
+        return 1
+    try:
+        n = int(os.environ.get("GRADKIT_NNODES", "1"))
+    except ValueError:
+        raise ConfigError(f"GRADKIT_NNODES must be an integer, got {os.environ['GRADKIT_NNODES']!r}") from None
+    if n < 1:
+        raise ConfigError(f"GRADKIT_NNODES must be >= 1, got {n}")
+    return n
+
+
 def max_world_size(device: str) -> int:
+    """Ranks this machine can run, times the nodes when a multi-node launcher is configured."""
     if device == "cuda":
         import torch
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return RANKS_PER_CORE * (os.cpu_count() or 1)
+        per_node = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    else:
+        per_node = RANKS_PER_CORE * (os.cpu_count() or 1)
+    return per_node * nnodes()
 
 
 def check_device(device: str) -> None:
@@ -54,7 +70,7 @@ def check_world_size(world_size, device: str = "cpu") -> None:
         limit = max_world_size(device)
         if world_size > limit:
             why = (f"{os.cpu_count()} CPU cores x {RANKS_PER_CORE} ranks per core" if device == "cpu"
-                   else f"{limit} visible GPUs")
+                   else f"{limit // nnodes()} visible GPUs") + (f" x {nnodes()} nodes" if nnodes() > 1 else "")
             raise ConfigError(f"world_size={world_size} is more than this machine can run on {device} "
                               f"(at most {limit}: {why})")
 

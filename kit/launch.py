@@ -82,8 +82,12 @@ class World:
     def nproc_per_node(self) -> int:
         return self.world_size // self.nnodes
 
-    def validate(self) -> None:
-        kconfig.check_device(self.device)
+    def validate(self, here: bool = True) -> None:
+        """Refuse an impossible world; ``here=False`` skips what only this machine decides (devices, cores)."""
+        if here:
+            kconfig.check_device(self.device)
+        elif self.device not in kconfig.DEVICES:
+            raise kconfig.ConfigError(f"device must be one of {kconfig.DEVICES}, got {self.device!r}")
         kconfig.check_timeout(self.timeout_s)
         if self.init not in ("deepspeed", "torch"):
             raise kconfig.ConfigError(f"init must be 'deepspeed' or 'torch', got {self.init!r}")
@@ -103,8 +107,34 @@ class World:
             if slots < self.nproc_per_node:
                 raise kconfig.ConfigError(f"{self.nproc_per_node} ranks per node asked for, the hostfile gives "
                                           f"a node only {slots} slots")
-        else:
+        elif here:
             kconfig.check_world_size(self.world_size, self.device)  # this machine's own limit
+
+
+def main(argv=None) -> int:
+    """``python -m kit.launch --dry-run``: print the command lines a world would be started with."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Print how the kit would start a world of ranks (GRADKIT_* variables apply).")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--launcher", default=None, help="local | torchrun | deepspeed (default: GRADKIT_LAUNCHER or local)")
+    ap.add_argument("--nnodes", type=int, default=None)
+    ap.add_argument("--hostfile", default=None)
+    ap.add_argument("--master-addr", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="print the command lines (the only mode)")
+    a = ap.parse_args(argv)
+    world = World(world_size=a.world_size, device=a.device)
+    for name in ("launcher", "nnodes", "hostfile", "master_addr"):
+        if getattr(a, name) is not None:
+            setattr(world, name, getattr(a, name))
+    world.validate(here=False)  # a dry run may describe GPUs this machine does not have
+    job = Path(tempfile.gettempdir()) / "gradkit-world-JOB"
+    import shlex
+
+    for cmd in launch_commands(world, job, 29500):
+        print(shlex.join(cmd))
+    return 0
 
 
 def _installed_key() -> str:
@@ -320,3 +350,11 @@ def _failure(bad: list[int], codes: list, job: Path, logs: list[Path]) -> RankFa
     r = bad[0]  # died without a Python traceback (killed, segfault, os._exit)
     return RankFailed(f"rank {r} exited with code {codes[r]} without a Python traceback; last output:\n"
                       f"{tails[r][-1500:]}", rank=r, logs=tails)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except kconfig.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -9,7 +9,10 @@ Measures, side by side in one run, on this machine:
 - the B3 probe: 4 ZeRO stages x 2 dtypes x N in {1, 2, 4, 8}, fixes at N=4 (60 configs) in one warm world;
 - the B2 probe: 2 pipeline stages, 4 splits x 2 dtypes x ZeRO-0/1 (28 configs, one world per ZeRO stage);
 - configs per minute: N configs in one world against one launch per config;
-- run-all: the notebooks with scripts/params/quick.yaml.
+- launchers: the same warm 2-rank world started by the kit itself, by torchrun and by the DeepSpeed launcher;
+- the explorer: one Run-button press (B3 default selection), widgets to redrawn figure;
+- run-all: the notebooks with scripts/params/quick.yaml, one at a time (--jobs 1) and two at a time (--jobs 2),
+  twice into the same folder (the second run must report identical verdicts).
 """
 from __future__ import annotations
 
@@ -68,12 +71,25 @@ def main() -> int:
     res["configs_per_min_one_world"] = 60 * len(cases) / t_one
     res["configs_per_min_one_launch_per_config"] = 60 * len(cases) / t_each
 
+    for name in launch.LAUNCHERS:
+        w = launch.World(world_size=2, timeout_s=600, launcher=name)
+        res[f"warm_launch_{name}_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, w))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    from kit import explore
+    ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
+    res["explorer_run_button_s"], _ = timed(ex.run)
+
     if not a.skip_runall:
         from kit import runall
+        quick = ["--params", str(REPO / "scripts" / "params" / "quick.yaml"), "--no-progress"]
         with tempfile.TemporaryDirectory(prefix="gradkit-bench-runall-") as out:
-            res["runall_quick_s"], code = timed(lambda: runall.main(
-                ["--params", str(REPO / "scripts" / "params" / "quick.yaml"), "--out", out]))
-            res["runall_ok"] = code == 0
+            res["runall_quick_jobs1_s"], code1 = timed(lambda: runall.main(quick + ["--out", out, "--jobs", "1"]))
+            res["runall_quick_jobs2_s"], code2 = timed(lambda: runall.main(quick + ["--out", out, "--jobs", "2"]))
+            summary = json.loads((Path(out) / "summary.json").read_text())
+            res["runall_ok"] = code1 == 0 and code2 == 0
+            res["runall_rerun_same_verdicts"] = summary["changed_since_previous"] == []
 
     print("\n".join(f"{k:40s} {v:.2f}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in res.items()))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

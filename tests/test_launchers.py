@@ -87,3 +87,33 @@ def test_a_raising_rank_under_torchrun_is_named():
                          launch.World(world_size=2, launcher="torchrun", init="torch", timeout_s=60))
     assert e.value.rank == 1 and "needle-7" in str(e.value)
     assert time.time() - t0 < 60
+
+
+def test_dry_run_prints_the_command_lines(tmp_path, capsys):
+    hf = _hostfile(tmp_path)
+    assert launch.main(["--world-size", "16", "--device", "cuda", "--launcher", "deepspeed", "--nnodes", "2",
+                        "--hostfile", hf, "--master-addr", "node-a", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"--hostfile {hf} --num_nodes 2 --num_gpus 8 --no_local_rank --module kit.worker" in out
+
+
+def test_world_size_limit_counts_the_nodes(monkeypatch):
+    cores_limit = config.max_world_size("cpu")
+    with pytest.raises(config.ConfigError, match="more than this machine"):
+        config.check_world_size(cores_limit + 1, "cpu")
+    monkeypatch.setenv("GRADKIT_LAUNCHER", "torchrun")
+    monkeypatch.setenv("GRADKIT_NNODES", "2")
+    config.check_world_size(cores_limit + 1, "cpu")  # two nodes hold it
+    monkeypatch.setenv("GRADKIT_NNODES", "zero")
+    with pytest.raises(config.ConfigError, match="GRADKIT_NNODES"):
+        config.check_world_size(2, "cpu")
+
+
+def test_runall_refuses_cuda_without_a_gpu(repo, tmp_path):
+    import torch
+
+    from kit import runall
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(config.ConfigError, match="no CUDA device"):
+        runall.main([str(repo / "notebooks" / "05_explorer.ipynb"), "--device", "cuda", "--out", str(tmp_path)])

@@ -31,3 +31,11 @@ def test_papermill_sees_every_parameter(path):
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     assigned = {m.group(1) for m in re.finditer(r"^([A-Z_][A-Z0-9_]*)\s*=", cell.source, re.M)}
     assert assigned == set(runall.notebook_parameters(path)), "papermill cannot parse a line (an '=' in a comment?)"
+
+
+@pytest.mark.parametrize("params", sorted((runall.REPO / "scripts" / "params").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_params_file_fits_every_notebook(params, tmp_path):
+    spec = runall.load_params(params)
+    assert set(spec["notebooks"]) | set(spec["timeouts"]) <= {p.stem for p in NOTEBOOKS}
+    for path in NOTEBOOKS:
+        runall.params_for(path, spec, tmp_path)  # raises on a parameter the notebook does not have

@@ -6,14 +6,16 @@ import pytest
 from kit import runall
 
 pytestmark = pytest.mark.world
-NOTEBOOKS = ("01_trainer_loss_kwargs", "02_pipeline_ga", "03_zero_boundary", "04_bf16_leak")
+NOTEBOOKS = ("00_overview", "01_trainer_loss_kwargs", "02_pipeline_ga", "03_zero_boundary", "04_bf16_leak",
+             "05_explorer")
 
 
 @pytest.fixture(scope="module")
 def quick_run(repo, tmp_path_factory):
     out = tmp_path_factory.mktemp("quick")
     code = runall.main([*(str(repo / "notebooks" / f"{nb}.ipynb") for nb in NOTEBOOKS), "--params",
-                        str(repo / "scripts" / "params" / "quick.yaml"), "--out", str(out), "--timeout", "900"])
+                        str(repo / "scripts" / "params" / "quick.yaml"), "--out", str(out), "--timeout", "900", "--jobs", "2",
+                        "--no-progress"])
     return code, out
 
 
@@ -54,3 +56,33 @@ def test_trainer_notebook_blames_the_right_path(quick_run):
     assert findings[f"{seed} | no_ds"]["gas_verdict"] == "affected"
     assert findings[f"{seed} | ds_zero0"]["gas_verdict"] == "not-affected"
     assert all(f["verdict"] == "not-affected" for k, f in findings.items() if k.startswith("installed"))
+
+
+def test_overview_reads_the_run_and_draws_one_matrix(quick_run):
+    out = quick_run[1]
+    findings = json.loads((out / "00_overview.findings.json").read_text())
+    assert findings["B4 0.18.9"] == "affected" and findings["B2 0.18.2"] == "affected"
+    installed = [k for k in findings if k.startswith("B3 ") and k != "B3 0.18.9"]
+    assert [findings[k] for k in installed] == ["affected"]  # ZeRO-2 manual loop, no release fixes it
+    summary = json.loads((out / "summary.json").read_text())
+    assert {(c["bug"], c["deepspeed"]): c["verdict"] for c in summary["matrix"]} == \
+        {tuple(k.split(" ")): v for k, v in findings.items()}  # the overview and the run-all agree
+    assert (out / "verdict_matrix.png").stat().st_size > 10_000
+    md = (out / "summary.md").read_text()
+    assert "![verdict matrix](verdict_matrix.png)" in md and "[00_overview.ipynb](00_overview.ipynb)" in md
+
+
+def test_explorer_runs_headless_with_its_default_selection(quick_run):
+    findings = json.loads((quick_run[1] / "05_explorer.findings.json").read_text())
+    assert findings["manual (measured, GA 4)"] == "affected"
+    assert findings["fix_boundary (fix, GA 4)"] == "not-affected"
+
+
+def test_overview_runs_the_probes_itself_when_given_no_results(repo, tmp_path):
+    params = tmp_path / "p.yaml"
+    params.write_text('notebooks:\n  00_overview:\n    VERSIONS: ["installed"]\n    BUGS: ["B2", "B4"]\n')
+    code = runall.main([str(repo / "notebooks" / "00_overview.ipynb"), "--params", str(params), "--out", str(tmp_path),
+                        "--timeout", "600", "--no-progress"])
+    assert code == 0, (tmp_path / "summary.md").read_text()
+    findings = json.loads((tmp_path / "00_overview.findings.json").read_text())
+    assert set(findings.values()) == {"not-affected"} and sorted(k.split()[0] for k in findings) == ["B2", "B4"]
