@@ -39,3 +39,13 @@ def test_every_params_file_fits_every_notebook(params, tmp_path):
     assert set(spec["notebooks"]) | set(spec["timeouts"]) <= {p.stem for p in NOTEBOOKS}
     for path in NOTEBOOKS:
         runall.params_for(path, spec, tmp_path)  # raises on a parameter the notebook does not have
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_figure_has_a_caption_that_says_what_to_look_at(path):
+    nb = nbformat.read(str(path), as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and ("plots." in cell.source or "plt.show" in cell.source):
+            before = nb.cells[i - 1]
+            assert before.cell_type == "markdown" and "**Look at**" in before.source, \
+                f"{path.name} cell {i} draws a figure without a '**Look at**' caption above it"
