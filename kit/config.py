@@ -111,3 +111,14 @@ def check_version(version) -> None:
         return
     if not isinstance(version, str) or not VERSION_RE.match(version):
         raise ConfigError(f"a version must be {INSTALLED!r} or a release number like '0.18.9', got {version!r}")
+
+
+def run_cli(main) -> None:
+    """Exit with ``main()``'s status; bad input (``ConfigError``) is one line on stderr and status 2."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -353,8 +353,4 @@ def _failure(bad: list[int], codes: list, job: Path, logs: list[Path]) -> RankFa
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except kconfig.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    kconfig.run_cli(main)

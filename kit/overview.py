@@ -176,6 +176,7 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
         cells.append({"bug": bug_id, "deepspeed": version, "verdict": worst, "ratio": _ratio(pick),
                       "cosine": (pick.get("metrics") or {}).get("cosine"),
                       "ratio_means": BUGS[bug_id].ratio_meaning, "where": _where(pick),
+                      "transformers": (pick.get("versions") or {}).get("transformers") if bug_id == "B1" else None,
                       "configs": len(group), "configs_with_verdict": len(bad),
                       "reason": pick.get("reason", ""), "notebook": BUGS[bug_id].notebook})
     return sorted(cells, key=lambda c: (c["bug"], _version_key(c["deepspeed"])))
@@ -189,7 +190,8 @@ def cell_text(cell: dict) -> str:
     if not cell.get("ratio"):
         return cell["verdict"]
     cos = f", cos {cell['cosine']:.3f}" if cell.get("cosine") is not None else ""
-    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos})"
+    tf = f"; transformers {cell['transformers']}" if cell.get("transformers") else ""
+    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos}{tf})"
 
 
 def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebook}") -> str:

@@ -320,7 +320,7 @@ def verdict_matrix(cells: list[dict], title: str = ""):
             ratio = f"{c['ratio']:.3f}" if c.get("ratio") else "-"
             cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
             ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
-            ax.text(j + 0.5, i + 0.85, c["where"].split(", transformers")[0], ha="center", va="center", fontsize=5)
+            ax.text(j + 0.5, i + 0.85, c["where"].replace(", transformers ", ", tf "), ha="center", va="center", fontsize=5)
     ax.set_xlim(0, len(cols))
     ax.set_ylim(len(bugs), 0)
     ax.set_xticks([j + 0.5 for j in range(len(cols))])

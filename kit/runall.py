@@ -278,8 +278,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except kconfig.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    kconfig.run_cli(main)

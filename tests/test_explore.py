@@ -83,3 +83,45 @@ def test_a_failing_probe_is_reported_not_swallowed():
     assert ex.run() == []
     assert ex.progress.bar_style == "danger" and "rank 1 raised ValueError" in ex.status.value
     assert not ex.button.disabled
+
+
+@pytest.mark.world
+def test_a_front_end_click_in_a_real_kernel_moves_the_progress_bar_then_reports(repo):
+    """What a browser does: a comm 'click' message to the Run button's model, then widget updates back on iopub."""
+    import time
+
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="gradkit", cwd=str(repo))
+    try:
+        setup = kc.execute("import matplotlib; matplotlib.use('Agg')\nfrom kit import explore\n"
+                           "ex = explore.ProbeExplorer(explore.default_selection('B4'), interactive=True)\n"
+                           "print(ex.button.model_id, ex.progress.model_id, ex.status.model_id)")
+        ids = None
+        while True:
+            m = kc.get_iopub_msg(timeout=120)
+            if m["msg_type"] == "stream":
+                ids = m["content"]["text"].split()
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle" \
+                    and m["parent_header"].get("msg_id") == setup:
+                break
+        button, progress, status = ids
+        click = kc.session.msg("comm_msg", {"comm_id": button, "data": {"method": "custom", "content": {"event": "click"}}})
+        kc.session.send(kc.shell_channel.socket, click)
+        values, final, t0 = [], None, time.time()
+        while time.time() - t0 < 300 and not (values and values[-1] == 1.0 and final):
+            try:
+                m = kc.get_iopub_msg(timeout=5)
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing new yet
+                continue
+            if m["msg_type"] == "comm_msg":
+                state = m["content"]["data"].get("state", {})
+                if m["content"]["comm_id"] == progress and "value" in state:
+                    values.append(state["value"])
+                if m["content"]["comm_id"] == status and "(measured" in state.get("value", ""):
+                    final = state["value"]
+        assert len(values) >= 3 and values[-1] == 1.0, values  # it moved while the ranks ran, then completed
+        assert 0 < values[1] < 1
+        assert final and "B4" in final and "not-affected" in final and "1.000 x the reference" in final
+    finally:
+        km.shutdown_kernel(now=True)

@@ -1,0 +1,73 @@
+"""The verdict matrix from records: worst verdict wins, the number shown is the telling one, checks that can fail."""
+import pytest
+
+from kit import overview, versions
+
+DS = versions.installed_version("deepspeed")
+
+
+def rec(bug, case, verdict, ratio, ga=4, dtype="fp32", ds=DS, role="measured", **kw):
+    return {"bug": bug, "case": case, "role": role, "verdict": verdict, "ga": ga, "dtype": dtype, "world_size": 2,
+            "zero_stage": 1, "version": "installed", "versions": {"deepspeed": ds, "transformers": "5.23.0"},
+            "metrics": {"norm_ratio": ratio, "cosine": 0.9} if ratio else None, "reason": f"{verdict} because", **kw}
+
+
+def test_worst_verdict_wins_and_a_crash_is_never_a_pass():
+    cells = overview.verdict_matrix([
+        rec("B3", "manual", "not-affected", 1.0, ga=2), rec("B3", "manual", "affected", 0.403, ga=4),
+        rec("B3", "manual", "affected", 0.27, ga=8, dtype="bf16"), rec("B3", "control", "not-affected", 1.0, role="control"),
+        rec("B4", "leak", "not-affected", 1.0), rec("B4", "leak", "cannot-run", None, ga=8),
+    ])
+    b3, b4 = cells
+    assert (b3["bug"], b3["verdict"], b3["configs"], b3["configs_with_verdict"]) == ("B3", "affected", 3, 2)
+    assert b3["ratio"] == 0.403 and "GA 4" in b3["where"]  # fp32 before bf16: no rounding noise in the number
+    assert b4["verdict"] == "cannot-run" and b4["ratio"] is None
+
+
+def test_each_bug_shows_its_telling_number():
+    stages = [{"metrics": {"norm_ratio": 1.0}}, {"metrics": {"norm_ratio": 0.125}}]
+    b2 = rec("B2", "pipeline", "affected", 0.97, stages=stages)  # the whole-model ratio hides the stage's 1/GA
+    b1 = rec("B1", "trainer", "inconclusive", 0.22, gas_verdict="affected", ratio_vs_control=0.25, path="no_ds")
+    c2, c1 = sorted(overview.verdict_matrix([b2, b1]), key=lambda c: c["bug"], reverse=True)
+    assert c2["ratio"] == 0.125
+    assert (c1["verdict"], c1["ratio"], c1["transformers"]) == ("affected", 0.25, "5.23.0")
+    assert "transformers 5.23.0" in overview.matrix_table([c1])
+
+
+def test_what_to_do_names_the_fix_only_where_affected():
+    cells = overview.verdict_matrix([rec("B3", "manual", "affected", 0.403), rec("B4", "leak", "not-affected", 1.0)])
+    advice = dict(zip(overview.BUGS, overview.what_to_do(cells, DS)))
+    assert "set_gradient_accumulation_boundary" in advice["B3"] and "**affected**" in advice["B3"]
+    assert "nothing to change" in advice["B4"]
+    assert "not measured" in advice["B1"] and "01_trainer_loss_kwargs" in advice["B1"]
+
+
+def test_violations_catch_a_matrix_that_cannot_be_trusted():
+    good = overview.verdict_matrix([rec("B3", "manual", "affected", 0.403), rec("B4", "leak", "not-affected", 1.0)])
+    assert overview.violations(good, ["B3", "B4"], ["installed"]) == []
+    assert overview.violations(good, ["B2"], ["installed"]) == [f"B2 has no verdict on DeepSpeed {DS}"]
+    odd = overview.verdict_matrix([rec("B4", "leak", "not-affected", 1.2), rec("B3", "manual", "affected", 1.0)])
+    odd[0]["cosine"] = 1.0  # B3 (cells are sorted by bug): a perfect gradient called affected
+    problems = overview.violations(odd)
+    assert any("not-affected but the ratio is 1.2" in p for p in problems)
+    assert any("affected but ratio 1.0" in p for p in problems)
+
+
+def test_differences_between_runs():
+    a = overview.verdict_matrix([rec("B3", "manual", "affected", 0.4)])
+    b = overview.verdict_matrix([rec("B3", "manual", "not-affected", 1.0), rec("B4", "leak", "affected", 1.1)])
+    assert overview.differences(a, a) == []
+    assert overview.differences(a, b) == [f"B3 on {DS}: affected -> not-affected", f"B4 on {DS}: absent -> affected"]
+
+
+def test_loading_from_a_folder_without_records_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="kit.runall"):
+        overview.load_results(tmp_path)
+
+
+def test_run_probes_refuses_bad_input_before_launching():
+    from kit import config
+    with pytest.raises(config.ConfigError, match="unknown bug"):
+        overview.run_probes(bugs=["B7"])
+    with pytest.raises(config.ConfigError, match="version"):
+        overview.run_probes(versions=["latest"])
