@@ -162,6 +162,17 @@ def _records(out: Path, entries: list[dict]) -> list[dict]:
     return recs
 
 
+def previous_matrix(js: Path) -> list[dict] | None:
+    """The verdict matrix of the last run into this folder; None when there is none to compare with
+    (no summary, an unreadable one, or one written by an older kit without a matrix)."""
+    try:
+        old = json.loads(js.read_text())
+    except (OSError, ValueError):
+        return None
+    matrix = old.get("matrix") if isinstance(old, dict) else None
+    return matrix if isinstance(matrix, list) else None
+
+
 def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran."""
     from kit import overview, report
@@ -169,7 +180,7 @@ def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
     recs = _records(out, entries)
     cells = overview.verdict_matrix(recs)
     js = out / "summary.json"
-    previous = json.loads(js.read_text()).get("matrix", []) if js.exists() else None
+    previous = previous_matrix(js)
     changed = overview.differences(previous, cells) if previous is not None else None
     if cells:
         overview.save_matrix(cells, out)
