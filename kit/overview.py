@@ -33,6 +33,7 @@ class Bug:
     verdict_key: str  # record key holding that case's verdict
     ratio_meaning: str  # what the number in a cell is
     do_if_affected: str
+    ratio_against: str = "the reference"  # what the ratio in a sentence compares with
 
 
 BUGS = {b.id: b for b in (
@@ -40,7 +41,8 @@ BUGS = {b.id: b for b in (
         "trainer_ga", "trainer", "gas_verdict", "applied gradient at GAS > 1 / at GAS = 1 (same global batch)",
         "a Trainer path's gradient changes with gradient_accumulation_steps at a fixed global batch: compare "
         "with and without DeepSpeed in notebook 01 before changing the loss; upgrade transformers (5.23.0 "
-        "measured correct on every path), and never add the report's extra division by GAS"),
+        "measured correct on every path), and never add the report's extra division by GAS",
+        ratio_against="the same path's gradient at GAS = 1"),
     Bug("B2", "PipelineEngine with GA > 1", "02_pipeline_ga.ipynb", "pipeline_ga", "pipeline", "verdict",
         "effective / reference gradient of the pipeline stage furthest from 1",
         "on DeepSpeed <= 0.18.2 divide the pipeline loss by GA; on 0.18.3 - 0.19.2 do not (earlier stages are "
@@ -238,8 +240,8 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
         if cell is None:
             out.append(f"{bug.id} ({bug.title}): not measured on DeepSpeed {deepspeed}; run {bug.notebook}.")
         elif cell["verdict"] == oracle.AFFECTED:
-            out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (ratio {cell['ratio']:.3f} at "
-                       f"{cell['where']}). To avoid it: {bug.do_if_affected}.")
+            out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (the applied gradient is "
+                       f"{cell['ratio']:.3f} x {bug.ratio_against} at {cell['where']}). To avoid it: {bug.do_if_affected}.")
         elif cell["verdict"] == oracle.NOT_AFFECTED:
             out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} ({_count(cell['configs'])} "
                        f"measured, all match the reference); nothing to change.")
@@ -275,9 +277,9 @@ def sentences(cells: list[dict]) -> list[str]:
         where = f"DeepSpeed {c['deepspeed']}" + (" (installed)" if c["deepspeed"] == installed else "")
         share = f"{c['configs_with_verdict']} of {_count(c['configs'])}"
         if c.get("ratio"):
-            cos = f", cosine {c['cosine']:.3f}" if c.get("cosine") is not None else ""
+            cos = f" (cosine with the reference {c['cosine']:.3f})" if c.get("cosine") is not None else ""
             out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}); at {c['where']} the applied "
-                       f"gradient is {c['ratio']:.3f} x the reference{cos}.")
+                       f"gradient is {c['ratio']:.3f} x {BUGS[c['bug']].ratio_against}{cos}.")
         else:
             out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}): {c['reason'][:200]}")
     return out
