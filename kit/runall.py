@@ -197,7 +197,8 @@ def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
         lines += ["## Verdict matrix", "", "![verdict matrix](verdict_matrix.png)", "",
                   overview.matrix_table(cells, link=link), "",
                   "Each cell: the worst verdict of the bug's reported configuration on that DeepSpeed release, "
-                  "with the effective/reference ratio (1.000 = correct) and cosine of the configuration shown.", ""]
+                  "with the effective/reference ratio (1.000 = correct; B2: the pipeline stage furthest from 1; B1: the "
+                  "gradient at GAS > 1 over the same path's at GAS = 1) and the cosine of the configuration shown.", ""]
     if changed is not None:
         lines += ["Verdicts identical to the previous run into this folder." if not changed else
                   "**Verdicts changed since the previous run into this folder:** " + "; ".join(changed), ""]
