@@ -36,8 +36,11 @@ def cache_dir() -> Path:
 
 def nnodes() -> int:
     """Nodes a world spans (``GRADKIT_NNODES``, with ``GRADKIT_LAUNCHER`` torchrun or deepspeed); 1 by default."""
-    if os.environ.get("GRADKIT_LAUNCHER", "local") == "local":
-        return 1
+    return 1 if os.environ.get("GRADKIT_LAUNCHER", "local") == "local" else nnodes_setting()
+
+
+def nnodes_setting() -> int:
+    """``GRADKIT_NNODES`` as set (1 when unset), checked."""
     try:
         n = int(os.environ.get("GRADKIT_NNODES", "1"))
     except ValueError:

@@ -91,10 +91,14 @@ KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO
 TYPICAL_S = {"B1": 45.0, "B2": 30.0, "B3": 15.0, "B4": 15.0}  # one warm world on 2 CPU cores, for the progress bar
 
 
-def default_selection(bug: str = "B3") -> dict:
+def _check_bug(bug) -> None:
     if bug not in KNOBS:
         from kit import config as kconfig
         raise kconfig.ConfigError(f"unknown bug {bug!r}; the explorer knows {sorted(KNOBS)}")
+
+
+def default_selection(bug: str = "B3") -> dict:
+    _check_bug(bug)
     return {"bug": bug, **{k: v[0] for k, v in KNOBS[bug].items()}}
 
 
@@ -106,8 +110,7 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
     from kit import config as kconfig
 
     bug = sel.get("bug")
-    if bug not in KNOBS:
-        raise kconfig.ConfigError(f"unknown bug {bug!r}; the explorer knows {sorted(KNOBS)}")
+    _check_bug(bug)
     for knob, allowed in KNOBS[bug].items():
         if sel.get(knob) not in allowed:
             raise kconfig.ConfigError(f"{bug}: {KNOB_LABELS[knob]} {sel.get(knob)!r} is not one of {allowed}")
@@ -161,7 +164,7 @@ def sentence(rows: list[dict], sel: dict) -> str:
     measured = [r for r in rows if r["case"] == overview.BUGS[sel["bug"]].measured]
     if not measured:
         return "no measured case came back"
-    worst = min(measured, key=lambda r: -abs((r["ratio"] or 1) - 1))
+    worst = max(measured, key=lambda r: abs((r["ratio"] or 1) - 1))
     if worst["ratio"] is None:
         return f"{sel['bug']} could not be measured here: {worst['reason'][:200]}"
     return (f"{sel['bug']} at W={sel['world_size']}, GA/N={sel['ga']}, ZeRO {sel['zero_stage']}, {sel['dtype']}, "

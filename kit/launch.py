@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -74,7 +75,7 @@ class World:
     # "local" = the kit starts one process per rank on this machine; "torchrun" = torchrun (one per node,
     # over ssh for the other nodes of the hostfile); "deepspeed" = the DeepSpeed launcher with the hostfile.
     launcher: str = field(default_factory=lambda: os.environ.get("GRADKIT_LAUNCHER", "local"))
-    nnodes: int = field(default_factory=lambda: int(os.environ.get("GRADKIT_NNODES", "1")))
+    nnodes: int = field(default_factory=kconfig.nnodes_setting)
     hostfile: str | None = field(default_factory=lambda: os.environ.get("GRADKIT_HOSTFILE") or None)
     master_addr: str = field(default_factory=lambda: os.environ.get("GRADKIT_MASTER_ADDR", "127.0.0.1"))
 
@@ -130,8 +131,6 @@ def main(argv=None) -> int:
             setattr(world, name, getattr(a, name))
     world.validate(here=False)  # a dry run may describe GPUs this machine does not have
     job = Path(tempfile.gettempdir()) / "gradkit-world-JOB"
-    import shlex
-
     for cmd in launch_commands(world, job, 29500):
         print(shlex.join(cmd))
     return 0

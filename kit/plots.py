@@ -172,6 +172,19 @@ def attribution_bars(recs: list[dict], title: str = ""):
     return fig
 
 
+def _grid_frame(ax, col_labels: list[str], row_labels: list[str], verdicts: tuple) -> None:
+    """Axes of a grid of unit cells (row 0 on top) with centred tick labels and a legend of verdict colours."""
+    ax.set_xlim(0, len(col_labels))
+    ax.set_ylim(len(row_labels), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(col_labels))])
+    ax.set_xticklabels(col_labels, fontsize=8)
+    ax.set_yticks([i + 0.5 for i in range(len(row_labels))])
+    ax.set_yticklabels(row_labels, fontsize=8)
+    ax.tick_params(length=0)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=VERDICT_COLOURS[v], alpha=0.75) for v in verdicts]
+    ax.legend(handles, verdicts, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def verdict_grid(recs: list[dict], row_key, col_key, title: str = "", value: str = "norm_ratio"):
     """A coloured table: one cell per (row, column) with the verdict's colour and the measured ``value``.
 
@@ -198,15 +211,7 @@ def verdict_grid(recs: list[dict], row_key, col_key, title: str = "", value: str
             m = r.get("metrics") or {}
             text = f"{m[value]:.3f}" if value in m else r["verdict"]
             ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=8)
-    ax.set_xlim(0, len(cols))
-    ax.set_ylim(len(rows), 0)
-    ax.set_xticks([j + 0.5 for j in range(len(cols))])
-    ax.set_xticklabels([str(c) for c in cols], fontsize=8)
-    ax.set_yticks([i + 0.5 for i in range(len(rows))])
-    ax.set_yticklabels([str(r) for r in rows], fontsize=8)
-    ax.tick_params(length=0)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.75) for c in VERDICT_COLOURS.values()]
-    ax.legend(handles, VERDICT_COLOURS.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    _grid_frame(ax, [str(c) for c in cols], [str(r) for r in rows], tuple(VERDICT_COLOURS))
     ax.set_title(title or f"verdict (colour) and {value} (number)", fontsize=9)
     fig.tight_layout()
     return fig
@@ -321,18 +326,10 @@ def verdict_matrix(cells: list[dict], title: str = ""):
             cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
             ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
             ax.text(j + 0.5, i + 0.85, c["where"].replace(", transformers ", ", tf "), ha="center", va="center", fontsize=5)
-    ax.set_xlim(0, len(cols))
-    ax.set_ylim(len(bugs), 0)
-    ax.set_xticks([j + 0.5 for j in range(len(cols))])
-    ax.set_xticklabels([f"{v}\n(installed)" if v == installed else v for v in cols], fontsize=8)
-    ax.set_yticks([i + 0.5 for i in range(len(bugs))])
-    ax.set_yticklabels([f"{b}\n{overview.BUGS[b].notebook[:2]}" for b in bugs], fontsize=8)
+    _grid_frame(ax, [f"{v}\n(installed)" if v == installed else v for v in cols],
+                [f"{b}\n{overview.BUGS[b].notebook[:2]}" for b in bugs],
+                ("affected", "not-affected", "inconclusive", "cannot-run"))
     ax.set_xlabel("DeepSpeed release", fontsize=8)
-    ax.tick_params(length=0)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=VERDICT_COLOURS[v], alpha=0.75) for v in
-               ("affected", "not-affected", "inconclusive", "cannot-run")]
-    ax.legend(handles, ["affected", "not-affected", "inconclusive", "cannot-run"], fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1))
     ax.set_title(title or "verdict per bug and DeepSpeed release; number = effective / reference ratio "
                           "(1.000 = correct)", fontsize=9)
     fig.tight_layout()

@@ -74,8 +74,8 @@ def load_params(path) -> dict:
     return spec
 
 
-def params_for(path: Path, spec: dict, out: Path, aggregate_from: Path | None = None) -> dict:
-    known = notebook_parameters(path)
+def params_for(path: Path, spec: dict, out: Path, aggregate_from: Path | None = None, known: dict | None = None) -> dict:
+    known = notebook_parameters(path) if known is None else known
     params = {k: v for k, v in spec["defaults"].items() if k in known}  # defaults apply where they fit
     params.update(spec["notebooks"].get(path.stem, {}))  # named ones must fit
     if "RESULTS_DIR" in known:
@@ -151,15 +151,12 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the run
 
-def _records(out: Path, entries: list[dict]) -> list[dict]:
+def _records(out: Path, entry: dict) -> list[dict]:
+    """The records a notebook that ran to the end wrote into ``out`` (``<stem>.jsonl``), if any."""
     from kit import records
 
-    recs = []
-    for e in entries:
-        path = out / (Path(e["notebook"]).stem + ".jsonl")
-        if e["status"] == "ok" and path.exists():
-            recs += records.load(path)
-    return recs
+    path = out / (Path(entry["notebook"]).stem + ".jsonl")
+    return records.load(path) if entry["status"] == "ok" and path.exists() else []
 
 
 def previous_matrix(js: Path) -> list[dict] | None:
@@ -177,15 +174,13 @@ def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran."""
     from kit import overview, report
 
-    recs = _records(out, entries)
-    cells = overview.verdict_matrix(recs)
+    by_nb = {e["notebook"]: _records(out, e) for e in entries}
+    cells = overview.verdict_matrix([r for recs in by_nb.values() for r in recs])
     js = out / "summary.json"
     previous = previous_matrix(js)
     changed = overview.differences(previous, cells) if previous is not None else None
     if cells:
         overview.save_matrix(cells, out)
-    by_nb = {e["notebook"]: [r for r in recs if overview.BUGS.get(r.get("bug")) and
-                             overview.BUGS[r["bug"]].notebook == e["notebook"]] for e in entries}
     summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
                "matrix": cells, "changed_since_previous": changed}
     js.write_text(json.dumps(summary, indent=1, default=str))
@@ -225,14 +220,14 @@ def default_jobs() -> int:
 
 def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
     """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote."""
+    from kit import overview
+
     known = {p: notebook_parameters(p) for p in paths}
     aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
     first = [p for p in paths if p not in aggregating]
-    from kit import overview
-
     bug_notebooks = {b.notebook for b in overview.BUGS.values()}
     source = out if any(p.name in bug_notebooks for p in first) else None  # else the overview runs the probes itself
-    plan = {p: params_for(p, spec, out, source if p in aggregating else None) for p in paths}  # all checked first
+    plan = {p: params_for(p, spec, out, source if p in aggregating else None, known[p]) for p in paths}  # all checked first
     entries: dict[Path, dict] = {}
     bar = _bar(len(paths), progress)
     for wave in (first, aggregating):
