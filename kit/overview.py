@@ -48,7 +48,7 @@ BUGS = {b.id: b for b in (
         "on DeepSpeed <= 0.18.2 divide the pipeline loss by GA; on 0.18.3 - 0.19.2 do not (earlier stages are "
         "already divided twice): upgrade to >= 0.19.3 or train with GA = 1"),
     Bug("B3", "ZeRO-1/2, config GA = 1, several backward() per step()", "03_zero_boundary.ipynb",
-        "zero_boundary", "manual", "verdict", "effective / reference gradient (the last micro-batch / N survives)",
+        "zero_boundary", "manual", "config_verdict", "effective / reference gradient (the last micro-batch / N survives)",
         "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward, or put the real N in "
         "gradient_accumulation_steps and step after every backward; from 0.19.4 "
         "\"managed_gradient_accumulation\": false also works"),
@@ -180,7 +180,8 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
                       "ratio_means": BUGS[bug_id].ratio_meaning, "where": _where(pick),
                       "transformers": (pick.get("versions") or {}).get("transformers") if bug_id == "B1" else None,
                       "configs": len(group), "configs_with_verdict": len(bad),
-                      "reason": pick.get("reason", ""), "notebook": BUGS[bug_id].notebook})
+                      "reason": pick.get(BUGS[bug_id].verdict_key.replace("verdict", "reason")) or pick.get("reason", ""),
+                      "notebook": BUGS[bug_id].notebook})
     return sorted(cells, key=lambda c: (c["bug"], _version_key(c["deepspeed"])))
 
 

@@ -72,12 +72,17 @@ def run_version_world(target: str, cases: list[dict], version: str, meta: dict, 
                 else ("n/a", "trajectory of losses and grad norms; judged by the gradient cases")
             continue
         control = controls.get(control_key(rec))
-        rec["verdict"], rec["reason"] = oracle.verdict(_judged(rec), _judged(control) if control else None)
+        rec["verdict"], rec["reason"] = oracle.verdict(judged(rec), judged(control) if control else None)
     return out
 
 
-def _judged(rec: dict) -> dict:
-    return {"metrics": rec.get("metrics"), "dtype": rec["dtype"], "error": rec.get("error")}
+def judged(rec: dict, dtype: str | None = None) -> dict:
+    """What the oracle judges of a record (or of one part, e.g. a pipeline stage, given the record's ``dtype``):
+    every signal the probe measured (``oracle.JUDGED_KEYS``)."""
+    out = {k: rec.get(k) for k in oracle.JUDGED_KEYS}
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
 
 
 def save(recs: list[dict], path) -> Path:

@@ -123,3 +123,85 @@ def test_explain_names_the_hypothesis_that_holds():
     assert got["predicted_ratio"]["sum of micro-batches"] == pytest.approx(4.0)
     noisy = oracle.explain(0.5 * ref, basis, candidates, "fp32")  # half the mean: none of the three
     assert not noisy["best_matches"]
+
+
+# ---------------------------------------------------------------- every signal is judged (issue: trust, point 1)
+
+def b4_leak_at_large_ga(w_ranks=2, ga=64, n=2112, noise=0.003, seed=3):
+    """A B4-sized leak under ZeRO-1, bf16-like noise: each rank's accumulator is avg(earlier micro-batches)
+    + its own boundary micro-batch; the effective gradient takes partition r from rank r's accumulator."""
+    basis, weights, ref = basis_and_ref(k=w_ranks * ga, n=n, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    buffers = []
+    for r in range(w_ranks):
+        w = weights.clone()
+        for q in range(w_ranks):
+            w[q * ga + ga - 1] = 0.0
+        w[r * ga + ga - 1] = 1.0 / ga
+        buffers.append(w @ basis * (1 + noise * torch.randn(n, generator=g, dtype=torch.float64)))
+    effective = torch.cat([b[r * n // w_ranks:(r + 1) * n // w_ranks] for r, b in enumerate(buffers)])
+    return basis, weights, ref, buffers, effective
+
+
+def test_a_small_leak_at_large_ga_is_missed_by_rel_error_alone_but_not_by_the_verdict():
+    basis, weights, ref, buffers, effective = b4_leak_at_large_ga()
+    m = oracle.compare(effective, ref)
+    tol = oracle.tolerance("bf16")
+    # the old rule (rel. error and norm ratio only) calls this leak correct ...
+    assert m["rel_l2"] < tol.rel_l2 and abs(m["norm_ratio"] - 1) < tol.norm_ratio
+    assert oracle.verdict(judged(effective, ref, "bf16"), judged(ref, ref))[0] == oracle.NOT_AFFECTED
+    # ... each rank's own accumulator carries 1/128 of misplaced weight, and the ranks disagree
+    rank_buffers = [{"attribution": oracle.attribute(b, basis, weights)} for b in buffers]
+    for b in rank_buffers:  # (W-1)/W * 1/GA = 1/128, give or take the noise's share
+        assert b["attribution"]["misplaced_weight"] == pytest.approx(1 / 128, abs=2.5e-3)
+        assert b["attribution"]["misplaced_weight"] > tol.misplaced_weight
+    full = {**judged(effective, ref, "bf16"), "attribution": oracle.attribute(effective, basis, weights),
+            "rank_buffers": rank_buffers, "rank_spread": {"fp32 accumulators": oracle.spread(buffers)}}
+    word, why = oracle.verdict(full, judged(ref, ref))
+    assert word == oracle.AFFECTED and "rank 0's accumulator" in why and "spread" in why, why
+    # either signal alone is enough
+    for key in ("rank_buffers", "rank_spread"):
+        alone = {**judged(effective, ref, "bf16"), key: full[key]}
+        assert oracle.verdict(alone, judged(ref, ref))[0] == oracle.AFFECTED, key
+
+
+def test_correct_engines_with_bf16_noise_pass_every_signal():
+    basis, weights, ref = basis_and_ref(k=128, n=2112, seed=5)
+    g = torch.Generator().manual_seed(6)
+    buffers = [ref * (1 + 0.003 * torch.randn(ref.shape, generator=g, dtype=torch.float64))] * 2  # one allreduce
+    full = {**judged(buffers[0], ref, "bf16"), "attribution": oracle.attribute(buffers[0], basis, weights),
+            "rank_buffers": [{"attribution": oracle.attribute(b, basis, weights)} for b in buffers],
+            "rank_spread": {"fp32 accumulators": oracle.spread(buffers)}}
+    word, why = oracle.verdict(full, judged(ref, ref))
+    assert word == oracle.NOT_AFFECTED, why
+    sigs = oracle.signals(full)
+    assert {s["signal"] for s in sigs} >= {"rel. error", "misplaced weight", "spread of the ranks' fp32 accumulators"}
+
+
+def test_misplaced_weight_alone_makes_an_fp32_step_affected():
+    basis, weights, ref = basis_and_ref(k=16)
+    w = weights.clone()
+    w[0], w[1] = w[0] + 1e-3, w[1] - 1e-3  # one micro-batch's weight moved to another: norm barely moves
+    vec = w @ basis
+    a = oracle.attribute(vec, basis, weights)
+    assert a["misplaced_weight"] == pytest.approx(1e-3)
+    word, why = oracle.verdict({**judged(vec, ref), "attribution": a}, judged(ref, ref))
+    assert word == oracle.AFFECTED and "misplaced weight" in why
+
+
+def test_ranks_that_disagree_make_an_otherwise_exact_step_affected():
+    _, _, ref = basis_and_ref()
+    other = ref.clone()
+    other[0] += 1e-3 * ref.norm()
+    word, why = oracle.verdict({**judged(ref, ref), "rank_spread": {"effective gradients": oracle.spread([ref, other])}},
+                               judged(ref, ref))
+    assert word == oracle.AFFECTED and "spread of the ranks' effective gradients" in why
+    assert oracle.spread([ref, ref.clone()]) == 0.0
+
+
+def test_a_control_off_on_attribution_alone_makes_the_verdict_inconclusive():
+    basis, weights, ref = basis_and_ref(k=16)
+    w = weights.clone()
+    w[0], w[1] = w[0] + 1e-3, w[1] - 1e-3
+    control = {**judged(w @ basis, ref), "attribution": oracle.attribute(w @ basis, basis, weights)}
+    assert oracle.verdict(judged(ref, ref), control)[0] == oracle.INCONCLUSIVE

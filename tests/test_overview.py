@@ -71,3 +71,20 @@ def test_run_probes_refuses_bad_input_before_launching():
         overview.run_probes(bugs=["B7"])
     with pytest.raises(config.ConfigError, match="version"):
         overview.run_probes(versions=["latest"])
+
+
+def test_b3_cells_honour_the_n1_control_of_the_same_configuration():
+    """ZeRO-0 bf16 on DeepSpeed 0.18.4 is off even at N = 1: B3 cannot be judged there (notebook 03's rule)."""
+    from kit.probes import zero_boundary as zb
+
+    def b3(verdict, ratio, n, dtype="bf16", stage=0):
+        return rec("B3", "manual", verdict, ratio, ga=n, dtype=dtype, zero_stage=stage, reason=f"N={n} {verdict}")
+
+    recs = zb.annotate_configs([b3("affected", 1 / 65536, 1), b3("affected", 1 / 65536, 4),
+                                b3("not-affected", 1.0, 1, "fp32"), b3("not-affected", 1.0, 4, "fp32")])
+    assert [r["config_verdict"] for r in recs] == ["inconclusive", "inconclusive", "not-affected", "not-affected"]
+    cell, = overview.verdict_matrix(recs)
+    assert cell["verdict"] == "inconclusive" and "even N=1" in cell["reason"]
+    # an N = 1 that is right leaves the N > 1 verdict standing
+    cell, = overview.verdict_matrix(zb.annotate_configs([b3("not-affected", 1.0, 1), b3("affected", 0.4, 4)]))
+    assert cell["verdict"] == "affected" and cell["ratio"] == 0.4

@@ -58,3 +58,32 @@ def test_installed_release_averages_on_every_stage(recs):
 def test_bad_b2_parameters_fail_before_any_launch(kwargs, words):
     with pytest.raises(kconfig.ConfigError, match=words):
         pg.run(**{"versions": ("installed",), **kwargs})
+
+
+def _stage(s, ratio, share):
+    """A stage's numbers: ``ratio`` of its reference, on a stage that holds ``share`` of the squared norm."""
+    m = {"norm_ratio": ratio, "cosine": 1.0, "rel_l2": abs(ratio - 1), "max_rel_err": abs(ratio - 1),
+         "effective_norm": ratio * share ** 0.5, "reference_norm": share ** 0.5}
+    return {"stage": s, "metrics": m, "attribution": {"misplaced_weight": 0.0},
+            "hypotheses": {"best": "mean" if ratio == 1 else "mean / GA", "best_matches": True},
+            "rank_spread": {"data-parallel replicas": 0.0}}
+
+
+def test_a_record_takes_the_verdict_of_its_worst_stage_not_of_the_whole_model():
+    """A stage with 1 % of the norm, off by 1/GA, hides inside the whole model's bf16 tolerance."""
+    stages = [_stage(0, 0.25, 0.01), _stage(1, 1.0, 0.99)]
+    whole = (0.01 * 0.25 ** 2 + 0.99) ** 0.5  # ~0.996: the whole model looks right
+    rec = {"dtype": "bf16", "role": "measured", "verdict": oracle.NOT_AFFECTED, "reason": "whole model ok",
+           "metrics": {"norm_ratio": whole, "cosine": 0.9999, "rel_l2": 0.075 * 0.1}, "stages": stages}
+    control = {"dtype": "bf16", "role": "control", "stages": [_stage(0, 1.0, 0.01), _stage(1, 1.0, 0.99)]}
+    out = pg._annotate(rec, control)
+    assert out["verdict"] == oracle.AFFECTED and out["affected_stages"] == [0], out["reason"]
+    assert out["reason"].startswith("stage 0:")
+    assert out["whole_model_verdict"] == oracle.NOT_AFFECTED  # kept, as information
+    # an off control stage makes the record inconclusive, whatever the whole model says
+    bad = pg._annotate({**rec, "stages": [_stage(0, 1.0, 0.01), _stage(1, 1.0, 0.99)]},
+                       {**control, "stages": [_stage(0, 0.5, 0.01), _stage(1, 1.0, 0.99)]})
+    assert bad["verdict"] == oracle.INCONCLUSIVE
+    # replicas that disagree are judged too
+    split = [_stage(0, 1.0, 0.01), {**_stage(1, 1.0, 0.99), "rank_spread": {"data-parallel replicas": 1e-3}}]
+    assert pg._annotate({**rec, "stages": split}, control)["verdict"] == oracle.AFFECTED

@@ -109,9 +109,10 @@ def run_case(case: dict) -> dict:
     buffers = c.all_gather_flat(buffer) if buffer is not None else None
     judged, basis, weights, reference = c.judge(effective, start, seed, ga, mb, hidden)
     out.update(judged)
-    if r == 0 and buffers is not None:
+    if r == 0 and buffers is not None:  # the leak is per rank: judge each rank's own accumulator, and their spread
         out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
                                 "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
+        out["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
     c.release(engine)
     return out
 

@@ -118,7 +118,8 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
 
     Rank 0 rebuilds every rank's micro-batches (rank-major), takes the fp32 reference from the
     initial weights ``start`` and returns ``(out, basis, weights, reference)`` with ``out`` holding
-    ``metrics``, ``attribution`` and ``ranks_agree``; other ranks get ``({}, None, None, None)``.
+    ``metrics``, ``attribution`` and ``rank_spread`` (every rank must have applied the same update);
+    other ranks get ``({}, None, None, None)``.
     """
     from kit import oracle
 
@@ -129,7 +130,7 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     basis, weights, reference = oracle.reference_gradients(start, every, mse)
     out = {"metrics": oracle.compare(effective, reference),
            "attribution": oracle.attribute(effective, basis, weights),
-           "ranks_agree": max((e - effective).abs().max().item() for e in per_rank) == 0.0}
+           "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
     return out, basis, weights, reference
 
 

@@ -234,6 +234,20 @@ def config_verdicts(recs: list[dict]) -> dict:
     return out
 
 
+def annotate_configs(recs: list[dict]) -> list[dict]:
+    """Give every ``manual`` record its configuration's verdict (``config_verdict``, ``config_reason``).
+
+    What the overview's matrix and a notebook's table read: the verdict over N > 1 with N = 1 of the same
+    configuration as a second control (``config_verdicts``), not the single record's own verdict.
+    """
+    cv = config_verdicts(recs)
+    for r in recs:
+        x = cv.get((r["version"], r["zero_stage"], r["dtype"], r["world_size"])) if r["case"] == "manual" else None
+        if x is not None:
+            r["config_verdict"], r["config_reason"] = x["verdict"], x["reason"]
+    return recs
+
+
 def violations(recs: list[dict]) -> list[str]:
     """The claims the B3 notebook asserts, each broken one as a sentence (empty list: all hold).
 
@@ -291,4 +305,4 @@ def run(world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=("f
                     "micro_batch": micro_batch, "hidden": hidden}
             out += [_annotate(r) for r in records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta,
                                                                      w, device, timeout_s)]
-    return out
+    return annotate_configs(out)

@@ -1,0 +1,155 @@
+"""What is known upstream, per bug: which releases have it, where each fix landed, with its pull request.
+
+One table (``KNOWN``), read by every notebook's last cells and by the overview:
+
+- for a **pinned** release (one the table vouches for: not newer than ``newest_pinned``), the measured
+  verdict must equal ``expected(...)``; a mismatch there is a bug in the harness, and the notebook fails;
+- for a release **newer than the table**, the measurement is a *finding* ("0.20.1 is no longer affected",
+  "still affected"), printed and never failed on (``judge_release``).
+
+Sources (upstream pull requests and issues; the releases are those that first ship each change):
+
+- B4 (``BF16_Optimizer`` averages before it adds the boundary micro-batch): reported on 0.18.6, present through
+  0.18.10-dev; deepspeedai/DeepSpeed#7985 swaps the two calls in ``_backward_epilogue``, first released in 0.19.0.
+- B2 (``PipelineEngine`` with GA > 1): up to 0.18.2 the stages sum their micro-batches; deepspeedai/DeepSpeed#7724
+  (0.18.4) makes the engine honour a per-output GAS scaling hook, after which earlier stages are divided by GA
+  twice (0.18.3 - 0.19.2, measured); deepspeedai/DeepSpeed#8154 fixes it in 0.19.3.
+- B3 (config GA = 1, N manual backwards, ZeRO-1/2 keep only the last micro-batch): not a regression but the
+  boundary bookkeeping of ZeRO-1/2; the opt-out ``"managed_gradient_accumulation": false`` arrives in 0.19.4
+  (deepspeedai/DeepSpeed#8184, #8203, #8217). The manual loop itself stays affected on every release measured.
+- B1 (HF Trainer + DeepSpeed + ``model_accepts_loss_kwargs``): reported as huggingface/transformers#45305 on
+  transformers 5.3.0; 5.3.0 counts one label token too many per sequence, so every path applies
+  tokens / (tokens + sequences) of the reference; 5.23.0 (installed) is measured correct on every path. The
+  release in between that fixed it is not pinned here: such releases are findings, not assertions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kit import oracle
+
+AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
+
+
+def version_key(v: str) -> tuple:
+    """'0.19.3' -> (0, 19, 3); a local tag or suffix ('0.19.8+cpu', '1.2rc1') does not count."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Known:
+    """What upstream says of one bug, as ranges of one package's releases."""
+
+    bug: str
+    package: str  # the library whose release decides ("deepspeed", "transformers")
+    report: str
+    affected_from: str | None  # first release known affected (None: as far back as the kit goes)
+    fixed_in: str | None  # first release with the fix (None: no fix released)
+    last_affected: str | None  # newest release known affected, where a gap to fixed_in is not pinned
+    newest_pinned: str  # the newest release this table vouches for; later ones are findings
+    prs: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def expected_for_release(self, version: str) -> str | None:
+        """The verdict upstream implies for ``version`` of ``package`` (None: not pinned here)."""
+        v = version_key(version)
+        if v > version_key(self.newest_pinned):
+            return None
+        if self.affected_from is not None and v < version_key(self.affected_from):
+            return None
+        if self.fixed_in is not None and v >= version_key(self.fixed_in):
+            return NOT_AFFECTED
+        if self.last_affected is not None and v > version_key(self.last_affected):
+            return None  # between the last release known affected and the fix: not pinned
+        return AFFECTED
+
+    def fix_text(self) -> str:
+        where = f"fixed in {self.package} {self.fixed_in}" if self.fixed_in else "no release fixes it"
+        return where + (f" ({', '.join(self.prs)})" if self.prs else "")
+
+
+KNOWN = {k.bug: k for k in (
+    Known("B1", "transformers", "huggingface/transformers#45305", affected_from=None, fixed_in="5.23.0",
+          last_affected="5.3.0", newest_pinned="5.23.0", prs=("huggingface/transformers#45305 (report)",),
+          notes=("fixed somewhere in 5.4 - 5.23: not pinned", "the report's DeepSpeed is 0.18.9")),
+    Known("B2", "deepspeed", "deepspeedai/DeepSpeed#8154", affected_from=None, fixed_in="0.19.3", last_affected=None,
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8154", "deepspeedai/DeepSpeed#7724 (0.18.4)"),
+          notes=("<= 0.18.2: every stage sums (x GA)", "0.18.3 - 0.19.2: earlier stages divided by GA twice")),
+    Known("B3", "deepspeed", "allenai/open-instruct#1498", affected_from="0.18.3", fixed_in=None, last_affected=None,
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8184", "#8203", "#8217 (managed_gradient_accumulation, 0.19.4)"),
+          notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop")),
+    Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.6", fixed_in="0.19.0", last_affected=None,
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",)),
+)}
+
+UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently
+
+
+def expected(bug: str, versions: dict, case: str | None = None, zero_stage: int | None = None) -> str | None:
+    """The verdict upstream implies for one record's stack and configuration (None: not pinned).
+
+    ``versions`` is what the record's ranks imported ({package: version}). B3 depends on the configuration:
+    the manual loop is affected on ZeRO-1/2 only, and ``managed_gradient_accumulation: false`` repairs it
+    from 0.19.4; the other fixes and every control are expected correct on every pinned release.
+    """
+    known = KNOWN[bug]
+    version = (versions or {}).get(known.package)
+    if not version:
+        return None
+    base = known.expected_for_release(version)
+    if base is None:
+        return None
+    if bug == "B3":
+        if case == "fix_unmanaged":
+            return NOT_AFFECTED if version_key(version) >= version_key(UNMANAGED_SINCE) or zero_stage in (0, 3) \
+                else AFFECTED
+        if case not in (None, "manual"):
+            return NOT_AFFECTED
+        return AFFECTED if zero_stage in (1, 2) else NOT_AFFECTED
+    return base
+
+
+def judge_release(bug: str, versions: dict, measured: str, **config) -> tuple[str, str]:
+    """``("ok" | "mismatch" | "finding" | "not-judged", sentence)`` for one measured verdict.
+
+    ``mismatch`` only for a pinned release (the notebook asserts there is none); a release newer than the
+    table gives a ``finding`` that says what changed; ``cannot-run`` / ``inconclusive`` are ``not-judged``.
+    """
+    known = KNOWN[bug]
+    version = (versions or {}).get(known.package, "?")
+    want = expected(bug, versions, **config)
+    what = f"{bug} on {known.package} {version}" + "".join(f", {k} {v}" for k, v in config.items() if v is not None)
+    if measured not in (AFFECTED, NOT_AFFECTED):
+        return "not-judged", f"{what}: {measured}, so it neither confirms nor contradicts the upstream table"
+    if want is not None:
+        if want == measured:
+            return "ok", f"{what}: {measured}, as upstream says ({known.fix_text()})"
+        return "mismatch", (f"{what}: measured {measured}, but upstream says {want} ({known.fix_text()}): "
+                            f"a pinned release disagrees with the table, so the harness is suspect")
+    newer = version_key(version) > version_key(known.newest_pinned)
+    if not newer:
+        return "finding", f"{what}: {measured} (this release is not pinned in the table)"
+    if measured == NOT_AFFECTED:
+        state = "is not affected" + (" (as the fix implies)" if known.fixed_in else ": a finding, no fix is known")
+    else:
+        state = "is still affected" + (f", although the fix landed in {known.fixed_in}" if known.fixed_in else "")
+    return "finding", f"{what} (newer than the table's {known.newest_pinned}) {state}"
+
+
+def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where) -> tuple[list[str], list[str]]:
+    """``(mismatches, findings)`` over the records of ``bug``: what a notebook asserts empty, and what it prints."""
+    bad, found = [], []
+    for r in recs:
+        if any(r.get(k) != v for k, v in where.items()):
+            continue
+        config = {"case": r.get("case"), "zero_stage": r.get("zero_stage")} if bug == "B3" else {}
+        word, text = judge_release(bug, r.get("versions") or {}, r.get(verdict_key) or r["verdict"], **config)
+        if word == "mismatch":
+            bad.append(text)
+        elif word == "finding":
+            found.append(text)
+    return sorted(set(bad)), sorted(set(found))
