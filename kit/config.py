@@ -27,6 +27,16 @@ class ConfigError(ValueError):
     """Bad input: a knob out of range, an unknown name, an impossible world."""
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(path) -> Path:
+    """A path as the kit means it: relative ones against the repository root, whatever the working directory
+    (JupyterLab starts kernels in notebooks/, papermill and the command line in the root)."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def cache_dir() -> Path:
     """Where overlays and JIT-built ops live between runs (``GRADKIT_CACHE`` overrides)."""
     d = Path(os.environ.get("GRADKIT_CACHE", Path.home() / ".cache" / "gradkit"))

@@ -68,7 +68,7 @@ def path_explorer(recs: list[dict]):
     grad = [r for r in recs if r.get("metrics") and r.get("path")]
     return _explorer(grad, "Trainer metrics", {"version": "version"},
                      lambda found, chosen: plots.path_ratio_vs_ga(found, case=chosen["case"]),
-                     options={"case": sorted({r["case"] for r in grad if r["case"] != "control"})})
+                     options={"case": sorted({r["case"] for r in grad if r["case"] not in ("gas1", "harness")})})
 
 
 # ============================================================================ the probe explorer (Run button)

@@ -71,6 +71,7 @@ class World:
     env: dict[str, str] = field(default_factory=dict)
     init: str = "deepspeed"  # "deepspeed" | "torch": how the worker initialises the process group
     extensions_key: str | None = None  # names the torch-extensions cache; default: the installed DeepSpeed
+    expect: dict = field(default_factory=dict)  # {package: {"version", "root"}} every rank checks (kit.worker)
     # How the ranks are started (defaults from the environment, so notebooks and run-all need no new knobs):
     # "local" = the kit starts one process per rank on this machine; "torchrun" = torchrun (one per node,
     # over ssh for the other nodes of the hostfile); "deepspeed" = the DeepSpeed launcher with the hostfile.
@@ -233,6 +234,45 @@ def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
     return env
 
 
+def elf_damage(path: Path) -> str | None:
+    """Why a built ``.so`` / ``.o`` cannot be loaded (not ELF, or its tables run past the end), else None.
+
+    A truncated shared object is mapped by the loader and then read past its end: the rank dies of SIGBUS
+    (exit code -7) with no Python traceback. Checking the ELF header's own tables against the file size
+    catches that before any rank starts.
+    """
+    import struct
+
+    data = path.read_bytes()
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:  # 64-bit ELF only (what torch builds here)
+        return f"{path.name} is not a complete 64-bit ELF file ({len(data)} bytes)"
+    end = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(end + "QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x36)
+    if phoff + phentsize * phnum > len(data) or shoff + shentsize * shnum > len(data):
+        return f"{path.name} is truncated ({len(data)} bytes; its headers reach past the end)"
+    for i in range(phnum):  # every loadable segment must lie inside the file
+        _, _, off, _, _, filesz = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
+        if off + filesz > len(data):
+            return f"{path.name} is truncated ({len(data)} bytes; segment {i} ends at {off + filesz})"
+    return None
+
+
+def repair_extensions(folder: Path) -> list[str]:
+    """Remove damaged build outputs from a torch-extensions cache so the next rank rebuilds them; what was removed."""
+    removed = []
+    for path in sorted(folder.rglob("*")) if folder.exists() else []:
+        if path.is_file() and path.suffix in (".so", ".o"):
+            why = elf_damage(path)
+            if why:
+                path.unlink()
+                removed.append(why)
+    if removed:
+        print(f"gradkit: removed damaged build outputs in {folder} (rebuilt at the next launch): "
+              + "; ".join(removed), file=sys.stderr)
+    return removed
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -271,9 +311,11 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     job.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env0 = rank_env(world, 0, port)
+    repair_extensions(Path(env0["TORCH_EXTENSIONS_DIR"]))
     # What every rank needs, whoever starts it (a launcher may not pass the kit's variables on to other nodes):
     (job / "spec.json").write_text(json.dumps({
         "target": target, "payload": payload, "device": world.device, "init": world.init, "timeout_s": world.timeout_s,
+        "expect": world.expect,
         "pythonpath": [*world.pythonpath, str(REPO_ROOT)],
         "env": {k: env0[k] for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env0}}))
     procs: list[subprocess.Popen] = []

@@ -33,16 +33,14 @@ class Bug:
     verdict_key: str  # record key holding that case's verdict
     ratio_meaning: str  # what the number in a cell is
     do_if_affected: str
-    ratio_against: str = "the reference"  # what the ratio in a sentence compares with
 
 
 BUGS = {b.id: b for b in (
     Bug("B1", "HF Trainer + DeepSpeed + model_accepts_loss_kwargs=True", "01_trainer_loss_kwargs.ipynb",
-        "trainer_ga", "trainer", "gas_verdict", "applied gradient at GAS > 1 / at GAS = 1 (same global batch)",
-        "a Trainer path's gradient changes with gradient_accumulation_steps at a fixed global batch: compare "
-        "with and without DeepSpeed in notebook 01 before changing the loss; upgrade transformers (5.23.0 "
-        "measured correct on every path), and never add the report's extra division by GAS",
-        ratio_against="the same path's gradient at GAS = 1"),
+        "trainer_ga", "trainer", "verdict", "effective / reference gradient of the Trainer's step (GAS > 1)",
+        "the Trainer's step is off the reference: read notebook 01 for which path GAS changes and what the token "
+        "count costs; upgrade transformers (see the upstream table in kit/expectations.py), and never add the "
+        "report's extra division by GAS"),
     Bug("B2", "PipelineEngine with GA > 1", "02_pipeline_ga.ipynb", "pipeline_ga", "pipeline", "verdict",
         "effective / reference gradient of the pipeline stage furthest from 1",
         "on DeepSpeed <= 0.18.2 divide the pipeline loss by GA; on 0.18.3 - 0.19.2 do not (earlier stages are "
@@ -57,7 +55,6 @@ BUGS = {b.id: b for b in (
         "set \"bf16\": {\"enabled\": true, \"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0"),
 )}
 
-RESULT_FILES = {b.id: b.notebook.replace(".ipynb", ".jsonl") for b in BUGS.values()}
 _RANK = {v: i for i, v in enumerate(reversed(oracle.WORST_FIRST))}  # higher = worse
 
 
@@ -108,24 +105,32 @@ def run_probes(versions=(kconfig.INSTALLED,), bugs=tuple(BUGS), world_size: int 
     return out
 
 
-def load_results(folder) -> list[dict]:
-    """Every bug notebook's records from a run-all folder (``<stem>.jsonl``); a clear error if there are none."""
+def load_results(folder) -> tuple[list[dict], list[str]]:
+    """The bug notebooks' records of the last run-all into ``folder`` (relative: the repository's), only from
+    notebooks that ran to the end, only of that run; and one line per notebook saying what was used."""
     from kit import records
 
-    folder = Path(folder)
-    found = [folder / name for name in RESULT_FILES.values() if (folder / name).exists()]
-    if not found:
-        raise FileNotFoundError(f"no bug-notebook records ({', '.join(RESULT_FILES.values())}) in {folder}: "
-                                f"run `python -m kit.runall` first, or run the probes here")
-    return [r for path in found for r in records.load(path)]
+    stems = {Path(b.notebook).stem for b in BUGS.values()}
+    recs, said = records.run_records(folder, stems)
+    if not recs:
+        raise FileNotFoundError(f"no records of a finished bug notebook in {kconfig.repo_path(folder)} "
+                                f"({'; '.join(said) or 'none listed'}): run `python -m kit.runall` first, or run "
+                                "the probes here")
+    return recs, said
 
 
 # ---------------------------------------------------------------------------------------------- the matrix
 
+NO_DEEPSPEED = "none"  # the matrix column of steps that never went through DeepSpeed (B1's Trainer alone)
+
+
 def deepspeed_version(rec: dict) -> str:
-    """The DeepSpeed release a record really imported (its request where it never got that far)."""
+    """The DeepSpeed release a record really imported (its request where it never got that far);
+    ``NO_DEEPSPEED`` for a step whose path does not use DeepSpeed, whatever the ranks imported."""
     from kit import versions
 
+    if rec.get("bug") == "B1" and rec.get("path", (rec.get("config") or {}).get("path")) == "no_ds":
+        return NO_DEEPSPEED
     got = (rec.get("versions") or {}).get("deepspeed") or (rec.get("stack") or {}).get("deepspeed")
     if got:
         return got
@@ -134,11 +139,9 @@ def deepspeed_version(rec: dict) -> str:
 
 
 def _ratio(rec: dict) -> float | None:
-    """The number that shows the bug: the extreme per-stage ratio (B2), the GAS effect (B1), else the ratio."""
+    """The number that shows the bug, always against the reference: the extreme per-stage ratio (B2), else the ratio."""
     if rec.get("stages"):
         vals = [(s.get("metrics") or {}).get("norm_ratio") for s in rec["stages"]]
-    elif rec.get("ratio_vs_control") is not None:
-        vals = [rec["ratio_vs_control"]]
     else:
         vals = [(rec.get("metrics") or {}).get("norm_ratio")]
     vals = [v for v in vals if v]
@@ -179,6 +182,8 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
                       "cosine": (pick.get("metrics") or {}).get("cosine"),
                       "ratio_means": BUGS[bug_id].ratio_meaning, "where": _where(pick),
                       "transformers": (pick.get("versions") or {}).get("transformers") if bug_id == "B1" else None,
+                      "gas_verdict": pick.get("gas_verdict") if bug_id == "B1" else None,
+                      "ratio_vs_gas1": pick.get("ratio_vs_control") if bug_id == "B1" else None,
                       "configs": len(group), "configs_with_verdict": len(bad),
                       "reason": pick.get(BUGS[bug_id].verdict_key.replace("verdict", "reason")) or pick.get("reason", ""),
                       "notebook": BUGS[bug_id].notebook})
@@ -186,7 +191,20 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
 
 
 def _version_key(v: str):
-    return tuple(int(p) if p.isdigit() else 0 for p in v.split("+")[0].split("."))
+    return (-1,) if v == NO_DEEPSPEED else tuple(int(p) if p.isdigit() else 0 for p in v.split("+")[0].split("."))
+
+
+def column_label(v: str, installed: str) -> str:
+    return "no DeepSpeed" if v == NO_DEEPSPEED else f"{v} (installed)" if v == installed else v
+
+
+def gas_text(cell: dict) -> str:
+    """B1's second verdict, named: does GAS change the step (against the same path at GAS = 1)?"""
+    g = cell.get("gas_verdict")
+    if g not in (oracle.AFFECTED, oracle.NOT_AFFECTED):
+        return ""
+    x = f" (x{cell['ratio_vs_gas1']:.3f} of GAS = 1)" if cell.get("ratio_vs_gas1") else ""
+    return "GAS-invariant" if g == oracle.NOT_AFFECTED else f"GAS changes the step{x}"
 
 
 def cell_text(cell: dict) -> str:
@@ -194,7 +212,8 @@ def cell_text(cell: dict) -> str:
         return cell["verdict"]
     cos = f", cos {cell['cosine']:.3f}" if cell.get("cosine") is not None else ""
     tf = f"; transformers {cell['transformers']}" if cell.get("transformers") else ""
-    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos}{tf})"
+    gas = f"; {gas_text(cell)}" if gas_text(cell) else ""
+    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos}{gas}{tf})"
 
 
 def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebook}") -> str:
@@ -203,7 +222,7 @@ def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebo
 
     installed = versions.installed_version("deepspeed")
     cols = sorted({c["deepspeed"] for c in cells}, key=_version_key)
-    head = ["bug"] + [f"{v} (installed)" if v == installed else v for v in cols]
+    head = ["bug"] + [column_label(v, installed) for v in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for bug in BUGS:
         row = {c["deepspeed"]: c for c in cells if c["bug"] == bug}
@@ -241,11 +260,13 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
         if cell is None:
             out.append(f"{bug.id} ({bug.title}): not measured on DeepSpeed {deepspeed}; run {bug.notebook}.")
         elif cell["verdict"] == oracle.AFFECTED:
+            gas = f"; {gas_text(cell)}" if gas_text(cell) else ""
             out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (the applied gradient is "
-                       f"{cell['ratio']:.3f} x {bug.ratio_against} at {cell['where']}). To avoid it: {bug.do_if_affected}.")
+                       f"{cell['ratio']:.3f} x the reference at {cell['where']}{gas}). To avoid it: "
+                       f"{bug.do_if_affected}.")
         elif cell["verdict"] == oracle.NOT_AFFECTED:
             out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} ({_count(cell['configs'])} "
-                       f"measured, all match the reference); nothing to change.")
+                       f"measured, every one matches the reference on every signal); nothing to change.")
         elif cell["verdict"] == oracle.CANNOT_RUN:
             out.append(f"{bug.id} ({bug.title}): could not run {cell['configs_with_verdict']} of {cell['configs']} "
                        f"configurations on {deepspeed} here ({cell['reason'][:160]}); this is not a clean bill of "
@@ -275,12 +296,14 @@ def sentences(cells: list[dict]) -> list[str]:
     installed = versions.installed_version("deepspeed")
     out = []
     for c in cells:
-        where = f"DeepSpeed {c['deepspeed']}" + (" (installed)" if c["deepspeed"] == installed else "")
+        where = "no DeepSpeed" if c["deepspeed"] == NO_DEEPSPEED else \
+            f"DeepSpeed {c['deepspeed']}" + (" (installed)" if c["deepspeed"] == installed else "")
         share = f"{c['configs_with_verdict']} of {_count(c['configs'])}"
         if c.get("ratio"):
             cos = f" (cosine with the reference {c['cosine']:.3f})" if c.get("cosine") is not None else ""
+            gas = f" {gas_text(c)}." if gas_text(c) else ""
             out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}); at {c['where']} the applied "
-                       f"gradient is {c['ratio']:.3f} x {BUGS[c['bug']].ratio_against}{cos}.")
+                       f"gradient is {c['ratio']:.3f} x the reference{cos}.{gas}")
         else:
             out.append(f"**{c['bug']}** on {where}: **{c['verdict']}** ({share}): {c['reason'][:200]}")
     return out

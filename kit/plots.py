@@ -283,19 +283,19 @@ def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
 def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
     """Effective/reference ratio against GAS, one line per training path, one panel per version stack.
 
-    The GAS=1 point is the path's control. A correct Trainer keeps every line at 1 for every GAS.
+    The GAS=1 point is the path's own GAS = 1 step (``gas1``). A correct Trainer keeps every line at 1 for every GAS.
     """
     stacks = list(dict.fromkeys(r["version"] for r in recs))
     fig, axes = plt.subplots(1, len(stacks), figsize=(4.2 * len(stacks), 3.4), squeeze=False, sharey=True)
     for ax, st in zip(axes[0], stacks):
-        sel = [r for r in recs if r["version"] == st and r["case"] in (case, "control") and r.get("metrics")]
+        sel = [r for r in recs if r["version"] == st and r["case"] in (case, "gas1") and r.get("metrics")]
         for i, path in enumerate(dict.fromkeys(r["path"] for r in sel)):
             pts = sorted((r["ga"], r["metrics"]["norm_ratio"]) for r in sel if r["path"] == path)
             ax.plot(*zip(*pts), marker="osD^"[i % 4], color=f"C{i}", markersize=8 - 1.5 * i, label=path)
         ax.axhline(1.0, color="black", ls=":", lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
-        ax.set_xlabel("GAS (global batch fixed; GAS=1: the control)")
+        ax.set_xlabel("GAS (global batch fixed; GAS=1: the path's own step)")
         ax.set_title(st, fontsize=8)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("effective / reference norm")
@@ -326,7 +326,8 @@ def verdict_matrix(cells: list[dict], title: str = ""):
             cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
             ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
             ax.text(j + 0.5, i + 0.85, c["where"].replace(", transformers ", ", tf "), ha="center", va="center", fontsize=5)
-    _grid_frame(ax, [f"{v}\n(installed)" if v == installed else v for v in cols],
+    _grid_frame(ax, [overview.column_label(v, installed).replace(" (", "\n(").replace("no DeepSpeed", "no\nDeepSpeed")
+                     for v in cols],
                 [f"{b}\n{overview.BUGS[b].notebook[:2]}" for b in bugs],
                 ("affected", "not-affected", "inconclusive", "cannot-run"))
     ax.set_xlabel("DeepSpeed release", fontsize=8)

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
+import uuid
 from pathlib import Path
 
 from kit import oracle
 
+RUN_ID_ENV = "GRADKIT_RUN_ID"
+RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.runall: which records are whose
+# One id per run: kit.runall sets it for every notebook it starts; a kernel or script on its own gets its own.
+RUN_ID = os.environ.get(RUN_ID_ENV) or f"{datetime.datetime.now():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+
 RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", "world_size", "seed", "ga",
-               "dtype", "config", "metrics", "verdict", "reason")
+               "dtype", "config", "metrics", "verdict", "reason", "run_id")
 
 
 def _base(meta: dict, case: dict, version: str) -> dict:
     return {**meta, "case": case["name"], "role": case["role"], "ga": case["ga"], "dtype": case["dtype"],
             "zero_stage": case.get("zero_stage"), "config": case, "version": version,
-            "host": platform.node(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "host": platform.node(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "run_id": RUN_ID}
 
 
 def failed_records(cases: list[dict], meta: dict, version: str, reason: str, versions: dict | None = None) -> list[dict]:
@@ -46,7 +54,7 @@ def run_version_world(target: str, cases: list[dict], version: str, meta: dict, 
     except kversions.CannotRun as e:
         return failed_records(cases, meta, version, e.reason)
     world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=stack.pythonpath,
-                         extensions_key=stack.extensions_key)
+                         extensions_key=stack.extensions_key, expect=stack.expect)
     try:
         rank0 = launch.run_world(target, {"cases": cases}, world)[0]
     except launch.LaunchError as e:
@@ -96,6 +104,37 @@ def save(recs: list[dict], path) -> Path:
 
 def load(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_records(folder, notebooks=None) -> tuple[list[dict], list[str]]:
+    """The records of the last run into ``folder``: only notebooks that ran to the end, only records of that run.
+
+    Reads ``run.json`` (written by ``run``); ``notebooks`` limits the stems read. Returns the records and one
+    line per notebook saying what was used or why not. A relative ``folder`` is the repository's.
+    """
+    from kit import config as kconfig
+
+    folder = kconfig.repo_path(folder)
+    try:
+        run = json.loads((folder / RUN_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"no readable {RUN_FILE} in {folder} ({type(e).__name__}): it is written by "
+                                "`python -m kit.runall`; run that first, or run the probes here") from None
+    out, said = [], []
+    for name, status in sorted(run["notebooks"].items()):
+        stem = Path(name).stem
+        path = folder / f"{stem}.jsonl"
+        if notebooks is not None and stem not in notebooks:
+            continue
+        if status != "ok":
+            said.append(f"{stem}: not used ({status}: its records never reach the matrix)")
+            continue
+        if not path.exists():
+            continue
+        mine = [r for r in load(path) if r.get("run_id") == run["run_id"]]
+        said.append(f"{stem}: {len(mine)} records of run {run['run_id']}")
+        out += mine
+    return out, said
 
 
 def select(recs: list[dict], **where) -> list[dict]:

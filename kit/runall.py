@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kit import config as kconfig
+from kit.records import RUN_ID_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -111,8 +112,10 @@ def failing_cell(executed: Path) -> dict | None:
     return running
 
 
-def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
-    """Run one notebook in its own papermill process; never raises for the notebook's own failures."""
+def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str = "") -> dict:
+    """Run one notebook in its own papermill process; never raises for the notebook's own failures.
+
+    ``run_id`` reaches the kernel as ``GRADKIT_RUN_ID``: every record it writes carries it."""
     executed = out / path.name
     entry = {"notebook": path.name, "executed": str(executed), "parameters": params, "timeout_s": timeout_s}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -122,6 +125,8 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
            "--cwd", str(REPO), "--execution-timeout", str(int(timeout_s)), "--no-progress-bar",
            "--request-save-on-cell-execute"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    if run_id:
+        env[RUN_ID_ENV] = run_id
     t0 = time.time()
     with open(log, "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -151,12 +156,14 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float) -> dict:
 
 # ---------------------------------------------------------------------------------------------- the run
 
-def _records(out: Path, entry: dict) -> list[dict]:
-    """The records a notebook that ran to the end wrote into ``out`` (``<stem>.jsonl``), if any."""
+def _records(out: Path, entry: dict, run_id: str) -> list[dict]:
+    """The records a notebook that ran to the end wrote into ``out`` (``<stem>.jsonl``) in this run, if any."""
     from kit import records
 
     path = out / (Path(entry["notebook"]).stem + ".jsonl")
-    return records.load(path) if entry["status"] == "ok" and path.exists() else []
+    if entry["status"] != "ok" or not path.exists():
+        return []
+    return [r for r in records.load(path) if r.get("run_id") == run_id]
 
 
 def previous_matrix(js: Path) -> list[dict] | None:
@@ -170,11 +177,11 @@ def previous_matrix(js: Path) -> list[dict] | None:
     return matrix if isinstance(matrix, list) else None
 
 
-def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
-    """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran."""
+def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None) -> tuple[Path, Path]:
+    """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
     from kit import overview, report
 
-    by_nb = {e["notebook"]: _records(out, e) for e in entries}
+    by_nb = {e["notebook"]: _records(out, e, run_id) for e in entries}
     cells = overview.verdict_matrix([r for recs in by_nb.values() for r in recs])
     js = out / "summary.json"
     previous = previous_matrix(js)
@@ -182,7 +189,7 @@ def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
     if cells:
         overview.save_matrix(cells, out)
     summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
-               "matrix": cells, "changed_since_previous": changed}
+               "matrix": cells, "changed_since_previous": changed, "run_id": run_id, "params_file": params_file}
     js.write_text(json.dumps(summary, indent=1, default=str))
     ok = sum(e["status"] == "ok" for e in entries)
     lines = ["# gradkit run-all summary", "",
@@ -193,7 +200,8 @@ def summarise(entries: list[dict], out: Path) -> tuple[Path, Path]:
                   overview.matrix_table(cells, link=link), "",
                   "Each cell: the worst verdict of the bug's reported configuration on that DeepSpeed release, "
                   "with the effective/reference ratio (1.000 = correct; B2: the pipeline stage furthest from 1; B1: the "
-                  "gradient at GAS > 1 over the same path's at GAS = 1) and the cosine of the configuration shown.", ""]
+                  "Trainer's step, with whether GAS changes it, and the steps without DeepSpeed in their own column) and "
+                  "the cosine of the configuration shown.", ""]
     if changed is not None:
         lines += ["Verdicts identical to the previous run into this folder." if not changed else
                   "**Verdicts changed since the previous run into this folder:** " + "; ".join(changed), ""]
@@ -218,8 +226,26 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, progress: bool = True) -> list[dict]:
-    """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote."""
+def write_run_file(out: Path, run_id: str, entries: list[dict]) -> Path:
+    """``run.json``: this run's id and each notebook's status (what ``records.run_records`` trusts)."""
+    from kit import records
+
+    path = out / records.RUN_FILE
+    path.write_text(json.dumps({"run_id": run_id, "notebooks": {e["notebook"]: e["status"] for e in entries}},
+                               indent=1, sort_keys=True))
+    return path
+
+
+def new_run_id() -> str:
+    import uuid
+
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, progress: bool = True,
+        run_id: str = "") -> list[dict]:
+    """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote
+    (``run.json`` says which notebooks of this run finished: only their records reach the overview)."""
     from kit import overview
 
     known = {p: notebook_parameters(p) for p in paths}
@@ -230,15 +256,19 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     plan = {p: params_for(p, spec, out, source if p in aggregating else None, known[p]) for p in paths}  # all checked first
     entries: dict[Path, dict] = {}
     bar = _bar(len(paths), progress)
+    run_id = run_id or new_run_id()
     for wave in (first, aggregating):
+        if wave is aggregating:
+            write_run_file(out, run_id, [entries[p] for p in first])
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {pool.submit(execute, p, out, plan[p], float(spec["timeouts"].get(p.stem, timeout_s))): p
+            futures = {pool.submit(execute, p, out, plan[p], float(spec["timeouts"].get(p.stem, timeout_s)), run_id): p
                        for p in wave}
             for fut in as_completed(futures):
                 e = entries[futures[fut]] = fut.result()
                 bar.write(f"{e['notebook']}: {e['status']} in {e['wall_s']} s" + (f" — {e['error']}" if e.get("error") else ""))
                 bar.update(1)
     bar.close()
+    write_run_file(out, run_id, [entries[p] for p in paths])
     return [entries[p] for p in paths]
 
 
@@ -275,8 +305,13 @@ def main(argv=None) -> int:
     unknown_nb = (set(spec["notebooks"]) | set(spec["timeouts"])) - stems
     if unknown_nb:
         raise kconfig.ConfigError(f"parameters or timeouts given for notebook(s) not being run: {sorted(unknown_nb)}")
-    entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress)
-    md, js = summarise(entries, out)
+    run_id = new_run_id()
+    entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id)
+    params_file = None
+    if a.params:
+        pf = Path(a.params).resolve()
+        params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
+    md, js = summarise(entries, out, run_id, params_file)
     failed = [e["notebook"] for e in entries if e["status"] != "ok"]
     print(f"executed notebooks: {out}\nsummary: {md}\n         {js}")
     if failed:

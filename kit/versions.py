@@ -13,7 +13,10 @@ Outcomes, and what they mean for a verdict:
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.metadata
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -28,6 +31,7 @@ PACKAGES = ("deepspeed", "transformers", "accelerate")
 # gets a companion overlay of each whose installed version falls outside that release's range.
 COMPANIONS = ("tokenizers", "huggingface-hub", "safetensors")
 INSTALL_TIMEOUT_S = 900
+MANIFEST = ".manifest.json"  # {relative path: [size, sha256]} of every file an overlay install wrote
 _NOT_ON_INDEX = ("No matching distribution found", "Could not find a version that satisfies")
 
 
@@ -56,18 +60,49 @@ def overlay_root() -> Path:
     return d
 
 
+def manifest(root: Path) -> dict[str, list]:
+    """``{relative path: [size, sha256]}`` of every file under ``root`` (the kit's own marker files aside)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.name not in (".complete", MANIFEST):
+            data = path.read_bytes()
+            out[str(path.relative_to(root))] = [len(data), hashlib.sha256(data).hexdigest()]
+    return out
+
+
+def overlay_damage(root: Path) -> list[str]:
+    """What is wrong with an installed overlay, against the manifest written at install (empty: intact)."""
+    try:
+        want = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return [f"{root.name} has no readable {MANIFEST} (installed by an older kit, or damaged)"]
+    have = manifest(root)
+    missing = sorted(set(want) - set(have))
+    changed = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    return [f"missing: {k}" for k in missing] + [f"changed: {k}" for k in changed]
+
+
 def ensure_overlay(package: str, version: str) -> Path:
-    """Install ``package==version`` into its overlay folder once; return the folder."""
+    """Install ``package==version`` into its overlay folder once, verified by its manifest; return the folder.
+
+    An overlay whose files no longer match the manifest written at install (a file deleted or truncated) is
+    reinstalled, with a warning on stderr: a damaged overlay would let the ranks import another release.
+    """
     if package not in PACKAGES + COMPANIONS:
         raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
     kconfig.check_version(version)
     target = overlay_root() / f"{package}-{version}"
-    if (target / ".complete").exists():
+    if (target / ".complete").exists() and not overlay_damage(target):
         return target
     with open(overlay_root() / f".{package}-{version}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two notebooks asking for the same version build it once
         if (target / ".complete").exists():
-            return target
+            damage = overlay_damage(target)
+            if not damage:
+                return target
+            print(f"gradkit: the overlay {target} is damaged ({len(damage)} file(s): {', '.join(damage[:3])}); "
+                  f"reinstalling {package}=={version}", file=sys.stderr)
+            (target / ".complete").unlink()
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
@@ -84,6 +119,7 @@ def ensure_overlay(package: str, version: str) -> Path:
             if any(s in text for s in _NOT_ON_INDEX):
                 raise UnknownVersion(f"{package}=={version} is not a release on the package index")
             raise CannotRun(f"{package}=={version} did not install here: {text.strip()[-800:]}")
+        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         (target / ".complete").write_text(version)
@@ -94,8 +130,14 @@ def ensure_overlay(package: str, version: str) -> Path:
 class Stack:
     """The package versions one world runs with, and how to put them on its path."""
 
-    versions: dict[str, str]  # package -> version actually imported in the world
+    versions: dict[str, str]  # package -> version the world must import
     pythonpath: list[str] = field(default_factory=list)
+    roots: dict[str, str] = field(default_factory=dict)  # package -> the folder it must be imported from
+
+    @property
+    def expect(self) -> dict[str, dict]:
+        """What every rank checks before it runs (``kit.worker.check_stack``): version and folder per package."""
+        return {p: {"version": v, "root": self.roots.get(p)} for p, v in self.versions.items() if v != "absent"}
 
     @property
     def label(self) -> str:
@@ -144,6 +186,11 @@ def _companions(transformers_root: Path) -> tuple[dict[str, str], list[str]]:
     return versions, path
 
 
+def module_name(package: str) -> str:
+    """The import name of a distribution ("huggingface-hub" -> "huggingface_hub")."""
+    return package.replace("-", "_")
+
+
 def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
     """Turn ``{"deepspeed": "0.18.9"}`` (others: installed) into a ready ``Stack``.
 
@@ -157,18 +204,23 @@ def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
         if package not in PACKAGES:
             raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
         kconfig.check_version(version)
-    versions, path = {}, []
+    versions, path, roots = {}, [], {}
     for package in PACKAGES:
         version = wanted.get(package, kconfig.INSTALLED)
         base = installed_version(package)
         if version in (kconfig.INSTALLED, base):
             versions[package] = base
+            spec = importlib.util.find_spec(package) if base != "absent" else None
+            if spec is not None and spec.submodule_search_locations:
+                roots[package] = str(Path(list(spec.submodule_search_locations)[0]).parent)
         else:
             root = ensure_overlay(package, version)
             path.append(str(root))
             versions[package] = version
+            roots[package] = str(root)
             if package == "transformers":
                 extra, extra_path = _companions(root)
                 versions.update(extra)
                 path += extra_path
-    return Stack(versions=versions, pythonpath=path)
+                roots.update(zip(extra, extra_path))
+    return Stack(versions=versions, pythonpath=path, roots=roots)

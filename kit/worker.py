@@ -44,6 +44,38 @@ def report_partial(obj) -> None:
             f.write(json.dumps(obj) + "\n")
 
 
+class StackMismatch(RuntimeError):
+    """A rank imported another release (or the same one from another folder) than the world asked for."""
+
+
+def check_stack(expect: dict) -> dict:
+    """Import every package the world names and check its version and folder; ``{package: file}`` if all match.
+
+    A damaged overlay (a missing ``__init__.py``) lets Python fall through to the installed release: the record
+    would then carry the requested label over another release's behaviour. This makes that a ``cannot-run``.
+    """
+    from kit.versions import module_name
+
+    found, bad = {}, []
+    for package, want in expect.items():
+        try:
+            module = importlib.import_module(module_name(package))
+        except Exception as e:  # noqa: BLE001 - any import failure means the stack is not what was asked for
+            bad.append(f"{package} {want['version']} does not import: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        where = getattr(module, "__file__", None) or "?"
+        got = getattr(module, "__version__", "?")
+        root = want.get("root")
+        if got != want["version"]:
+            bad.append(f"{package}: {want['version']} was requested, {got} was imported (from {where})")
+        elif root and where != "?" and not os.path.realpath(where).startswith(os.path.realpath(root) + os.sep):
+            bad.append(f"{package} {got} was imported from {where}, not from {root}")
+        found[package] = where
+    if bad:
+        raise StackMismatch("the world's packages are not the ones requested: " + "; ".join(bad))
+    return found
+
+
 def resolve(target: str):
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -60,6 +92,7 @@ def main(job: Path) -> int:
             sys.path.insert(0, path)
     os.environ[PARTIAL_ENV] = str(job / f"rank{rank}.partial.jsonl")
     try:
+        check_stack(spec.get("expect") or {})
         fn = resolve(spec["target"])
         init_process_group(spec["device"], spec["init"], spec["timeout_s"])
         result = fn(spec["payload"])

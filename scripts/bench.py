@@ -1,6 +1,7 @@
 """Benchmark the kit's launch path and probes (numbers for the notes, never a timed test).
 
     .venv/bin/python scripts/bench.py [--skip-runall] [--json runs/bench.json]
+    .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
 
 Measures, side by side in one run, on this machine:
 - cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
@@ -34,11 +35,51 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def noise(json_path: str) -> int:
+    """The noise of correct engines, every signal the oracle judges: what kit/oracle.py's tolerances are set against.
+
+    The installed DeepSpeed (B4's fix is in): the B4 probe's bf16 cases with an fp32 and a bf16 accumulator at
+    GA 8 / 32 / 64 (W = 2), and the B3 probe's stages that keep every micro-batch (ZeRO-0 and ZeRO-3, fp32 and
+    bf16, N = 8, W = 2), each with its rel. error, |ratio - 1|, misplaced weight and rank spread.
+    """
+    from kit.probes import bf16_leak, zero_boundary
+
+    rows = []
+    for r in bf16_leak.run(world_size=2, ga_values=(8, 32, 64), cases=("leak", "bf16_accum", "control"), timeout_s=900):
+        rows.append(("B4", r["case"], r["dtype"], r["ga"], r))
+    for r in zero_boundary.run(world_sizes=(2,), n_values=(1, 8), stages=(0, 3), fixes=(), timeout_s=900):
+        if r["case"] == "manual" and r["ga"] == 8:
+            rows.append(("B3", f"ZeRO-{r['zero_stage']}", r["dtype"], r["ga"], r))
+    out = []
+    for bug, case, dtype, ga, r in rows:
+        m = r["metrics"]
+        mis = [(r.get("attribution") or {}).get("misplaced_weight", 0.0)]
+        mis += [b["attribution"]["misplaced_weight"] for b in r.get("rank_buffers") or []]
+        out.append({"probe": bug, "case": case, "dtype": dtype, "GA": ga, "rel_l2": m["rel_l2"],
+                    "ratio_minus_1": abs(m["norm_ratio"] - 1), "misplaced_weight": max(mis),
+                    "rank_spread": max((r.get("rank_spread") or {"-": 0.0}).values()), "verdict": r["verdict"]})
+        print(f"{bug} {case:11s} {dtype} GA {ga:3d}: rel. error {m['rel_l2']:.2e}, |ratio-1| {abs(m['norm_ratio'] - 1):.1e}, "
+              f"misplaced {max(mis):.1e}, rank spread {out[-1]['rank_spread']:.1e} -> {r['verdict']}")
+    for dtype in ("fp32", "bf16"):
+        sel = [o for o in out if o["dtype"] == dtype]
+        print(f"{dtype}: largest noise of a correct engine: rel. error {max(o['rel_l2'] for o in sel):.2e}, "
+              f"misplaced weight {max(o['misplaced_weight'] for o in sel):.2e}, rank spread {max(o['rank_spread'] for o in sel):.1e}")
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps({"cpus": os.cpu_count(), "rows": out}, indent=1))
+    print(f"written to {json_path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-runall", action="store_true")
-    ap.add_argument("--json", default=str(REPO / "runs" / "bench.json"))
+    ap.add_argument("--noise", action="store_true",
+                    help="only measure the noise of correct engines that the oracle's tolerances are set against")
+    ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
     a = ap.parse_args()
+    if a.noise:
+        return noise(a.json or str(REPO / "runs" / "noise.json"))
+    a.json = a.json or str(REPO / "runs" / "bench.json")
 
     from kit import launch
     from kit.probes import bf16_leak, pipeline_ga, zero_boundary

@@ -49,3 +49,17 @@ def test_every_figure_has_a_caption_that_says_what_to_look_at(path):
             before = nb.cells[i - 1]
             assert before.cell_type == "markdown" and "**Look at**" in before.source, \
                 f"{path.name} cell {i} draws a figure without a '**Look at**' caption above it"
+
+
+MEASURED = __import__("re").compile(r"(?<![\w.])\d+\.\d{3,}(?![\d.])|\d\s?%")  # 0.889, 1.092, 0.4 %: a run's numbers
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_no_markdown_cell_states_a_measured_number_as_fixed_text(path):
+    """Numbers a run measures come from that run, printed in a sentence; 1.000 (what correct means) and release
+    numbers (0.18.9) are not measurements."""
+    nb = nbformat.read(path, as_version=4)
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "markdown":
+            found = [m.group(0) for m in MEASURED.finditer(c.source) if m.group(0) != "1.000"]
+            assert not found, f"markdown cell {i} states {found} as fixed text: print it from the run instead"

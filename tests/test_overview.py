@@ -1,7 +1,7 @@
 """The verdict matrix from records: worst verdict wins, the number shown is the telling one, checks that can fail."""
 import pytest
 
-from kit import overview, versions
+from kit import overview, records, versions
 
 DS = versions.installed_version("deepspeed")
 
@@ -27,11 +27,29 @@ def test_worst_verdict_wins_and_a_crash_is_never_a_pass():
 def test_each_bug_shows_its_telling_number():
     stages = [{"metrics": {"norm_ratio": 1.0}}, {"metrics": {"norm_ratio": 0.125}}]
     b2 = rec("B2", "pipeline", "affected", 0.97, stages=stages)  # the whole-model ratio hides the stage's 1/GA
-    b1 = rec("B1", "trainer", "inconclusive", 0.22, gas_verdict="affected", ratio_vs_control=0.25, path="no_ds")
+    b1 = rec("B1", "trainer", "affected", 0.22, gas_verdict="affected", ratio_vs_control=0.25, path="ds_zero2")
     c2, c1 = sorted(overview.verdict_matrix([b2, b1]), key=lambda c: c["bug"], reverse=True)
     assert c2["ratio"] == 0.125
-    assert (c1["verdict"], c1["ratio"], c1["transformers"]) == ("affected", 0.25, "5.23.0")
-    assert "transformers 5.23.0" in overview.matrix_table([c1])
+    assert (c1["verdict"], c1["ratio"], c1["transformers"]) == ("affected", 0.22, "5.23.0")  # against the reference
+    assert "transformers 5.23.0" in overview.matrix_table([c1]) and "GAS changes the step (x0.250" in overview.cell_text(c1)
+
+
+def test_b1_says_what_is_measured_and_keeps_its_no_deepspeed_path_out_of_deepspeed_columns():
+    """transformers 5.3.0: the DeepSpeed path is GAS-invariant yet 0.889 x the reference; the Trainer alone
+    is what GAS changes. Neither may read 'nothing to change', and no-DS steps are not DeepSpeed's."""
+    ds = rec("B1", "trainer", "affected", 0.889, gas_verdict="not-affected", ratio_vs_control=1.0, path="ds_zero0")
+    ds["metrics"]["cosine"] = 1.0
+    no_ds = rec("B1", "trainer", "affected", 0.222, gas_verdict="affected", ratio_vs_control=0.25, path="no_ds")
+    cells = overview.verdict_matrix([ds, no_ds])
+    by_col = {c["deepspeed"]: c for c in cells}
+    assert set(by_col) == {DS, overview.NO_DEEPSPEED}
+    assert by_col[DS]["ratio"] == 0.889 and by_col[DS]["verdict"] == "affected"  # the number shown is vs the reference
+    assert "GAS-invariant" in overview.cell_text(by_col[DS])
+    assert by_col[overview.NO_DEEPSPEED]["ratio"] == 0.222
+    advice = overview.what_to_do(cells, DS)[0]
+    assert "nothing to change" not in advice and "**affected**" in advice and "0.889" in advice
+    assert "| no DeepSpeed |" in overview.matrix_table(cells).splitlines()[0] + "|"
+    assert overview.violations(cells) == []
 
 
 def test_what_to_do_names_the_fix_only_where_affected():
@@ -63,6 +81,41 @@ def test_differences_between_runs():
 def test_loading_from_a_folder_without_records_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="kit.runall"):
         overview.load_results(tmp_path)
+
+
+def _run_folder(folder, statuses, recs_by_stem):
+    import json
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "run.json").write_text(json.dumps({"run_id": "R2", "notebooks": statuses}))
+    for stem, recs in recs_by_stem.items():
+        records.save(recs, folder / f"{stem}.jsonl")
+
+
+def test_the_overview_reads_only_this_runs_records_of_notebooks_that_finished(tmp_path):
+    b4_now, b4_before = rec("B4", "leak", "affected", 1.09, run_id="R2"), rec("B4", "leak", "not-affected", 1.0, run_id="R1")
+    b3_failed = rec("B3", "manual", "affected", 0.4, run_id="R2")
+    _run_folder(tmp_path, {"04_bf16_leak.ipynb": "ok", "03_zero_boundary.ipynb": "failed"},
+                {"04_bf16_leak": [b4_now, b4_before], "03_zero_boundary": [b3_failed]})
+    recs, used = overview.load_results(tmp_path)
+    assert recs == [b4_now]  # an older run's record in the same file, and a failed notebook's, never reach the matrix
+    assert any("03_zero_boundary: not used (failed" in u for u in used)
+    assert any("04_bf16_leak: 1 records of run R2" in u for u in used)
+    _run_folder(tmp_path, {"04_bf16_leak.ipynb": "timeout"}, {})
+    with pytest.raises(FileNotFoundError, match="04_bf16_leak: not used"):
+        overview.load_results(tmp_path)
+
+
+def test_a_relative_results_folder_is_the_repositorys_whatever_the_working_directory(tmp_path, monkeypatch):
+    import os
+    from kit import config
+    folder = tmp_path / "runs" / "latest"
+    _run_folder(folder, {"04_bf16_leak.ipynb": "ok"}, {"04_bf16_leak": [rec("B4", "leak", "affected", 1.09, run_id="R2")]})
+    relative = os.path.relpath(folder, config.REPO_ROOT)
+    monkeypatch.chdir(tmp_path)  # a kernel started elsewhere (JupyterLab: notebooks/)
+    assert len(overview.load_results(relative)[0]) == 1
+    with pytest.raises(FileNotFoundError) as e:
+        overview.load_results("runs/no-such-run")
+    assert str(config.REPO_ROOT / "runs" / "no-such-run") in str(e.value)
 
 
 def test_run_probes_refuses_bad_input_before_launching():

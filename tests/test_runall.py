@@ -72,10 +72,10 @@ def test_runner_refuses_timeouts_for_notebooks_not_run(tmp_path):
 def test_summary_survives_an_older_summary_in_the_folder(tmp_path):
     (tmp_path / "summary.json").write_text('[{"notebook": "04_bf16_leak.ipynb", "status": "ok"}]')  # an older kit's
     entry = {"notebook": "x.ipynb", "executed": str(tmp_path / "x.ipynb"), "status": "ok", "wall_s": 1.0}
-    runall.summarise([entry], tmp_path)
+    runall.summarise([entry], tmp_path, "r1")
     first = json.loads((tmp_path / "summary.json").read_text())
     assert first["changed_since_previous"] is None and first["notebooks"][0]["notebook"] == "x.ipynb"
-    runall.summarise([entry], tmp_path)  # now there is a matrix (empty) to compare with
+    runall.summarise([entry], tmp_path, "r1")  # now there is a matrix (empty) to compare with
     assert json.loads((tmp_path / "summary.json").read_text())["changed_since_previous"] == []
     (tmp_path / "summary.json").write_text("{not json")
-    runall.summarise([entry], tmp_path)
+    runall.summarise([entry], tmp_path, "r1")

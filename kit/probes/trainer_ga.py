@@ -18,8 +18,19 @@ accepts_false      ``trainer.model_accepts_loss_kwargs = False`` (the seed's wor
 fix_scale_gas      seed fix 1: under DeepSpeed pass ``scale_wrt_gas=True`` when the Trainer     fix
                    did not divide the loss itself
 fix_always_divide  seed fix 2: always divide the loss by GAS, always ``scale_wrt_gas=False``    fix
-control            the same path with GAS = 1 (nothing to accumulate)                          control
+gas1               the same path with GAS = 1 (nothing to accumulate)                          baseline
+harness            the same model and rows through a plain PyTorch loop (no Trainer,            control
+                   Accelerate or DeepSpeed): ``torch.distributed.all_reduce`` and SGD
 =================  ==========================================================================  ==========
+
+Two named verdicts per step:
+
+- ``verdict`` -- *matches the reference*: the applied gradient against the fp32 reference of the global batch,
+  with the ``harness`` step of the same GAS as the control. The control does not depend on the library under
+  test: whatever transformers counts, the harness either reproduces the reference or the harness is suspect.
+- ``gas_verdict`` -- *GAS-invariant*: the applied gradient against the same path's GAS = 1 step (``gas1``), the
+  report's own question. A path can be GAS-invariant and still not match the reference (transformers 5.3.0
+  counts one label token too many per sequence, so every path applies tokens / (tokens + sequences)).
 
 The trace records, per micro-batch, what ``compute_loss`` returned and with which ``num_items_in_batch``
 (against the label tokens the loss really sums over: labels are shifted by one inside the model), and
@@ -39,8 +50,10 @@ CASES = {
     "accepts_false": {"role": "workaround"},
     "fix_scale_gas": {"role": "fix"},
     "fix_always_divide": {"role": "fix"},
-    "control": {"role": "control"},
+    "gas1": {"role": "baseline"},
+    "harness": {"role": "control"},
 }
+HARNESS_PATH = "harness"  # the plain-PyTorch control runs outside every Trainer path
 
 
 def tiny_qwen3(seed: int, hidden: int = 32):
@@ -130,13 +143,62 @@ def run_case(case: dict) -> dict:
         engine_gas = engine.gradient_accumulation_steps() if engine is not None else None
     before = torch.cat([p.detach().reshape(-1).double() for p in start.parameters()])
     reference, tokens, ref_loss = reference_gradient(start, rows)
+    rank_traces = [None] * c.world_size()  # the token count is a matter of every rank's micro-batches
+    if c.world_size() > 1:
+        import torch.distributed as dist
+        dist.all_gather_object(rank_traces, trace)
+    else:
+        rank_traces = [trace]
     out = {"metrics": oracle.compare(before - after, reference), "label_tokens": tokens, "reference_loss": ref_loss,
-           "logged_grad_norm": logged[0] if logged else None, "trace": trace,
+           "logged_grad_norm": logged[0] if logged else None, "trace": trace, "rank_traces": rank_traces,
            "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
            "accelerator_gas": accel_gas, "engine_gas": engine_gas}
     if engine is not None:
         c.release(engine)
     return out
+
+
+def run_harness(case: dict) -> dict:
+    """The control: the same model and rows, a plain PyTorch accumulation loop, no Trainer / Accelerate / DeepSpeed.
+
+    Rank r takes its own block of rows in GAS micro-batches; each micro-batch's summed token loss is divided by
+    the label tokens of the whole global batch (counted after the shift), gradients are summed over ranks with
+    ``torch.distributed.all_reduce`` and plain SGD (lr = 1) steps: exactly the reference's update.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    mb, gas, seed, w, r = case["micro_batch"], case["ga"], case["seed"], c.world_size(), c.rank()
+    dev = c.device()
+    model = tiny_qwen3(seed)
+    start = copy.deepcopy(model)
+    model.to(dev)
+    rows = token_rows(seed, mb * gas * w)
+    tokens = sum(int((row["labels"][1:] != -100).sum()) for row in rows)
+    mine = rows[r * mb * gas:(r + 1) * mb * gas]
+    for i in range(gas):
+        chunk = mine[i * mb:(i + 1) * mb]
+        ids = torch.stack([x["input_ids"] for x in chunk]).to(dev)
+        target = torch.stack([x["labels"] for x in chunk])[:, 1:].to(dev)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                               reduction="sum") / tokens
+        loss.backward()
+    if w > 1:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # the sum over ranks: every label token of the global batch once
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad  # SGD, lr = 1
+    after = torch.cat([p.detach().cpu().reshape(-1).double() for p in model.parameters()])
+    before = torch.cat([p.detach().reshape(-1).double() for p in start.parameters()])
+    reference, ref_tokens, ref_loss = reference_gradient(start, rows)
+    return {"metrics": oracle.compare(before - after, reference), "label_tokens": ref_tokens,
+            "reference_loss": ref_loss, "trace": [], "rank_traces": []}
 
 
 def probe_trainer_class(trainer_cls):
@@ -209,14 +271,15 @@ def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
     from kit.probes import common as c
 
-    return c.run_cases(payload, run_case)
+    return c.run_cases(payload, lambda case: run_harness(case) if case["name"] == "harness" else run_case(case))
 
 
 # ====================================================================== in the caller
 
 def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global_batch: int = 8,
          seed: int = 0) -> list[dict]:
-    """Per path: the GAS = 1 control, then every case at every GAS > 1 (micro-batch = global_batch / GAS)."""
+    """Per GAS the plain-PyTorch ``harness`` control; per path the GAS = 1 baseline, then every case at every GAS > 1
+    (micro-batch = global_batch / GAS)."""
     from kit import config as kconfig
 
     unknown = set(paths) - set(PATHS)
@@ -226,17 +289,20 @@ def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global
     if bad:
         raise kconfig.ConfigError(f"unknown B1 case(s) {sorted(bad)}; known: {list(CASES)}")
     out = []
+    for gas in sorted({1, *gas_values}):
+        kconfig.check_ga(gas)
+        if global_batch % gas:
+            raise kconfig.ConfigError(f"GAS {gas} does not divide the global batch {global_batch}")
+        out.append({"name": "harness", **CASES["harness"], "path": HARNESS_PATH, "zero_stage": None,
+                    "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed})
     for path in paths:
-        out.append({"name": "control", **CASES["control"], "path": path, "zero_stage": PATHS[path],
+        out.append({"name": "gas1", **CASES["gas1"], "path": path, "zero_stage": PATHS[path],
                     "dtype": "fp32", "micro_batch": global_batch, "ga": 1, "seed": seed})
         for gas in gas_values:
-            kconfig.check_ga(gas)
             if gas == 1:
                 continue
-            if global_batch % gas:
-                raise kconfig.ConfigError(f"GAS {gas} does not divide the global batch {global_batch}")
             for name in cases:
-                if name != "control":
+                if name not in ("gas1", "harness"):
                     out.append({"name": name, **CASES[name], "path": path, "zero_stage": PATHS[path],
                                 "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed})
     return out
@@ -267,8 +333,10 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
 def violations(recs: list[dict]) -> list[str]:
     """The claims the B1 notebook asserts, each broken one as a sentence (empty list: all hold).
 
-    1. every GAS = 1 control is the reference up to its token factor (the count ``num_items_in_batch``
-       uses against the label tokens the loss sums): whatever is off at GAS = 1 is that count;
+    0. every plain-PyTorch harness step (the control) is the reference: the harness itself is sound;
+    1. every GAS = 1 step of the Trainer is the reference up to its token factor (the count ``num_items_in_batch``
+       uses against the label tokens the loss sums, over every rank): whatever is off at GAS = 1 is that count,
+       and the token factor is known for every step of a loss-kwargs model;
     2. every step the Trainer took as shipped has a GAS factor of GAS ** k for a whole k (k = 0 correct,
        +1 summed, -1 or -2: divided by GAS once or twice too often): its GAS handling is explained;
     3. the applied gradient keeps the reference's direction on every such step (cosine 1).
@@ -277,11 +345,19 @@ def violations(recs: list[dict]) -> list[str]:
 
     bad = []
     for r in recs:
+        if r["case"] == "harness" and r["verdict"] == oracle.CANNOT_RUN:  # the world itself did not run
+            bad.append(f"{r['version']} GAS={r['ga']}: the plain-PyTorch harness could not run, so nothing of this "
+                       f"stack was measured: {r['reason'][:300]}")
         if r["verdict"] == oracle.CANNOT_RUN or not r.get("metrics"):
             continue
         where = f"{r['version']} {r['path']} GAS={r['ga']} {r['case']}"
         tol = oracle.tolerance(r["dtype"]).norm_ratio
-        if r["role"] == "control" and r.get("gas_factor") is not None and abs(r["gas_factor"] - 1) > tol:
+        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+            bad.append(f"{where}: the plain-PyTorch harness is off the reference: {r['reason']}")
+            continue
+        if r["case"] in ("trainer", "gas1") and r.get("model_accepts_loss_kwargs") and r.get("token_factor") is None:
+            bad.append(f"{where}: the token factor could not be computed from the ranks' traces")
+        if r["role"] == "baseline" and r.get("gas_factor") is not None and abs(r["gas_factor"] - 1) > tol:
             bad.append(f"{where}: the GAS=1 step is off the reference by more than its token count explains "
                        f"({r['metrics']['norm_ratio']:.5f} vs token factor {r['token_factor']:.5f})")
         if r["case"] == "trainer" and r.get("gas_power") is not None:
@@ -302,10 +378,11 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
         timeout_s: float = 600) -> list[dict]:
     """Every path x case x GAS under every version stack ({package: version}, {} = installed); one world each.
 
-    Each record is judged against its own path's GAS = 1 control from the same world, and carries
-    ``token_factor`` (label tokens the loss sums over / ``num_items_in_batch`` it is divided by) and
-    ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS divided twice);
-    both only at W = 1, where rank 0's trace holds every token. ``gas_verdict`` holds at any W.
+    Each record carries two verdicts: ``verdict`` (matches the reference; control: the plain-PyTorch ``harness``
+    step of the same GAS from the same world) and ``gas_verdict`` (GAS-invariant: against the same path's GAS = 1
+    step), plus ``token_factor`` (label tokens the loss sums over, on every rank / the ``num_items_in_batch`` it
+    is divided by) and ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS
+    divided twice).
     """
     from kit import records
 
@@ -316,35 +393,53 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
         meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
                 "stack": dict(st)}
         recs = records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, stack_label(st), meta, world_size,
-                                         device, timeout_s, control_key=lambda r: r["config"]["path"], stack=dict(st))
-        controls = {r["config"]["path"]: r for r in recs if r["role"] == "control"}
-        out += [_annotate(r, controls.get(r["config"]["path"])) for r in recs]
+                                         device, timeout_s, control_key=lambda r: r["ga"], stack=dict(st))
+        baselines = {r["config"]["path"]: r for r in recs if r["case"] == "gas1"}
+        out += [_annotate(r, baselines.get(r["config"]["path"])) for r in recs]
     return out
 
 
-def _annotate(rec: dict, control: dict | None = None) -> dict:
+def token_factor(rank_traces: list[list[dict]]) -> float | None:
+    """Label tokens the loss really sums over, on every rank, over the count the Trainer divides by.
+
+    The Trainer counts ``num_items_in_batch`` over a rank's whole accumulation window and, with
+    ``average_tokens_across_devices``, sums it over ranks (every rank then holds the same global count);
+    otherwise each rank divides by its own count and the ranks' gradients are averaged.
+    """
+    calls = [[t for t in trace or [] if t["call"] == "compute_loss"] for trace in rank_traces]
+    if not calls or not all(calls) or any(c[0]["num_items_in_batch"] is None for c in calls):
+        return None
+    summed = [sum(t["label_tokens_shifted"] for t in c) for c in calls]
+    items = [c[0]["num_items_in_batch"] for c in calls]
+    if len(set(items)) == 1 and (len(calls) == 1 or items[0] > max(sum(t["label_tokens_unshifted"] for t in c)
+                                                                   for c in calls)):
+        return sum(summed) / items[0] if items[0] else None  # one global count
+    return sum(s / n for s, n in zip(summed, items)) / len(items) if all(items) else None  # per-rank counts, averaged
+
+
+def _annotate(rec: dict, baseline: dict | None = None) -> dict:
     """Token and GAS factors, and ``gas_verdict``: does GAS change the applied gradient at a fixed global batch?
 
-    ``verdict`` judges the step against the reference (with the GAS = 1 control as usual). ``gas_verdict``
-    judges it against that control itself: it stays meaningful when the control is off for a reason
-    that does not depend on GAS (transformers 5.3.0 counts one label token too many per sequence).
+    ``verdict`` (set by the records) judges the step against the reference, with the harness as control.
+    ``gas_verdict`` judges it against the same path's GAS = 1 step: it answers the report's question even
+    where that step is itself off the reference for a reason GAS does not change (the token count).
     """
     from kit import oracle
 
-    calls = [t for t in rec.get("trace") or [] if t["call"] == "compute_loss"]
     rec["path"] = rec["config"]["path"]
-    if calls and rec.get("metrics") and rec["world_size"] == 1:  # the trace is rank 0's: one rank's tokens only
-        items = calls[0]["num_items_in_batch"]
-        summed = sum(t["label_tokens_shifted"] for t in calls)
-        rec["token_factor"] = summed / items if items else None
-        rec["gas_factor"] = rec["metrics"]["norm_ratio"] / rec["token_factor"] if items else None
-        if rec.get("gas_factor") and rec["ga"] > 1:  # GAS ** power: +1 summed, -1 divided once too often, ...
+    factor = token_factor(rec.get("rank_traces") or [rec.get("trace")]) if rec.get("metrics") else None
+    if factor:
+        rec["token_factor"] = factor
+        rec["gas_factor"] = rec["metrics"]["norm_ratio"] / factor
+        if rec["ga"] > 1:  # GAS ** power: +1 summed, -1 divided once too often, ...
             rec["gas_power"] = math.log(rec["gas_factor"]) / math.log(rec["ga"])
-    if rec["role"] == "control" or not rec.get("metrics") or not (control or {}).get("metrics"):
-        rec["gas_verdict"] = rec["verdict"] if rec["role"] != "control" else "n/a"
-        return rec
-    vs_control = rec["metrics"]["norm_ratio"] / control["metrics"]["norm_ratio"]
-    rec["ratio_vs_control"] = vs_control
-    ok = abs(vs_control - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and rec["metrics"]["cosine"] > 0.9999
-    rec["gas_verdict"] = oracle.NOT_AFFECTED if ok else oracle.AFFECTED
+    if rec["role"] in ("control", "baseline"):
+        rec["gas_verdict"] = "n/a"
+    elif not rec.get("metrics") or not (baseline or {}).get("metrics"):
+        rec["gas_verdict"] = oracle.CANNOT_RUN if not rec.get("metrics") else oracle.INCONCLUSIVE
+    else:
+        vs = rec["metrics"]["norm_ratio"] / baseline["metrics"]["norm_ratio"]
+        rec["ratio_vs_control"] = vs
+        ok = abs(vs - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and rec["metrics"]["cosine"] > 0.9999
+        rec["gas_verdict"] = oracle.NOT_AFFECTED if ok else oracle.AFFECTED
     return rec
