@@ -71,3 +71,23 @@ def test_installed_version_is_not_affected(recs, ga):
 def test_workaround_fixes_the_old_version(recs, ga):
     r = records.one(recs, version=OLD, case="workaround", ga=ga)
     assert r["verdict"] == oracle.NOT_AFFECTED, r["reason"]
+
+
+def _leak(ds, verdict, got, w=2, ga=4, role="measured", case="leak"):
+    return {"version": ds, "versions": {"deepspeed": ds}, "world_size": w, "ga": ga, "case": case, "role": role,
+            "verdict": verdict, "reason": verdict, "predicted_misplaced_weight": bf16_leak.predicted_misplaced_weight(w, ga),
+            "rank_buffers": [{"attribution": {"misplaced_weight": got}}] * w}
+
+
+def test_the_notebooks_claims_are_tight_and_cover_every_grid_world_size():
+    """0.145 against the formula's 0.125 passed the old +-(0.02 + 5 %) check; the attribution noise is 5e-3."""
+    ok = [_leak("0.18.9", "affected", 0.1253), _leak("0.18.9", "affected", 1 / 3 / 4 * 2 + 0.001, w=3),
+          _leak("0.19.8", "not-affected", 0.0004, w=4), _leak("0.19.8", "not-affected", 0.0, role="control", case="control")]
+    assert bf16_leak.violations(ok, {"0.18.9": True, "0.19.8": False}) == []
+    off = bf16_leak.violations([_leak("0.18.9", "affected", 0.145)])
+    assert len(off) == 2 and all("misplaces 0.1450" in v for v in off)  # each rank
+    # a W = 4 grid record on an affected release that reads not-affected contradicts the upstream table
+    wrong = bf16_leak.violations([_leak("0.18.9", "not-affected", 0.0, w=4)])
+    assert any("upstream says affected" in v for v in wrong)
+    assert any("code order says affected" in v for v in bf16_leak.violations([_leak("0.18.9", "not-affected", 0.0)],
+                                                                           {"0.18.9": True}))

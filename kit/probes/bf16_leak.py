@@ -157,6 +157,43 @@ def run_rank(payload: dict) -> list[dict]:
 
 # ====================================================================== in the caller
 
+def violations(recs: list[dict], code_order: dict | None = None) -> list[str]:
+    """The claims the B4 notebook asserts, each broken one as a sentence (empty list: all hold).
+
+    1. every control (fp32, ZeRO-0) matches the reference, and the reported configuration ran;
+    2. where the code order of ``_backward_epilogue`` was read (``code_order``: version -> allreduce first?),
+       the measured verdicts of that release follow it;
+    3. every measured verdict -- every world size of the grid included -- is what the upstream table says of
+       its release (``kit.expectations``; releases newer than the table are findings, not violations);
+    4. on every affected record each rank's accumulator misplaces (W-1)/W * 1/GA of the weight, to within the
+       attribution noise (the bf16 misplaced-weight limit of ``kit.oracle``, set against the measured noise);
+    5. the ``immediate_grad_update`` workaround matches the reference wherever it ran.
+    """
+    from kit import expectations, oracle
+
+    bad, tol = [], oracle.tolerance("bf16")
+    for r in recs:
+        where = f"ds {r['version']} W={r['world_size']} GA={r['ga']} {r['case']}"
+        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+            bad.append(f"{where}: the control is {r['verdict']}: {r['reason']}")
+        if r["role"] == "measured" and r["verdict"] == oracle.CANNOT_RUN:
+            bad.append(f"{where}: the reported configuration did not run: {r['reason'][:300]}")
+        if r["role"] == "workaround" and r["verdict"] not in (oracle.NOT_AFFECTED, oracle.CANNOT_RUN):
+            bad.append(f"{where}: the workaround is {r['verdict']}: {r['reason']}")
+        if r["role"] == "measured" and (code_order or {}).get(r["version"]) is not None:
+            want = oracle.AFFECTED if code_order[r["version"]] else oracle.NOT_AFFECTED
+            if r["verdict"] != want:
+                bad.append(f"{where}: the code order says {want}, measured {r['verdict']}")
+        if r["role"] == "measured" and r["verdict"] == oracle.AFFECTED:
+            for k, b in enumerate(r.get("rank_buffers") or []):
+                got, want = b["attribution"]["misplaced_weight"], r["predicted_misplaced_weight"]
+                if abs(got - want) > tol.misplaced_weight:
+                    bad.append(f"{where}: rank {k}'s accumulator misplaces {got:.4f}, the formula {want:.4f} "
+                               f"(more than the {tol.misplaced_weight:g} attribution noise apart)")
+    bad += expectations.mismatches(BUG, recs, role="measured")[0]
+    return bad
+
+
 def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, cases=tuple(CASES)) -> list[dict]:
     for ga in ga_values:
         kconfig.check_ga(ga)
