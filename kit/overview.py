@@ -191,7 +191,9 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
 
 
 def _version_key(v: str):
-    return (-1,) if v == NO_DEEPSPEED else tuple(int(p) if p.isdigit() else 0 for p in v.split("+")[0].split("."))
+    from kit.expectations import version_key
+
+    return (-1,) if v == NO_DEEPSPEED else version_key(v)
 
 
 def column_label(v: str, installed: str) -> str:

@@ -156,16 +156,6 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
 
 # ---------------------------------------------------------------------------------------------- the run
 
-def _records(out: Path, entry: dict, run_id: str) -> list[dict]:
-    """The records a notebook that ran to the end wrote into ``out`` (``<stem>.jsonl``) in this run, if any."""
-    from kit import records
-
-    path = out / (Path(entry["notebook"]).stem + ".jsonl")
-    if entry["status"] != "ok" or not path.exists():
-        return []
-    return [r for r in records.load(path) if r.get("run_id") == run_id]
-
-
 def previous_matrix(js: Path) -> list[dict] | None:
     """The verdict matrix of the last run into this folder; None when there is none to compare with
     (no summary, an unreadable one, or one written by an older kit without a matrix)."""
@@ -179,9 +169,11 @@ def previous_matrix(js: Path) -> list[dict] | None:
 
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
-    from kit import overview, report
+    from kit import overview, records, report
 
-    by_nb = {e["notebook"]: _records(out, e, run_id) for e in entries}
+    write_run_file(out, run_id, entries)  # the run's id and every notebook's final status
+    # only this run's records, only from notebooks that ran to the end
+    by_nb = {e["notebook"]: records.run_records(out, {Path(e["notebook"]).stem})[0] for e in entries}
     cells = overview.verdict_matrix([r for recs in by_nb.values() for r in recs])
     js = out / "summary.json"
     previous = previous_matrix(js)
@@ -268,7 +260,6 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
                 bar.write(f"{e['notebook']}: {e['status']} in {e['wall_s']} s" + (f" — {e['error']}" if e.get("error") else ""))
                 bar.update(1)
     bar.close()
-    write_run_file(out, run_id, [entries[p] for p in paths])
     return [entries[p] for p in paths]
 
 

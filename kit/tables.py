@@ -16,16 +16,12 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit import oracle, records
+from kit.expectations import version_key
 from kit.report import fmt, markdown_table
 
 
 def _ds(r: dict) -> str:
     return (r.get("versions") or {}).get("deepspeed") or r["version"]
-
-
-def _key(v: str):
-    from kit.expectations import version_key
-    return version_key(v)
 
 
 def _ratio(r: dict) -> str:
@@ -42,7 +38,7 @@ def b4(recs: list[dict]) -> str:
     w = min(r["world_size"] for r in main)
     ga = max(r["ga"] for r in main if r["world_size"] == w)
     rows = []
-    for r in sorted((r for r in main if r["world_size"] == w and r["ga"] == ga), key=lambda r: (_key(_ds(r)), r["case"])):
+    for r in sorted((r for r in main if r["world_size"] == w and r["ga"] == ga), key=lambda r: (version_key(_ds(r)), r["case"])):
         m = r.get("metrics") or {}
         bufs = [b["attribution"]["misplaced_weight"] for b in r.get("rank_buffers") or []]
         rows.append({"DeepSpeed": _ds(r), "case": "bug config" if r["case"] == "leak" else "`immediate_grad_update: true`",
@@ -70,7 +66,7 @@ def b3(recs: list[dict]) -> str:
                 by_release.setdefault(_ds(r), []).append(r)
         # releases that give the same numbers share a row
         groups: dict = {}
-        for ds, sel in sorted(by_release.items(), key=lambda kv: _key(kv[0])):
+        for ds, sel in sorted(by_release.items(), key=lambda kv: version_key(kv[0])):
             at = {r["ga"]: r for r in sel}
             ratios = " / ".join(_ratio(at[n]) if n in at else "-" for n in ns)
             matches = sorted({r.get("matches") or "-" for r in sel if r["ga"] > 1})
@@ -91,7 +87,7 @@ def b2(recs: list[dict]) -> str:
     w = min(r["world_size"] for r in pipe)
     ga = max(r["ga"] for r in pipe)
     rows = []
-    for ds in sorted({_ds(r) for r in pipe}, key=_key):
+    for ds in sorted({_ds(r) for r in pipe}, key=version_key):
         sel = sorted((r for r in pipe if _ds(r) == ds and r["world_size"] == w and r["ga"] == ga),
                      key=lambda r: (r["verdict"] == oracle.CANNOT_RUN, r["zero_stage"]))
         if not sel:

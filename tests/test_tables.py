@@ -25,3 +25,21 @@ def test_tables_are_written_from_the_runs_records_into_the_readme_blocks(tmp_pat
     text, done = tables.fill(readme, made)
     assert done == ["B4"] and "9.99" not in text and "1.0920" in text and "kept" in text
     assert tables.fill(text, made)[0] == text  # idempotent
+
+
+def test_every_bug_has_a_table_from_its_records():
+    stage = lambda s, x: {"stage": s, "metrics": {"norm_ratio": x}}  # noqa: E731
+    b2 = [{"bug": "B2", "case": "pipeline", "dtype": "fp32", "world_size": 2, "ga": 8, "zero_stage": z, "verdict": v,
+           "versions": {"deepspeed": ds}, "version": ds, "config": {"micro_batch": 1}, "stages": [stage(0, r0), stage(1, 1.0)],
+           "logged_grad_norm": None, "reference_grad_norm": 1.0}
+          for ds, z, v, r0 in (("0.18.6", 0, "affected", 0.125), ("0.19.8", 0, "not-affected", 1.0), ("0.19.10", 1, "affected", 0.5))]
+    t = tables.b2(b2)
+    assert "split 1 x 8" in t and t.index("| 0.18.6 |") < t.index("| 0.19.8 |") < t.index("| 0.19.10 |")  # numeric order
+    b3 = [{"bug": "B3", "case": "manual", "dtype": "fp32", "world_size": 2, "ga": n, "zero_stage": 2, "verdict": "affected",
+           "config_verdict": "affected", "matches": "last micro-batch / N", "versions": {"deepspeed": ds}, "version": ds,
+           "metrics": {"norm_ratio": x}} for ds in ("0.18.6", "0.19.8") for n, x in ((1, 1.0), (4, 0.403))]
+    assert "| 2 | 0.18.6, 0.19.8 | 0.403 | last micro-batch / N | affected |" in tables.b3(b3)
+    b1 = [{"bug": "B1", "case": c, "ga": g, "path": "no_ds", "version": "installed", "world_size": 2, "verdict": "affected",
+           "gas_verdict": gv, "token_factor": 0.9, "versions": {"transformers": "5.3.0", "deepspeed": "0.18.9"},
+           "metrics": {"norm_ratio": x}} for c, g, gv, x in (("gas1", 1, "n/a", 0.9), ("trainer", 8, "affected", 0.1125))]
+    assert "| 5.3.0 / 0.18.9 | no_ds | 0.900 -> 0.113 | 0.9000 | **no** | **no** |" in tables.b1(b1)
