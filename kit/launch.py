@@ -142,12 +142,6 @@ def _installed_key() -> str:
     return versions.Stack({"deepspeed": versions.installed_version("deepspeed")}).extensions_key
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def read_hostfile(path) -> list[tuple[str, int]]:
     """``[(host, slots)]`` from a DeepSpeed-style hostfile (``worker-1 slots=8``; ``#`` comments)."""
     if not path:
@@ -273,6 +267,31 @@ def repair_extensions(folder: Path) -> list[str]:
     return removed
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
+
+    Used as ``preexec_fn`` of every process the kit starts (ranks, launchers, papermill): a kernel restart or a
+    ``kill -9`` of the caller then takes its ranks with it instead of leaving them re-parented to PID 1. The
+    setting survives ``exec``; ``kit.worker`` also watches its parent's pid, for the platforms without it.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except OSError:
+        pass
+
+
+def _session_dying_with_parent() -> None:
+    os.setsid()  # its own process group: killed as one (``_kill``), and out of reach of the caller's Ctrl-C
+    die_with_parent()
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -307,17 +326,46 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     world.validate()
     if ":" not in target:
         raise kconfig.ConfigError(f"target must look like 'package.module:function', got {target!r}")
+    for attempt in range(1 + RENDEZVOUS_RETRIES):
+        try:
+            return _run_world_once(target, payload, world, keep_dir)
+        except RankFailed as e:
+            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(str(e)):
+                raise
+            print(f"gradkit: the world's rendezvous failed before any case ran ({str(e).splitlines()[0][:200]}); "
+                  f"launching it again ({attempt + 2} of {1 + RENDEZVOUS_RETRIES})", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+RENDEZVOUS_RETRIES = 2
+_RENDEZVOUS_ERRORS = ("EADDRINUSE", "Address already in use", "DistNetworkError", "address already in use",
+                      "Connection reset by peer", "rendezvous")
+
+
+def _is_rendezvous_error(text: str) -> bool:
+    return any(m in text for m in _RENDEZVOUS_ERRORS)
+
+
+def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None) -> list:
     job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
     job.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
+    # races for a port; the port is held (bound, never listened on) for the world's life so that no other world
+    # of this machine gets the same number, since MASTER_PORT still names the world (DeepSpeed's shm comm op).
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
     env0 = rank_env(world, 0, port)
     repair_extensions(Path(env0["TORCH_EXTENSIONS_DIR"]))
     # What every rank needs, whoever starts it (a launcher may not pass the kit's variables on to other nodes):
     (job / "spec.json").write_text(json.dumps({
         "target": target, "payload": payload, "device": world.device, "init": world.init, "timeout_s": world.timeout_s,
         "expect": world.expect,
+        "init_method": f"file://{job / 'rendezvous'}" if world.launcher == "local" else "env://",
         "pythonpath": [*world.pythonpath, str(REPO_ROOT)],
         "env": {k: env0[k] for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env0}}))
+    if world.launcher != "local":
+        holder.close()  # torchrun / the DeepSpeed launcher listen on it themselves (a race a retry absorbs)
     procs: list[subprocess.Popen] = []
     commands = launch_commands(world, job, port)
     logs = [job / (f"rank{r}.log" if world.launcher == "local" else f"launcher{r}.log") for r in range(len(commands))]
@@ -326,7 +374,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
             env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
             with open(logs[r], "wb") as log:
                 procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+                                              preexec_fn=_session_dying_with_parent))
         try:
             _wait(procs, world, job, logs)
             if not (job / "rank0.json").exists():
@@ -342,6 +390,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
         return results
     finally:
         _kill(procs)
+        holder.close()
         if keep_dir is None:
             shutil.rmtree(job, ignore_errors=True)
 
@@ -349,8 +398,13 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
 def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path]) -> None:
     deadline = time.monotonic() + world.timeout_s
     failed_at = None
+    exited: dict[int, float] = {}  # rank -> when it was first seen gone: the first to go is the one to blame
     while True:
         codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        for r, c in enumerate(codes):
+            if c is not None and r not in exited:
+                exited[r] = now
         if all(c == 0 for c in codes):
             return
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -358,7 +412,7 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
             failed_at = time.monotonic()
         if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_AFTER_FAILURE_S):
             _kill(procs)
-            raise _failure(bad, codes, job, logs)
+            raise _failure(sorted(bad, key=lambda r: exited[r]), codes, job, logs, by_exit=world.launcher == "local")
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
             _kill(procs)
@@ -378,19 +432,38 @@ def _partials(job: Path, world_size: int) -> dict:
     return out
 
 
-def _failure(bad: list[int], codes: list, job: Path, logs: list[Path]) -> RankFailed:
+def how_it_ended(code: int) -> str:
+    """'killed by signal 9 (SIGKILL)' / 'exited with code 1'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True) -> RankFailed:
+    """The rank to blame: the first to go (``bad`` is in exit order). Its own exception if it raised one;
+    else how it died (a signal, an exit code) and its last output. The others' errors come after, as context:
+    when one rank dies, its peers fail a moment later in their collectives. Under torchrun or the DeepSpeed
+    launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
-    # When one rank raises, its peers fail a moment later in their collectives ("remote worker crashed"):
-    # report the rank whose exception came first, with its traceback.
-    errors = [json.loads(p.read_text()) for p in job.glob("rank*.error.json")]
-    if errors:
-        e = min(errors, key=lambda x: x["time"])
-        r = e["rank"]
-        return RankFailed(f"rank {r} raised {e['type']}: {e['message']}\n--- traceback of rank {r} ---\n"
-                          f"{e['traceback']}", rank=r, traceback=e["traceback"], logs=tails)
-    r = bad[0]  # died without a Python traceback (killed, segfault, os._exit)
-    return RankFailed(f"rank {r} exited with code {codes[r]} without a Python traceback; last output:\n"
-                      f"{tails[r][-1500:]}", rank=r, logs=tails)
+    errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in job.glob("rank*.error.json"))}
+    first = bad[0]
+    if errors and (not by_exit or (first not in errors and all(codes[r] >= 0 for r in bad))):
+        first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise
+    if not by_exit:
+        bad = [first]
+    later = [f"rank {r} {how_it_ended(codes[r])}" + (f" after {errors[r]['type']}: {errors[r]['message'][:200]}"
+                                                     if r in errors else "") for r in bad if r != first]
+    context = ("\nThen: " + "; ".join(later)) if later else ""
+    if first in errors:
+        e = errors[first]
+        return RankFailed(f"rank {first} raised {e['type']}: {e['message']}{context}\n--- traceback of rank {first} ---\n"
+                          f"{e['traceback']}", rank=first, traceback=e["traceback"], logs=tails)
+    return RankFailed(f"rank {first} died: {how_it_ended(codes[first])}, without a Python traceback{context}\n"
+                      f"--- last output of rank {first} ---\n{tails[first][-1500:]}", rank=first, logs=tails)
 
 
 if __name__ == "__main__":

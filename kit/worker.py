@@ -19,18 +19,39 @@ import traceback
 from pathlib import Path
 
 
-def init_process_group(device: str, how: str, timeout_s: float) -> None:
+def init_process_group(device: str, how: str, timeout_s: float, init_method: str = "env://") -> None:
+    """Join the world: through a file store in the job folder for the kit's own local ranks (no port to race
+    for), through the launcher's environment (``env://``) under torchrun or the DeepSpeed launcher."""
     timeout = datetime.timedelta(seconds=max(1.0, timeout_s))
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         import torch
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if init_method.startswith("file://"):
+        import torch.distributed as dist
+        dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     if how == "deepspeed":
         import deepspeed
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-    else:
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # joins the group above if there is one
+    elif not init_method.startswith("file://"):
         import torch.distributed as dist
         dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Exit when the process that started this rank is gone (the parent-death signal's fallback)."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="gradkit-parent-watch", daemon=True).start()
 
 
 PARTIAL_ENV = "GRADKIT_PARTIAL"  # set by main(): works whether this module is __main__ or imported
@@ -83,6 +104,7 @@ def resolve(target: str):
 
 def main(job: Path) -> int:
     rank = int(os.environ["RANK"])
+    watch_parent()
     spec = json.loads((job / "spec.json").read_text())
     # torchrun / the DeepSpeed launcher on another node may not pass the kit's variables on: the spec carries them
     for key, value in spec.get("env", {}).items():
@@ -94,7 +116,7 @@ def main(job: Path) -> int:
     try:
         check_stack(spec.get("expect") or {})
         fn = resolve(spec["target"])
-        init_process_group(spec["device"], spec["init"], spec["timeout_s"])
+        init_process_group(spec["device"], spec["init"], spec["timeout_s"], spec.get("init_method", "env://"))
         result = fn(spec["payload"])
         text = json.dumps({"rank": rank, "result": result})
     except BaseException as e:  # noqa: BLE001 - everything a rank does wrong must reach the caller

@@ -1,0 +1,106 @@
+"""Faults in real worlds: a rank killed mid-run is named and the finished cases are kept; ranks die with their
+caller; eight worlds rendezvous at once without a port race."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from kit import launch, oracle
+from kit.probes import zero_boundary as zb
+
+pytestmark = pytest.mark.world
+
+
+def _ranks_of(pid: int) -> dict[int, psutil.Process]:
+    """``{rank: process}`` of the kit.worker processes started by ``pid``."""
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "kit.worker" in " ".join(p.cmdline()):
+                out[int(p.environ().get("RANK", -1))] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _gone(procs, within_s: float) -> float | None:
+    """Seconds until every process is gone (zombies count as gone), or None past ``within_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        alive = []
+        for p in procs:
+            try:
+                alive += [p] if p.status() != psutil.STATUS_ZOMBIE else []
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def test_a_rank_killed_mid_run_is_named_and_the_finished_cases_are_kept():
+    out = {}
+    todo = threading.Thread(target=lambda: out.setdefault("recs", zb.run(
+        world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 3), dtypes=("fp32", "bf16"), timeout_s=300)))
+    todo.start()
+    deadline = time.monotonic() + 120
+    victim = None
+    while victim is None and time.monotonic() < deadline:
+        ranks = _ranks_of(os.getpid())
+        job = next((a for p in ranks.values() for a in p.cmdline() if "gradkit-world-" in a), None)
+        if 1 in ranks and job and os.path.exists(f"{job}/rank0.partial.jsonl") and \
+                len(open(f"{job}/rank0.partial.jsonl").read().splitlines()) >= 3:
+            victim = ranks[1]
+        time.sleep(0.05)
+    assert victim is not None, "the world never got three cases in"
+    victim.send_signal(signal.SIGKILL)
+    todo.join(120)
+    recs = out["recs"]
+    done = [r for r in recs if r["verdict"] != oracle.CANNOT_RUN]
+    lost = [r for r in recs if r["verdict"] == oracle.CANNOT_RUN]
+    assert len(done) >= 3 and lost, (len(done), len(lost))
+    assert all(r.get("metrics") for r in done)  # what finished before the kill keeps its measurement
+    reason = lost[-1]["reason"]
+    assert "rank 1 died: killed by signal 9 (SIGKILL)" in reason, reason
+
+
+def test_ranks_die_within_seconds_when_their_caller_is_killed(tmp_path):
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "from kit import launch\n"
+        "launch.run_world('kit.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch',"
+        " timeout_s=600)\n")], cwd=str(launch.REPO_ROOT))
+    deadline = time.monotonic() + 60
+    ranks = {}
+    while len(ranks) < 1 and time.monotonic() < deadline:  # rank 1 returns at once; rank 0 hangs
+        ranks = {r: p for r, p in _ranks_of(caller.pid).items() if r == 0}
+        time.sleep(0.1)
+    assert ranks, "no rank came up"
+    time.sleep(1.0)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    took = _gone(list(ranks.values()), within_s=5.0)
+    assert took is not None, "a rank outlived its caller by more than 5 s"
+
+
+def test_eight_worlds_at_once_rendezvous_without_a_port_race():
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(launch.run_world("kit.selftest:ping", {}, world_size=2, init="torch", timeout_s=240))
+        except launch.LaunchError as e:
+            errors.append(str(e)[:300])
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(results) == 8 and all([r["rank_sum"] for r in out] == [1.0, 1.0] for out in results)
