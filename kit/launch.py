@@ -292,6 +292,28 @@ def _session_dying_with_parent() -> None:
     die_with_parent()
 
 
+def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
+    """SIGKILL ``pid`` and every process below it (papermill, its kernel in another session, the kernel's ranks
+    in theirs), children collected first so none is re-parented out of reach; the pids that were alive."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    ours = []
+    for p in procs:
+        try:
+            ours += [p] if p.ppid() == os.getpid() else []
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    # wait for the others to go, but never reap our own children: their Popen must still read the exit status
+    psutil.wait_procs([p for p in procs if p not in ours], timeout=timeout_s)
+    return [p.pid for p in procs]
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]

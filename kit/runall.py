@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -112,37 +114,78 @@ def failing_cell(executed: Path) -> dict | None:
     return running
 
 
+class Stop:
+    """A run-all being stopped (SIGINT / SIGTERM): no queued notebook starts, running ones are killed whole."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self.running: dict[int, subprocess.Popen] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, signum, _frame=None) -> None:
+        from kit import launch
+
+        with self.lock:
+            self.signal = self.signal or signal.Signals(signum).name
+            running = list(self.running)
+        for pid in running:  # papermill, its kernel and the kernel's ranks
+            launch.kill_tree(pid)
+
+
+STOP = Stop()
+
+
 def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str = "") -> dict:
     """Run one notebook in its own papermill process; never raises for the notebook's own failures.
 
-    ``run_id`` reaches the kernel as ``GRADKIT_RUN_ID``: every record it writes carries it."""
+    ``run_id`` reaches the kernel as ``GRADKIT_RUN_ID``: every record it writes carries it. The notebook gets a
+    temporary folder of its own (``TMPDIR``: its ranks' world folders), removed when it ends however it ends;
+    papermill dies with this process, its kernel with papermill, the ranks with the kernel."""
+    from kit import launch
+
     executed = out / path.name
     entry = {"notebook": path.name, "executed": str(executed), "parameters": params, "timeout_s": timeout_s}
+    if STOP.signal:
+        return {**entry, "status": "stopped", "wall_s": 0.0, "error": f"not started: the run was stopped ({STOP.signal})"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(params, f)  # JSON is YAML: papermill reads it with -f
     log = out / f"{path.stem}.papermill.log"
     cmd = [sys.executable, "-m", "papermill", str(path), str(executed), "-f", f.name, "-k", KERNEL,
            "--cwd", str(REPO), "--execution-timeout", str(int(timeout_s)), "--no-progress-bar",
            "--request-save-on-cell-execute"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    tmp = Path(tempfile.mkdtemp(prefix=f"gradkit-{path.stem}-"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "TMPDIR": str(tmp)}
     if run_id:
         env[RUN_ID_ENV] = run_id
     t0 = time.time()
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with open(log, "wb") as logf, STOP.lock:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=launch._session_dying_with_parent)
+            STOP.running[proc.pid] = proc
+        if STOP.signal:  # the stop came while it was being started
+            launch.kill_tree(proc.pid)
         try:
             code = proc.wait(timeout=timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # papermill, its kernel, and the kernel's ranks
+            launch.kill_tree(proc.pid)  # papermill, its kernel, and the kernel's ranks
             proc.wait()
             code, timed_out = None, True
-    os.unlink(f.name)
+    finally:
+        STOP.running.pop(proc.pid, None)
+        os.unlink(f.name)
+        shutil.rmtree(tmp, ignore_errors=True)
     entry["wall_s"] = round(time.time() - t0, 1)
     if code == 0:
         entry["status"] = "ok"
         return entry
     cell = failing_cell(executed)
+    if STOP.signal and not timed_out:
+        entry.update(status="stopped", failing_cell=cell, error=f"stopped by {STOP.signal}"
+                     + (f" in cell {cell['index']}" if cell else ""))
+        return entry
     entry["status"] = "timeout" if timed_out else "failed"
     entry["failing_cell"] = cell
     if timed_out:
@@ -167,7 +210,8 @@ def previous_matrix(js: Path) -> list[dict] | None:
     return matrix if isinstance(matrix, list) else None
 
 
-def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None) -> tuple[Path, Path]:
+def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
+              stopped: str | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
     from kit import overview, records, report
 
@@ -181,11 +225,15 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
     if cells:
         overview.save_matrix(cells, out)
     summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
-               "matrix": cells, "changed_since_previous": changed, "run_id": run_id, "params_file": params_file}
+               "matrix": cells, "changed_since_previous": changed, "run_id": run_id, "params_file": params_file,
+               "stopped": stopped}
     js.write_text(json.dumps(summary, indent=1, default=str))
     ok = sum(e["status"] == "ok" for e in entries)
     lines = ["# gradkit run-all summary", "",
              f"{ok} of {len(entries)} notebooks ran to the end (their last cells assert what they found).", ""]
+    if stopped:
+        lines += [f"**The run was stopped ({stopped})**: the notebooks marked `stopped` were killed with their "
+                  "kernels and ranks, or never started; what finished before is below.", ""]
     if cells:
         link = lambda nb: nb  # noqa: E731 - the executed copies sit next to this file
         lines += ["## Verdict matrix", "", "![verdict matrix](verdict_matrix.png)", "",
@@ -297,14 +345,20 @@ def main(argv=None) -> int:
     if unknown_nb:
         raise kconfig.ConfigError(f"parameters or timeouts given for notebook(s) not being run: {sorted(unknown_nb)}")
     run_id = new_run_id()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, STOP)
     entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id)
     params_file = None
     if a.params:
         pf = Path(a.params).resolve()
         params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
-    md, js = summarise(entries, out, run_id, params_file)
+    md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal)
     failed = [e["notebook"] for e in entries if e["status"] != "ok"]
     print(f"executed notebooks: {out}\nsummary: {md}\n         {js}")
+    if STOP.signal:
+        print(f"stopped by {STOP.signal}: {len(failed)} notebook(s) did not finish; the summary says which",
+              file=sys.stderr)
+        return 128 + signal.Signals[STOP.signal].value  # 130 for SIGINT, 143 for SIGTERM
     if failed:
         print(f"FAILED: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -104,3 +104,64 @@ def test_eight_worlds_at_once_rendezvous_without_a_port_race():
         t.join(300)
     assert not errors, errors
     assert len(results) == 8 and all([r["rank_sum"] for r in out] == [1.0, 1.0] for out in results)
+
+
+HANG = ("from kit import launch\n"
+        "launch.run_world('kit.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch', "
+        "timeout_s=600)")
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_stopping_a_run_all_stops_everything_and_says_so(tmp_path, sig, code):
+    import json
+
+    from tests.test_runall import _notebook
+
+    nbs = [_notebook(tmp_path / f"{n}.ipynb", HANG) for n in ("a_world", "b_world", "c_queued")]
+    out = tmp_path / "out"
+    runner = subprocess.Popen([sys.executable, "-m", "kit.runall", *map(str, nbs), "--out", str(out), "--jobs", "2",
+                               "--timeout", "600", "--no-progress"], cwd=str(launch.REPO_ROOT))
+    deadline, ranks = time.monotonic() + 120, {}
+    while len(ranks) < 2 and time.monotonic() < deadline:  # both running notebooks have their hanging rank 0 up
+        ranks = {p.pid: p for p in psutil.Process(runner.pid).children(recursive=True)
+                 if "kit.worker" in " ".join(p.cmdline())}
+        time.sleep(0.2)
+    assert len(ranks) >= 2, "the notebooks' worlds never came up"
+    tree = psutil.Process(runner.pid).children(recursive=True)  # papermill, kernels, ranks
+    t0 = time.monotonic()
+    runner.send_signal(sig)
+    assert runner.wait(30) == code
+    took = _gone(tree, within_s=5.0)
+    assert took is not None and time.monotonic() - t0 < 10, "processes of the run outlived the stop"
+    summary = json.loads((out / "summary.json").read_text())
+    status = {e["notebook"]: e["status"] for e in summary["notebooks"]}
+    assert summary["stopped"] == sig.name and status == {"a_world.ipynb": "stopped", "b_world.ipynb": "stopped",
+                                                         "c_queued.ipynb": "stopped"}
+    assert f"The run was stopped ({sig.name})" in (out / "summary.md").read_text()
+    assert not list(tmp_path.glob("gradkit-*")) and not any(out.glob("gradkit-world-*"))
+
+
+def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder_with_it(tmp_path):
+    import glob
+    import tempfile
+
+    from kit import runall
+    from tests.test_runall import _notebook
+
+    nb = _notebook(tmp_path / "limit_world_x7.ipynb", HANG)
+    seen = []
+
+    def watch():  # the world's ranks while the notebook runs
+        for _ in range(300):
+            seen.extend(p for p in psutil.Process().children(recursive=True) if "kit.worker" in " ".join(p.cmdline()))
+            if seen:
+                return
+            time.sleep(0.1)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    code = runall.main([str(nb), "--out", str(tmp_path / "out"), "--timeout", "20", "--no-progress"])
+    w.join()
+    assert code == 1 and seen, "the notebook's world never came up"
+    assert _gone(seen, within_s=5.0) is not None, "ranks outlived their notebook's time limit"
+    assert not glob.glob(f"{tempfile.gettempdir()}/gradkit-limit_world_x7-*"), "the notebook's temp folder was left"
