@@ -121,18 +121,21 @@ def run_records(folder, notebooks=None) -> tuple[list[dict], list[str]]:
         raise FileNotFoundError(f"no readable {RUN_FILE} in {folder} ({type(e).__name__}): it is written by "
                                 "`python -m kit.runall`; run that first, or run the probes here") from None
     out, said = [], []
-    for name, status in sorted(run["notebooks"].items()):
+    for name, entry in sorted(run["notebooks"].items()):
         stem = Path(name).stem
         path = folder / f"{stem}.jsonl"
         if notebooks is not None and stem not in notebooks:
             continue
+        # each notebook of the folder with the run that last executed it ({"status", "run_id"}; a bare status:
+        # a run.json where every notebook belongs to the top-level run)
+        status, rid = (entry, run["run_id"]) if isinstance(entry, str) else (entry["status"], entry["run_id"])
         if status != "ok":
             said.append(f"{stem}: not used ({status}: its records never reach the matrix)")
             continue
         if not path.exists():
             continue
-        mine = [r for r in load(path) if r.get("run_id") == run["run_id"]]
-        said.append(f"{stem}: {len(mine)} records of run {run['run_id']}")
+        mine = [r for r in load(path) if r.get("run_id") == rid]
+        said.append(f"{stem}: {len(mine)} records of run {rid}")
         out += mine
     return out, said
 

@@ -199,15 +199,18 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
 
 # ---------------------------------------------------------------------------------------------- the run
 
-def previous_matrix(js: Path) -> list[dict] | None:
-    """The verdict matrix of the last run into this folder; None when there is none to compare with
-    (no summary, an unreadable one, or one written by an older kit without a matrix)."""
+def previous_summary(js: Path) -> dict:
+    """The summary of the last run into this folder; ``{}`` when there is none to build on (no summary, an
+    unreadable one, or one written by an older kit in another shape)."""
     try:
         old = json.loads(js.read_text())
     except (OSError, ValueError):
-        return None
-    matrix = old.get("matrix") if isinstance(old, dict) else None
-    return matrix if isinstance(matrix, list) else None
+        return {}
+    if not isinstance(old, dict) or not isinstance(old.get("notebooks", []), list):
+        return {}
+    old["notebooks"] = [e for e in old.get("notebooks", []) if isinstance(e, dict) and "notebook" in e
+                        and "executed" in e and "status" in e]
+    return old
 
 
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
@@ -215,13 +218,27 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
     from kit import overview, records, report
 
-    write_run_file(out, run_id, entries)  # the run's id and every notebook's final status
-    # only this run's records, only from notebooks that ran to the end
-    by_nb = {e["notebook"]: records.run_records(out, {Path(e["notebook"]).stem})[0] for e in entries}
-    cells = overview.verdict_matrix([r for recs in by_nb.values() for r in recs])
     js = out / "summary.json"
-    previous = previous_matrix(js)
-    changed = overview.differences(previous, cells) if previous is not None else None
+    before = previous_summary(js)
+    write_run_file(out, run_id, entries)  # the run's id and every notebook's final status
+    # One folder, one truth: the notebooks of this run, and those an earlier run left here (with the run id
+    # that produced them); records only of the run that last executed each notebook, only if it finished.
+    mine = {e["notebook"] for e in entries}
+    entries = entries + [{**e, "from_run": e.get("run_id") or before.get("run_id")}
+                         for e in before.get("notebooks", []) if e["notebook"] not in mine]
+    by_nb = {e["notebook"]: records.run_records(out, {Path(e["notebook"]).stem})[0] for e in entries}
+    for e in entries:
+        e.setdefault("run_id", run_id)
+    cells = overview.verdict_matrix([r for recs in by_nb.values() for r in recs])
+    previous = before.get("matrix") if isinstance(before.get("matrix"), list) else None
+    changed = None
+    if previous is not None:  # compared only where a notebook ran again with the same parameters
+        old = {e["notebook"]: e.get("parameters") for e in before.get("notebooks", [])}
+        same = {b.id for b in overview.BUGS.values() if b.notebook in mine and b.notebook in old
+                and old[b.notebook] == next(e.get("parameters") for e in entries if e["notebook"] == b.notebook)}
+        rerun = {b.id for b in overview.BUGS.values() if b.notebook in mine}
+        keep = lambda cs: [c for c in cs if c["bug"] in same or c["bug"] not in rerun]  # noqa: E731
+        changed = overview.differences(keep(previous), keep(cells))
     if cells:
         overview.save_matrix(cells, out)
     summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
@@ -246,7 +263,8 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
         lines += ["Verdicts identical to the previous run into this folder." if not changed else
                   "**Verdicts changed since the previous run into this folder:** " + "; ".join(changed), ""]
     for e in entries:
-        lines.append(f"## [{e['notebook']}]({Path(e['executed']).name}) — {e['status']} in {e['wall_s']} s")
+        earlier = f" (from the earlier run {e['from_run']})" if e.get("from_run") else ""
+        lines.append(f"## [{e['notebook']}]({Path(e['executed']).name}) — {e['status']} in {e['wall_s']} s{earlier}")
         if e["status"] != "ok":
             cell = e.get("failing_cell") or {}
             lines += ["", f"**{e['status'].capitalize()}:** `{e['error']}`", ""]
@@ -266,14 +284,60 @@ def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
 
 
-def write_run_file(out: Path, run_id: str, entries: list[dict]) -> Path:
-    """``run.json``: this run's id and each notebook's status (what ``records.run_records`` trusts)."""
+def read_run_file(out: Path) -> dict:
+    """``run.json`` of a folder as ``{"run_id", "notebooks": {name: {"status", "run_id"}}}`` (empty if none)."""
     from kit import records
 
+    try:
+        run = json.loads((out / records.RUN_FILE).read_text())
+        return {"run_id": run["run_id"], "notebooks": {
+            k: (v if isinstance(v, dict) else {"status": v, "run_id": run["run_id"]}) for k, v in run["notebooks"].items()}}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {"run_id": None, "notebooks": {}}
+
+
+def write_run_file(out: Path, run_id: str, entries: list[dict]) -> Path:
+    """``run.json``: this run's id, and every notebook of the folder with its status and the run that last executed
+    it -- the notebooks of this run updated, the others kept (what ``records.run_records`` trusts)."""
+    from kit import records
+
+    run = read_run_file(out)
+    notebooks = {**run["notebooks"], **{e["notebook"]: {"status": e["status"], "run_id": run_id} for e in entries}}
     path = out / records.RUN_FILE
-    path.write_text(json.dumps({"run_id": run_id, "notebooks": {e["notebook"]: e["status"] for e in entries}},
-                               indent=1, sort_keys=True))
+    path.write_text(json.dumps({"run_id": run_id, "notebooks": notebooks}, indent=1, sort_keys=True))
     return path
+
+
+LOCK_FILE = ".runall.lock"
+
+
+def lock_folder(out: Path):
+    """Hold ``out`` for this run (an open file with an exclusive lock); a clear refusal if another run holds it."""
+    import fcntl
+
+    f = open(out / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise kconfig.ConfigError(f"{out} is in use by another run-all ({holder}): wait for it to end, or give "
+                                  "--out another folder") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def resolve_notebook(arg: str) -> Path:
+    """A notebook as the README writes it: a path, or a name (with or without .ipynb) in notebooks/."""
+    p = Path(arg)
+    for cand in (p, NOTEBOOKS / p.name, NOTEBOOKS / f"{p.name}.ipynb"):
+        if cand.suffix == ".ipynb" and cand.is_file():
+            return cand.resolve()
+    raise kconfig.ConfigError(f"no such notebook: {arg} (looked for it as given and in {NOTEBOOKS})")
 
 
 def new_run_id() -> str:
@@ -330,20 +394,27 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     kconfig.check_timeout(a.timeout)
     kconfig.check_positive_int("jobs", a.jobs)
-    paths = [Path(p).resolve() for p in a.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        raise kconfig.ConfigError(f"no such notebook(s): {missing}")
-    out = Path(a.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    paths = [resolve_notebook(p) for p in a.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
     spec = load_params(a.params)
     if a.device:
         kconfig.check_device(a.device)  # cuda without a visible GPU: refused here, not in six notebooks
         spec["defaults"]["DEVICE"] = a.device
-    stems = {p.stem for p in paths}
+    # a params file covers the kit's notebooks; entries for the ones not run now are left unused (so quick.yaml
+    # serves any subset), entries for a notebook that exists nowhere are a typo
+    stems = {p.stem for p in paths} | {p.stem for p in NOTEBOOKS.glob("*.ipynb")}
     unknown_nb = (set(spec["notebooks"]) | set(spec["timeouts"])) - stems
     if unknown_nb:
-        raise kconfig.ConfigError(f"parameters or timeouts given for notebook(s) not being run: {sorted(unknown_nb)}")
+        raise kconfig.ConfigError(f"parameters or timeouts given for notebook(s) that do not exist: {sorted(unknown_nb)}")
+    run_stems = {p.stem for p in paths}
+    spec["notebooks"] = {k: v for k, v in spec["notebooks"].items() if k in run_stems}
+    spec["timeouts"] = {k: v for k, v in spec["timeouts"].items() if k in run_stems}
+    out = Path(a.out).expanduser().resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise kconfig.ConfigError(f"--out {out} cannot be written to ({e.strerror or e})") from None
+    folder_lock = lock_folder(out)  # noqa: F841 - held until this process ends
     run_id = new_run_id()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, STOP)

@@ -79,3 +79,75 @@ def test_summary_survives_an_older_summary_in_the_folder(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["changed_since_previous"] == []
     (tmp_path / "summary.json").write_text("{not json")
     runall.summarise([entry], tmp_path, "r1")
+
+
+def test_the_readmes_command_forms_work_as_written(tmp_path, monkeypatch):
+    """`python -m kit.runall 05_explorer.ipynb --params scripts/params/quick.yaml` from anywhere: a bare name is
+    found in notebooks/, and quick.yaml serves a subset of the notebooks."""
+    monkeypatch.chdir(tmp_path)
+    code = runall.main(["05_explorer.ipynb", "--params", str(runall.REPO / "scripts/params/quick.yaml"),
+                        "--out", str(tmp_path / "o"), "--no-progress"])
+    assert code == 0
+    entry, = json.loads((tmp_path / "o" / "summary.json").read_text())["notebooks"]
+    assert entry["notebook"] == "05_explorer.ipynb" and entry["parameters"]["BUG"] == "B3"
+    with pytest.raises(config.ConfigError, match="no such notebook: 09_nothing"):
+        runall.main(["09_nothing", "--out", str(tmp_path / "o")])
+
+
+def test_a_folder_in_use_by_another_run_all_is_refused(tmp_path):
+    nb = _notebook(tmp_path / "n.ipynb", "pass")
+    (tmp_path / "o").mkdir()
+    held = runall.lock_folder(tmp_path / "o")
+    try:
+        with pytest.raises(config.ConfigError, match=r"in use by another run-all \(pid \d+"):
+            runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"])
+    finally:
+        held.close()
+    assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0  # free again
+
+
+def _b4_notebook(path, verdict_of_x):
+    """A stand-in for 04_bf16_leak that writes one B4 record of this run: verdict from its parameter X."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": runall.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
+    params = nbformat.v4.new_code_cell('X = 1\nRESULTS_DIR = "."')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        "import json, os\n"
+        f"verdict = {verdict_of_x!r}[X]\n"
+        f"rec = {{'bug': '{path.stem[:2] == '04' and 'B4' or 'B3'}', 'case': '{path.stem[:2] == '04' and 'leak' or 'manual'}',"
+        " 'role': 'measured', 'verdict': verdict, 'config_verdict': verdict, 'reason': verdict, 'ga': 4, 'dtype': 'bf16',"
+        " 'world_size': 2, 'zero_stage': 1, 'version': 'installed', 'versions': {'deepspeed': '0.19.8'},"
+        " 'metrics': {'norm_ratio': 1.0 if verdict == 'not-affected' else 1.09, 'cosine': 1.0},"
+        " 'run_id': os.environ['GRADKIT_RUN_ID']}\n"
+        f"open(os.path.join(RESULTS_DIR, '{path.stem}.jsonl'), 'w').write(json.dumps(rec) + '\\n')")]
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_one_folder_one_truth(tmp_path):
+    """Every notebook present in the folder stays in the summary with the run that produced it; verdicts are
+    compared only between runs of the same parameters (a change of parameters is not a verdict change)."""
+    b4 = _b4_notebook(tmp_path / "04_bf16_leak.ipynb", {1: "affected", 2: "not-affected"})
+    b3 = _b4_notebook(tmp_path / "03_zero_boundary.ipynb", {1: "affected", 2: "affected"})
+    out = tmp_path / "o"
+    run = lambda *nbs, x=1: runall.main([*map(str, nbs), "--out", str(out), "--no-progress"]  # noqa: E731
+                                        + (["--params", str(_params(tmp_path, x))] if x != 1 else []))
+    assert run(b4, b3) == 0
+    first = json.loads((out / "summary.json").read_text())
+    assert {(c["bug"], c["verdict"]) for c in first["matrix"]} == {("B3", "affected"), ("B4", "affected")}
+    assert run(b4, x=2) == 0  # only B4 again, other parameters
+    second = json.loads((out / "summary.json").read_text())
+    assert {e["notebook"] for e in second["notebooks"]} == {"04_bf16_leak.ipynb", "03_zero_boundary.ipynb"}
+    kept = next(e for e in second["notebooks"] if e["notebook"] == "03_zero_boundary.ipynb")
+    assert kept["from_run"] == first["run_id"]
+    assert {(c["bug"], c["verdict"]) for c in second["matrix"]} == {("B3", "affected"), ("B4", "not-affected")}
+    assert second["changed_since_previous"] == []  # B3 was not re-run; B4 ran with other parameters
+    assert run(b4, x=2) == 0
+    assert json.loads((out / "summary.json").read_text())["changed_since_previous"] == []
+
+
+def _params(folder, x):
+    p = folder / f"x{x}.yaml"
+    p.write_text(f"notebooks:\n  04_bf16_leak:\n    X: {x}\n")
+    return p
