@@ -19,7 +19,8 @@ MAX_GA = 64
 # so two ranks per core still finish in seconds; beyond that gloo timeouts
 # become likely on a loaded machine.
 RANKS_PER_CORE = 2
-VERSION_RE = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+-]*)?$")
+# a release number as package indexes write them (PEP 440's common forms): 0.18.9, 1.2, 0.19.0rc1, 0.19.8+cpu
+VERSION_RE = re.compile(r"\d+\.\d+(\.\d+)?((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9.]+)?")
 INSTALLED = "installed"  # the version string that means "whatever the base environment has"
 
 
@@ -38,10 +39,45 @@ def repo_path(path) -> Path:
 
 
 def cache_dir() -> Path:
-    """Where overlays and JIT-built ops live between runs (``GRADKIT_CACHE`` overrides)."""
-    d = Path(os.environ.get("GRADKIT_CACHE", Path.home() / ".cache" / "gradkit"))
-    d.mkdir(parents=True, exist_ok=True)
+    """Where overlays and JIT-built ops live between runs (``GRADKIT_CACHE`` overrides); checked writable."""
+    d = Path(os.environ.get("GRADKIT_CACHE") or Path.home() / ".cache" / "gradkit").expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        why = "is a file, not a folder" if d.exists() and not d.is_dir() else (e.strerror or str(e))
+        raise ConfigError(f"GRADKIT_CACHE={d} cannot hold the kit's cache: it {why}" if "GRADKIT_CACHE" in os.environ
+                          else f"the kit's cache {d} cannot be used: {why}; set GRADKIT_CACHE to a writable folder") from None
     return d
+
+
+ENVIRONMENT = ("GRADKIT_CACHE", "GRADKIT_LAUNCHER", "GRADKIT_NNODES", "GRADKIT_HOSTFILE", "GRADKIT_MASTER_ADDR",
+               "GRADKIT_SYNC_TIMEOUT_S", "GRADKIT_RUN_ID")
+
+
+def check_environment() -> None:
+    """Every ``GRADKIT_*`` variable, checked before anything starts; ``ConfigError`` names the variable."""
+    known = set(ENVIRONMENT) | {"GRADKIT_PARTIAL"}
+    unknown = sorted(k for k in os.environ if k.startswith("GRADKIT_") and k not in known)
+    if unknown:
+        raise ConfigError(f"unknown variable(s) {unknown}; the kit reads {list(ENVIRONMENT)}")
+    cache_dir()
+    launcher = os.environ.get("GRADKIT_LAUNCHER", "local")
+    if launcher not in ("local", "torchrun", "deepspeed"):
+        raise ConfigError(f"GRADKIT_LAUNCHER={launcher!r}: use 'local', 'torchrun' or 'deepspeed'")
+    nnodes_setting()
+    hostfile = os.environ.get("GRADKIT_HOSTFILE")
+    if hostfile and not Path(hostfile).is_file():
+        raise ConfigError(f"GRADKIT_HOSTFILE={hostfile}: no such file")
+    sync = os.environ.get("GRADKIT_SYNC_TIMEOUT_S")
+    if sync is not None:
+        try:
+            ok = 0 < float(sync) <= MAX_TIMEOUT_S
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"GRADKIT_SYNC_TIMEOUT_S={sync!r}: give seconds in (0, {MAX_TIMEOUT_S:g}]")
 
 
 def nnodes() -> int:
@@ -122,7 +158,7 @@ def check_timeout(timeout_s) -> None:
 def check_version(version) -> None:
     if version == INSTALLED:
         return
-    if not isinstance(version, str) or not VERSION_RE.match(version):
+    if not isinstance(version, str) or not VERSION_RE.fullmatch(version):
         raise ConfigError(f"a version must be {INSTALLED!r} or a release number like '0.18.9', got {version!r}")
 
 

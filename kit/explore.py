@@ -131,6 +131,15 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
                          "cases": ["leak", "workaround", "control"], **common}
 
 
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.runall`` call first)."""
+    from kit import config as kconfig
+
+    kconfig.check_timeout(p["TIMEOUT_S"])
+    probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
+                "dtype": p["DTYPE"], "version": p["VERSION"]}, p["DEVICE"], p["TIMEOUT_S"])
+
+
 def run_probe(module: str, kwargs: dict) -> list[dict]:
     """Launch the probe's worlds (the default runner of the explorer)."""
     import importlib

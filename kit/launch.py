@@ -87,6 +87,7 @@ class World:
     def validate(self, here: bool = True) -> None:
         """Refuse an impossible world; ``here=False`` skips what only this machine decides (devices, cores)."""
         if here:
+            kconfig.check_environment()  # before the world's folder exists: nothing is left behind on bad input
             kconfig.check_device(self.device)
         elif self.device not in kconfig.DEVICES:
             raise kconfig.ConfigError(f"device must be one of {kconfig.DEVICES}, got {self.device!r}")

@@ -71,6 +71,22 @@ def quick_plan(world_size: int = 2) -> dict:
     }
 
 
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.runall`` call first)."""
+    if not isinstance(p["LOAD_RESULTS"], str):
+        raise kconfig.ConfigError(f"LOAD_RESULTS must be a folder name or \"\", got {p['LOAD_RESULTS']!r}")
+    for name in ("VERSIONS", "BUGS"):
+        kconfig.check_list(name, p[name])
+    unknown = sorted(set(p["BUGS"]) - set(BUGS))
+    if unknown:
+        raise kconfig.ConfigError(f"BUGS: unknown bug(s) {unknown}; the kit knows {sorted(BUGS)}")
+    for v in p["VERSIONS"]:
+        kconfig.check_version(v)
+    kconfig.check_device(p["DEVICE"])
+    kconfig.check_world_size(p["WORLD_SIZE"], p["DEVICE"])
+    kconfig.check_timeout(p["TIMEOUT_S"])
+
+
 def run_probes(versions=(kconfig.INSTALLED,), bugs=tuple(BUGS), world_size: int = 2, device: str = "cpu",
                timeout_s: float = 600, progress=None) -> list[dict]:
     """Run ``quick_plan`` of every bug under every DeepSpeed version; one record list for all of them.

@@ -65,16 +65,62 @@ def load_params(path) -> dict:
     keys = ("defaults", "notebooks", "timeouts")
     if path is None:
         return {k: {} for k in keys}
-    if not Path(path).exists():
+    if not Path(path).is_file():
         raise kconfig.ConfigError(f"no such parameters file: {path}")
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1})" if where is not None else ""
+        raise kconfig.ConfigError(f"{path} is not a YAML parameters file{at}: "
+                                  f"{str(e).splitlines()[0][:200]}") from None
+    if not isinstance(data, dict):
+        raise kconfig.ConfigError(f"{path} must map 'defaults', 'notebooks' and 'timeouts', not hold a "
+                                  f"{type(data).__name__} ({str(data)[:60]!r})")
+    for k in keys:
+        if not isinstance(data.get(k) or {}, dict):
+            raise kconfig.ConfigError(f"{path}: '{k}' must be a mapping, got {data[k]!r:.80}")
+    for stem, values in (data.get("notebooks") or {}).items():
+        if not isinstance(values, dict):
+            raise kconfig.ConfigError(f"{path}: notebooks.{stem} must map parameter names to values, got {values!r:.80}")
     extra = set(data) - set(keys)
     if extra:
         raise kconfig.ConfigError(f"{path}: unknown top-level key(s) {sorted(extra)}; use {list(keys)}")
     spec = {k: data.get(k) or {} for k in keys}
     for stem, t in spec["timeouts"].items():
-        kconfig.check_timeout(t)
+        try:
+            kconfig.check_timeout(t)
+        except kconfig.ConfigError as e:
+            raise kconfig.ConfigError(f"{path}: timeouts.{stem}: {e}") from None
     return spec
+
+
+def notebook_defaults(path: Path, known: dict | None = None) -> dict:
+    """The values of a notebook's ``parameters`` cell, as Python values."""
+    import ast
+
+    known = notebook_parameters(path) if known is None else known
+    return {name: ast.literal_eval(p["default"]) for name, p in known.items()}
+
+
+def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> None:
+    """Every value a kit notebook will run with (its defaults, then ``params``), checked by the notebook's own
+    ``check_notebook`` -- before any kernel starts. ``ConfigError`` names the notebook and where the values
+    came from; notebooks outside notebooks/ (a user's, a test's) have no such check."""
+    import importlib
+
+    from kit import overview
+
+    if path.parent != NOTEBOOKS.resolve():
+        return
+    modules = {b.notebook: f"kit.probes.{b.probe}" for b in overview.BUGS.values()}
+    modules.update({"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore"})
+    if path.name not in modules:
+        return
+    try:
+        importlib.import_module(modules[path.name]).check_notebook({**notebook_defaults(path, known), **params})
+    except kconfig.ConfigError as e:
+        raise kconfig.ConfigError(f"{path.name}{f' ({source})' if source else ''}: {e}") from None
 
 
 def params_for(path: Path, spec: dict, out: Path, aggregate_from: Path | None = None, known: dict | None = None) -> dict:
@@ -358,6 +404,8 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     bug_notebooks = {b.notebook for b in overview.BUGS.values()}
     source = out if any(p.name in bug_notebooks for p in first) else None  # else the overview runs the probes itself
     plan = {p: params_for(p, spec, out, source if p in aggregating else None, known[p]) for p in paths}  # all checked first
+    for p in paths:
+        check_notebook_values(p, plan[p], known[p], spec.get("file", ""))
     entries: dict[Path, dict] = {}
     bar = _bar(len(paths), progress)
     run_id = run_id or new_run_id()
@@ -395,7 +443,9 @@ def main(argv=None) -> int:
     kconfig.check_timeout(a.timeout)
     kconfig.check_positive_int("jobs", a.jobs)
     paths = [resolve_notebook(p) for p in a.notebooks] or sorted(NOTEBOOKS.glob("*.ipynb"))
+    kconfig.check_environment()
     spec = load_params(a.params)
+    spec["file"] = a.params or ""
     if a.device:
         kconfig.check_device(a.device)  # cuda without a visible GPU: refused here, not in six notebooks
         spec["defaults"]["DEVICE"] = a.device

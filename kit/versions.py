@@ -117,6 +117,7 @@ def ensure_overlay(package: str, version: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             text = (out.stdout + out.stderr)[-2000:]
             if any(s in text for s in _NOT_ON_INDEX):
+                (overlay_root() / f".{package}-{version}.lock").unlink(missing_ok=True)  # nothing left behind
                 raise UnknownVersion(f"{package}=={version} is not a release on the package index")
             raise CannotRun(f"{package}=={version} did not install here: {text.strip()[-800:]}")
         (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))

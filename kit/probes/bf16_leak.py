@@ -209,7 +209,10 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, cases
 def plan_symptom(splits, steps: int, lr: float, hidden: int = 32, seed: int = 0, cases=("leak", "workaround")):
     """Trajectory cases: the same global batch split as (micro_batch, GA) in different ways."""
     out = []
-    for mb, ga in splits:
+    for split in splits:
+        if not isinstance(split, (list, tuple)) or len(split) != 2:
+            raise kconfig.ConfigError(f"a split is [micro_batch, GA], got {split!r}")
+        mb, ga = split
         kconfig.check_ga(ga)
         kconfig.check_positive_int("micro-batch size", mb)
         for name in cases:
@@ -239,6 +242,18 @@ def validate(world_size: int, ga_values, versions, device: str, timeout_s: float
     kconfig.check_positive_int("hidden", hidden)
     if splits:
         plan_symptom(splits, steps=1, lr=0.1)
+
+
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 04, by its name there (what the notebook and ``kit.runall`` call first)."""
+    for name in ("GA_VALUES", "VERSIONS", "GRID_WORLD_SIZES", "SYMPTOM_SPLITS"):
+        kconfig.check_list(name, p[name])
+    kconfig.check_timeout(p["TIMEOUT_S"])
+    validate(p["WORLD_SIZE"], p["GA_VALUES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"], p["GRID_WORLD_SIZES"],
+             p["SYMPTOM_SPLITS"], p["MICRO_BATCH"], p["HIDDEN"])
+    kconfig.check_positive_int("SYMPTOM_STEPS", p["SYMPTOM_STEPS"])
+    if not isinstance(p["SYMPTOM_LR"], (int, float)) or isinstance(p["SYMPTOM_LR"], bool) or p["SYMPTOM_LR"] <= 0:
+        raise kconfig.ConfigError(f"SYMPTOM_LR must be a number > 0, got {p['SYMPTOM_LR']!r}")
 
 
 def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), micro_batch: int = 4, hidden: int = 32,

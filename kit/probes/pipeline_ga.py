@@ -251,6 +251,12 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
     plan(splits)
 
 
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.runall`` call first)."""
+    validate(p["WORLD_SIZES"], p["SPLITS"], p["DTYPES"], p["ZERO_STAGES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
+             p["HIDDEN"])
+
+
 def _annotate(rec: dict, control: dict | None) -> dict:
     """Each stage judged on every signal against the control's same stage; the record takes the worst stage.
 

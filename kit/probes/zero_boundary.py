@@ -195,6 +195,14 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
     kconfig.check_positive_int("hidden", hidden)
 
 
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.runall`` call first)."""
+    kconfig.check_list("FIX_N_VALUES", p["FIX_N_VALUES"])
+    validate(p["WORLD_SIZES"], p["N_VALUES"], p["ZERO_STAGES"], p["DTYPES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
+             p["FIX_N_VALUES"], p["MICRO_BATCH"], p["HIDDEN"])
+    plan(p["N_VALUES"], fix_n_values=p["FIX_N_VALUES"])
+
+
 def _annotate(rec: dict) -> dict:
     """Name the hypothesis the effective gradient matches, and say when a fix was not really available."""
     h = rec.get("hypotheses")
