@@ -258,11 +258,22 @@ class ProbeExplorer:
         t0 = time.monotonic()
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
-        while thread.is_alive():
-            elapsed = time.monotonic() - t0
-            self.progress.value = min(0.95, elapsed / TYPICAL_S[sel["bug"]])
-            self.status.value = f"ranks running: {sel['bug']} via kit.probes.{module}, {elapsed:.0f} s"
-            thread.join(0.25)
+        try:
+            while thread.is_alive():
+                elapsed = time.monotonic() - t0
+                self.progress.value = min(0.95, elapsed / TYPICAL_S[sel["bug"]])
+                self.status.value = f"ranks running: {sel['bug']} via kit.probes.{module}, {elapsed:.0f} s"
+                thread.join(0.25)
+        except KeyboardInterrupt:  # the kernel's interrupt: stop the world, not just this loop
+            from kit import launch
+
+            stopped = launch.stop_worlds()
+            thread.join(10)
+            self.button.disabled = False
+            self.progress.bar_style = "danger"
+            self.status.value = (f"<b>interrupted</b> after {time.monotonic() - t0:.0f} s: {stopped} world(s) stopped, "
+                                 "their ranks killed; nothing was measured")
+            return []
         self.button.disabled = False
         self.progress.value = 1.0
         if "error" in result:

@@ -293,6 +293,17 @@ def _session_dying_with_parent() -> None:
     die_with_parent()
 
 
+_LIVE: dict[int, list] = {}  # the processes of every world this process is running now (id -> Popen list)
+
+
+def stop_worlds() -> int:
+    """Kill the ranks of every world this process is running (an interrupted cell or explorer Run); how many."""
+    live = list(_LIVE.values())
+    for procs in live:
+        _kill(procs)
+    return len(live)
+
+
 def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
     """SIGKILL ``pid`` and every process below it (papermill, its kernel in another session, the kernel's ranks
     in theirs), children collected first so none is re-parented out of reach; the pids that were alive."""
@@ -392,6 +403,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     procs: list[subprocess.Popen] = []
     commands = launch_commands(world, job, port)
     logs = [job / (f"rank{r}.log" if world.launcher == "local" else f"launcher{r}.log") for r in range(len(commands))]
+    _LIVE[id(procs)] = procs
     try:
         for r, cmd in enumerate(commands):
             env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
@@ -412,6 +424,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
             results.append(json.loads(path.read_text())["result"] if path.exists() else None)
         return results
     finally:
+        _LIVE.pop(id(procs), None)
         _kill(procs)
         holder.close()
         if keep_dir is None:

@@ -16,7 +16,7 @@ def accumulator_norms(recs: list[dict], title: str = ""):
     Ranks agree on the accumulator after the boundary micro-batch only when it was reduced
     together with the others; a rank-private boundary gradient shows as lines that split at the end.
     """
-    fig, axes = plt.subplots(1, len(recs), figsize=(4.2 * len(recs), 3.2), squeeze=False)
+    fig, axes = _panels(len(recs), 4.2, 3.2)
     for ax, rec in zip(axes[0], recs):
         norms = rec.get("accumulator_norms") or []
         for r, row in enumerate(norms):
@@ -108,6 +108,17 @@ def trajectories(recs: list[dict], title: str = ""):
     return fig
 
 
+def _panels(n: int, width: float, height: float, **kw):
+    """One row of ``n`` panels; with nothing to draw (every configuration cannot-run) one panel that says so,
+    instead of an error in an unrelated-looking cell."""
+    fig, axes = plt.subplots(1, max(1, n), figsize=(width * max(1, n), height), squeeze=False, **kw)
+    if n == 0:
+        axes[0][0].text(0.5, 0.5, "nothing to draw: no configuration of this figure ran\n(the cannot-run lines "
+                        "above say why)", ha="center", va="center", transform=axes[0][0].transAxes, fontsize=9)
+        axes[0][0].set_axis_off()
+    return fig, axes
+
+
 def save(fig, path) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
@@ -152,7 +163,7 @@ def attribution_bars(recs: list[dict], title: str = ""):
     A correct step gives every bar the same height 1/(W*N) (dashed line); "only the last survives"
     leaves one bar per rank.
     """
-    fig, axes = plt.subplots(1, len(recs), figsize=(4.2 * len(recs), 3.0), squeeze=False, sharey=True)
+    fig, axes = _panels(len(recs), 4.2, 3.0, sharey=True)
     for ax, rec in zip(axes[0], recs):
         a = rec.get("attribution") or {}
         w, exp = a.get("weights", []), a.get("expected_weights", [])
@@ -256,7 +267,7 @@ def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
     1 is correct; GA would be "summed", 1/GA "scaled twice". The GA=1 point is the control.
     """
     versions = list(dict.fromkeys(r["version"] for r in recs if r["case"] == case))
-    fig, axes = plt.subplots(1, len(versions), figsize=(3.6 * len(versions), 3.4), squeeze=False, sharey=True)
+    fig, axes = _panels(len(versions), 3.6, 3.4, sharey=True)
     for ax, v in zip(axes[0], versions):
         sel = [r for r in recs if r["version"] == v and r["case"] in (case, "control") and r.get("stages")]
         labelled = set()
@@ -286,7 +297,7 @@ def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
     The GAS=1 point is the path's own GAS = 1 step (``gas1``). A correct Trainer keeps every line at 1 for every GAS.
     """
     stacks = list(dict.fromkeys(r["version"] for r in recs))
-    fig, axes = plt.subplots(1, len(stacks), figsize=(4.2 * len(stacks), 3.4), squeeze=False, sharey=True)
+    fig, axes = _panels(len(stacks), 4.2, 3.4, sharey=True)
     for ax, st in zip(axes[0], stacks):
         sel = [r for r in recs if r["version"] == st and r["case"] in (case, "gas1") and r.get("metrics")]
         for i, path in enumerate(dict.fromkeys(r["path"] for r in sel)):

@@ -34,6 +34,22 @@ def verdict_rows(recs: list[dict]) -> list[dict]:
     return rows
 
 
+def cannot_run_summary(recs: list[dict]) -> str:
+    """Plain sentences for the cases that could not run, grouped by why; a world that lost a rank is said so."""
+    why: dict = {}
+    for r in recs:
+        if r.get("verdict") == "cannot-run":
+            why.setdefault(r["reason"].split("\n")[0][:400], []).append(r)
+    lines = []
+    for reason, sel in why.items():
+        lost = " died: " in reason or "killed by signal" in reason
+        head = "The world LOST A RANK" if lost else "Could not run"
+        cases = sorted({f"{r['case']} (GA {r['ga']})" for r in sel})
+        lines.append(f"{head}: {len(sel)} case(s) are cannot-run ({', '.join(cases[:8])}"
+                     f"{', ...' if len(cases) > 8 else ''}) because {reason}")
+    return "\n".join(lines) or f"every one of the {len(recs)} cases ran"
+
+
 def verdict_table(recs: list[dict]) -> str:
     return markdown_table(verdict_rows(recs), VERDICT_COLUMNS)
 

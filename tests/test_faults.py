@@ -165,3 +165,52 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
     assert code == 1 and seen, "the notebook's world never came up"
     assert _gone(seen, within_s=5.0) is not None, "ranks outlived their notebook's time limit"
     assert not glob.glob(f"{tempfile.gettempdir()}/gradkit-limit_world_x7-*"), "the notebook's temp folder was left"
+
+
+def test_a_lost_rank_is_said_plainly_with_the_cases_it_cost():
+    from kit import report
+
+    recs = [{"verdict": "cannot-run", "case": c, "ga": 4, "reason": "could not run: not run: the world stopped after case 3 "
+             "of 9: rank 1 died: killed by signal 9 (SIGKILL), without a Python traceback"} for c in ("manual", "control")]
+    text = report.cannot_run_summary(recs + [{"verdict": "affected", "case": "x", "ga": 1, "reason": ""}])
+    assert text.startswith("The world LOST A RANK: 2 case(s) are cannot-run (control (GA 4), manual (GA 4))")
+    assert "rank 1 died: killed by signal 9" in text
+    assert report.cannot_run_summary(recs[:0]) == "every one of the 0 cases ran"
+
+
+@pytest.mark.parametrize("name", ["accumulator_norms", "attribution_bars", "stage_ratio_vs_ga", "path_ratio_vs_ga"])
+def test_a_figure_of_a_world_where_nothing_ran_says_so_instead_of_failing(name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kit import plots
+
+    fig = getattr(plots, name)([])
+    assert any("nothing to draw" in t.get_text() for ax in fig.axes for t in ax.texts)
+
+
+def test_interrupting_an_explorer_run_stops_its_world_within_seconds():
+    import _thread
+
+    from kit import explore
+
+    hang = lambda module, kwargs: launch.run_world(  # noqa: E731 - a probe that never ends
+        "kit.selftest:hang_on_rank", {"rank": 0, "seconds": 600}, world_size=2, init="torch", timeout_s=600)
+    ex = explore.ProbeExplorer(explore.default_selection("B3"), runner=hang, interactive=True)
+    seen = []
+
+    def interrupt_once_the_ranks_are_up():
+        for _ in range(600):
+            seen.extend(p for p in psutil.Process().children(recursive=True) if "kit.worker" in " ".join(p.cmdline()))
+            if seen:
+                time.sleep(0.5)
+                _thread.interrupt_main()  # what the kernel's Interrupt does to a running callback
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=interrupt_once_the_ranks_are_up, daemon=True).start()
+    t0 = time.monotonic()
+    assert ex.run() == []
+    assert seen and time.monotonic() - t0 < 60
+    assert _gone(seen, within_s=5.0) is not None, "the interrupted world's ranks live on"
+    assert "interrupted" in ex.status.value and "1 world(s) stopped" in ex.status.value
