@@ -168,6 +168,11 @@ class Stop:
         self.running: dict[int, subprocess.Popen] = {}
         self.lock = threading.Lock()
 
+    def install(self) -> dict:
+        """Take SIGINT and SIGTERM for one run (a fresh state); returns the handlers to put back after it."""
+        self.signal = None
+        return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+
     def __call__(self, signum, _frame=None) -> None:
         from kit import launch
 
@@ -466,14 +471,17 @@ def main(argv=None) -> int:
         raise kconfig.ConfigError(f"--out {out} cannot be written to ({e.strerror or e})") from None
     folder_lock = lock_folder(out)  # noqa: F841 - held until this process ends
     run_id = new_run_id()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, STOP)
-    entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id)
-    params_file = None
-    if a.params:
-        pf = Path(a.params).resolve()
-        params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
-    md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal)
+    previous = STOP.install()
+    try:
+        entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id)
+        params_file = None
+        if a.params:
+            pf = Path(a.params).resolve()
+            params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
+        md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal)
+    finally:
+        for sig, handler in previous.items():  # a caller in the same process (a test, a kernel) gets its own back
+            signal.signal(sig, handler)
     failed = [e["notebook"] for e in entries if e["status"] != "ok"]
     print(f"executed notebooks: {out}\nsummary: {md}\n         {js}")
     if STOP.signal:

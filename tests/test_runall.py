@@ -151,3 +151,14 @@ def _params(folder, x):
     p = folder / f"x{x}.yaml"
     p.write_text(f"notebooks:\n  04_bf16_leak:\n    X: {x}\n")
     return p
+
+
+def test_a_run_all_gives_the_signal_handlers_back(tmp_path):
+    """run-all takes SIGINT/SIGTERM for its run only: a kernel or test calling it keeps its own Ctrl-C."""
+    import signal
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    nb = _notebook(tmp_path / "n.ipynb", "pass")
+    assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert runall.STOP.signal is None
