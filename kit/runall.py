@@ -210,6 +210,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     if run_id:
         env[RUN_ID_ENV] = run_id
     t0 = time.time()
+    proc = None
     try:
         with open(log, "wb") as logf, STOP.lock:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -225,7 +226,8 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
             proc.wait()
             code, timed_out = None, True
     finally:
-        STOP.running.pop(proc.pid, None)
+        if proc is not None:
+            STOP.running.pop(proc.pid, None)
         os.unlink(f.name)
         shutil.rmtree(tmp, ignore_errors=True)
     entry["wall_s"] = round(time.time() - t0, 1)

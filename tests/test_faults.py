@@ -16,14 +16,25 @@ from kit.probes import zero_boundary as zb
 pytestmark = pytest.mark.world
 
 
-def _ranks_of(pid: int) -> dict[int, psutil.Process]:
-    """``{rank: process}`` of the kit.worker processes started by ``pid``."""
-    out = {}
+def _workers(pid: int) -> list[psutil.Process]:
+    """The kit.worker processes below ``pid`` now (one that exits while being looked at is skipped)."""
+    out = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
             if "kit.worker" in " ".join(p.cmdline()):
-                out[int(p.environ().get("RANK", -1))] = p
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+def _ranks_of(pid: int) -> dict[int, psutil.Process]:
+    """``{rank: process}`` of the kit.worker processes started by ``pid``."""
+    out = {}
+    for p in _workers(pid):
+        try:
+            out[int(p.environ().get("RANK", -1))] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return out
 
@@ -53,7 +64,10 @@ def test_a_rank_killed_mid_run_is_named_and_the_finished_cases_are_kept():
     victim = None
     while victim is None and time.monotonic() < deadline:
         ranks = _ranks_of(os.getpid())
-        job = next((a for p in ranks.values() for a in p.cmdline() if "gradkit-world-" in a), None)
+        try:
+            job = next((a for p in ranks.values() for a in p.cmdline() if "gradkit-world-" in a), None)
+        except psutil.Error:  # a rank between two cases of the world's start-up
+            job = None
         if 1 in ranks and job and os.path.exists(f"{job}/rank0.partial.jsonl") and \
                 len(open(f"{job}/rank0.partial.jsonl").read().splitlines()) >= 3:
             victim = ranks[1]
@@ -123,8 +137,7 @@ def test_stopping_a_run_all_stops_everything_and_says_so(tmp_path, sig, code):
                                "--timeout", "600", "--no-progress"], cwd=str(launch.REPO_ROOT))
     deadline, ranks = time.monotonic() + 120, {}
     while len(ranks) < 2 and time.monotonic() < deadline:  # both running notebooks have their hanging rank 0 up
-        ranks = {p.pid: p for p in psutil.Process(runner.pid).children(recursive=True)
-                 if "kit.worker" in " ".join(p.cmdline())}
+        ranks = {p.pid: p for p in _workers(runner.pid)}
         time.sleep(0.2)
     assert len(ranks) >= 2, "the notebooks' worlds never came up"
     tree = psutil.Process(runner.pid).children(recursive=True)  # papermill, kernels, ranks
@@ -153,7 +166,7 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
 
     def watch():  # the world's ranks while the notebook runs
         for _ in range(300):
-            seen.extend(p for p in psutil.Process().children(recursive=True) if "kit.worker" in " ".join(p.cmdline()))
+            seen.extend(_workers(os.getpid()))
             if seen:
                 return
             time.sleep(0.1)
@@ -201,7 +214,7 @@ def test_interrupting_an_explorer_run_stops_its_world_within_seconds():
 
     def interrupt_once_the_ranks_are_up():
         for _ in range(600):
-            seen.extend(p for p in psutil.Process().children(recursive=True) if "kit.worker" in " ".join(p.cmdline()))
+            seen.extend(_workers(os.getpid()))
             if seen:
                 time.sleep(0.5)
                 _thread.interrupt_main()  # what the kernel's Interrupt does to a running callback
