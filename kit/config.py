@@ -52,6 +52,7 @@ def cache_dir() -> Path:
     return d
 
 
+LAUNCHERS = ("local", "torchrun", "deepspeed")  # how a world's ranks are started (``kit.launch.World.launcher``)
 ENVIRONMENT = ("GRADKIT_CACHE", "GRADKIT_LAUNCHER", "GRADKIT_NNODES", "GRADKIT_HOSTFILE", "GRADKIT_MASTER_ADDR",
                "GRADKIT_SYNC_TIMEOUT_S", "GRADKIT_RUN_ID")
 
@@ -64,8 +65,8 @@ def check_environment() -> None:
         raise ConfigError(f"unknown variable(s) {unknown}; the kit reads {list(ENVIRONMENT)}")
     cache_dir()
     launcher = os.environ.get("GRADKIT_LAUNCHER", "local")
-    if launcher not in ("local", "torchrun", "deepspeed"):
-        raise ConfigError(f"GRADKIT_LAUNCHER={launcher!r}: use 'local', 'torchrun' or 'deepspeed'")
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"GRADKIT_LAUNCHER={launcher!r}: use {', '.join(map(repr, LAUNCHERS[:-1]))} or {LAUNCHERS[-1]!r}")
     nnodes_setting()
     hostfile = os.environ.get("GRADKIT_HOSTFILE")
     if hostfile and not Path(hostfile).is_file():

@@ -35,7 +35,7 @@ from pathlib import Path
 from kit import config as kconfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LAUNCHERS = ("local", "torchrun", "deepspeed")
+LAUNCHERS = kconfig.LAUNCHERS
 GRACE_AFTER_FAILURE_S = 5.0  # other ranks usually block in a collective once one dies
 POLL_S = 0.1
 
