@@ -364,7 +364,10 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
         try:
             return _run_world_once(target, payload, world, keep_dir)
         except RankFailed as e:
-            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(str(e)):
+            # judged on the blamed rank's own error only: its peers' errors ("Then: ...") often read "Connection
+            # reset by peer" whatever the blamed rank did
+            own = str(e).split("\nThen: ")[0] + "\n" + (e.traceback or "")
+            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(own):
                 raise
             print(f"gradkit: the world's rendezvous failed before any case ran ({str(e).splitlines()[0][:200]}); "
                   f"launching it again ({attempt + 2} of {1 + RENDEZVOUS_RETRIES})", file=sys.stderr)
@@ -443,12 +446,21 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
                 exited[r] = now
         if all(c == 0 for c in codes):
             return
+        # A local rank that wrote its result and then died in tear-down (seen once in CI: a SIGABRT, "terminate
+        # called without an active exception", in a C++ destructor after a freshly built comm op) finished its work.
+        if world.launcher == "local" and all(c == 0 or (c is not None and (job / f"rank{r}.json").exists())
+                                             for r, c in enumerate(codes)):
+            for r, c in enumerate(codes):
+                if c != 0:
+                    print(f"gradkit: rank {r} wrote its result, then {how_it_ended(c)} in tear-down; "
+                          "its result is kept", file=sys.stderr)
+            return
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad and failed_at is None:
             failed_at = time.monotonic()
         if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_AFTER_FAILURE_S):
             _kill(procs)
-            raise _failure(sorted(bad, key=lambda r: exited[r]), codes, job, logs, by_exit=world.launcher == "local")
+            raise _failure(sorted(bad, key=lambda r: (exited[r], codes[r] >= 0)), codes, job, logs, by_exit=world.launcher == "local")
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
             _kill(procs)
@@ -487,7 +499,7 @@ def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: 
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
     errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in job.glob("rank*.error.json"))}
     first = bad[0]
-    if errors and (not by_exit or (first not in errors and all(codes[r] >= 0 for r in bad))):
+    if errors and (not by_exit or all(codes[r] >= 0 for r in bad)):
         first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise
     if not by_exit:
         bad = [first]

@@ -62,3 +62,30 @@ def cases_then_desync(payload: dict) -> list:
         return {"sum": t.item()}
 
     return common.run_cases(payload, one)
+
+
+def abort_after_result(payload: dict) -> dict:
+    """Rank ``payload['rank']`` answers, then aborts (SIGABRT) once its result is on disk: a crash in tear-down
+    (``payload['before']``: it aborts before answering)."""
+    import signal
+    import threading
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from kit import worker
+
+    rank = dist.get_rank()
+    if rank == payload["rank"] and payload.get("before"):
+        os.abort()
+    if rank == payload["rank"]:
+        done = Path(os.environ[worker.PARTIAL_ENV]).with_name(f"rank{rank}.json")
+
+        def abort_when_written():
+            while not done.exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGABRT)
+            time.sleep(60)  # the signal ends the process; never return into a normal exit
+
+        threading.Thread(target=abort_when_written, daemon=True).start()
+    return {"rank": rank}

@@ -73,3 +73,15 @@ def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
     assert [r["case"] for r in recs] == ["a", "b", "c"]
     assert all(r["verdict"] == oracle.CANNOT_RUN for r in recs)
     assert "world stopped after case 1 of 3" in recs[1]["reason"] and "WorldDesynchronised" in recs[2]["reason"]
+
+
+def test_a_rank_that_crashes_in_tear_down_after_its_result_keeps_the_result(capfd):
+    out = launch.run_world("kit.selftest:abort_after_result", {"rank": 0}, world_size=2, init="torch", timeout_s=60)
+    assert [r["rank"] for r in out] == [0, 1]
+    assert "rank 0 wrote its result, then killed by signal 6 (SIGABRT)" in capfd.readouterr().err
+
+
+def test_a_rank_that_aborts_before_its_result_is_a_failure():
+    with pytest.raises(launch.RankFailed, match="SIGABRT"):
+        launch.run_world("kit.selftest:abort_after_result", {"rank": 0, "before": True}, world_size=2, init="torch",
+                         timeout_s=60)
