@@ -73,62 +73,43 @@ def path_explorer(recs: list[dict]):
 
 # ============================================================================ the probe explorer (Run button)
 
-B1_STACKS = {"installed": {}, "transformers 5.3.0 + DeepSpeed 0.18.9": {"transformers": "5.3.0", "deepspeed": "0.18.9"}}
-
-# What each bug lets a user choose; the first value of each list is the default.
-KNOBS = {
-    "B1": {"world_size": [1, 2], "ga": [4, 2, 8], "zero_stage": ["none", 0, 2, 3], "dtype": ["fp32"],
-           "version": list(B1_STACKS)},
-    "B2": {"world_size": [2, 4], "ga": [4, 2, 8], "zero_stage": [0, 1], "dtype": ["fp32", "bf16"],
-           "version": ["installed", "0.18.2", "0.18.6"]},
-    "B3": {"world_size": [2, 1, 3, 4], "ga": [4, 2, 8], "zero_stage": [2, 0, 1, 3], "dtype": ["fp32", "bf16"],
-           "version": ["installed", "0.18.6"]},
-    "B4": {"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": [1], "dtype": ["bf16"],
-           "version": ["installed", "0.18.9"]},
-}
 KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO stage", "dtype": "dtype",
                "version": "version"}
-TYPICAL_S = {"B1": 45.0, "B2": 30.0, "B3": 15.0, "B4": 15.0}  # one warm world on 2 CPU cores, for the progress bar
+
+
+def knobs() -> dict:
+    """What each probe lets a user choose (``Probe.knobs``); the first value of each list is the default."""
+    from kit import probes
+
+    return {p.id: p.knobs for p in probes.registry().values()}
 
 
 def _check_bug(bug) -> None:
-    if bug not in KNOBS:
-        from kit import config as kconfig
-        raise kconfig.ConfigError(f"unknown bug {bug!r}; the explorer knows {sorted(KNOBS)}")
+    from kit import probes
+
+    probes.get(bug)
 
 
 def default_selection(bug: str = "B3") -> dict:
     _check_bug(bug)
-    return {"bug": bug, **{k: v[0] for k, v in KNOBS[bug].items()}}
+    return {"bug": bug, **{k: v[0] for k, v in knobs()[bug].items()}}
 
 
 def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[str, dict]:
-    """The probe function (``kit.probes.<module>:run``) and its keyword arguments for one selection.
+    """The probe's id and the keyword arguments of its ``run`` for one selection (``Probe.explorer_kwargs``).
 
     Pure and fast: every knob is checked here (``ConfigError``), so a bad selection never launches ranks.
     """
     from kit import config as kconfig
+    from kit import probes
 
     bug = sel.get("bug")
-    _check_bug(bug)
-    for knob, allowed in KNOBS[bug].items():
+    probe = probes.get(bug)
+    for knob, allowed in probe.knobs.items():
         if sel.get(knob) not in allowed:
             raise kconfig.ConfigError(f"{bug}: {KNOB_LABELS[knob]} {sel.get(knob)!r} is not one of {allowed}")
-    w, ga, stage, dtype, v = sel["world_size"], sel["ga"], sel["zero_stage"], sel["dtype"], sel["version"]
-    kconfig.check_world_size(w, device)
-    common = {"device": device, "timeout_s": timeout_s}
-    if bug == "B1":
-        path = "no_ds" if stage == "none" else f"ds_zero{stage}"
-        return "trainer_ga", {"stacks": [B1_STACKS[v]], "paths": [path], "gas_values": [1, ga],
-                              "cases": ["trainer", "accepts_false"], "world_size": w, **common}
-    if bug == "B2":
-        return "pipeline_ga", {"world_sizes": [w], "splits": [[8 // ga, ga]], "dtypes": [dtype],
-                               "zero_stages": [stage], "versions": [v], **common}
-    if bug == "B3":
-        return "zero_boundary", {"world_sizes": [w], "n_values": sorted({1, ga}), "stages": [stage], "dtypes": [dtype],
-                                 "versions": [v], "fixes": ["fix_boundary"], "fix_n_values": [ga], **common}
-    return "bf16_leak", {"world_size": w, "ga_values": [ga], "versions": [v],
-                         "cases": ["leak", "workaround", "control"], **common}
+    kconfig.check_world_size(sel["world_size"], device)
+    return probe.id, probe.explorer_kwargs(sel, device, timeout_s)
 
 
 def check_notebook(p: dict) -> None:
@@ -140,23 +121,23 @@ def check_notebook(p: dict) -> None:
                 "dtype": p["DTYPE"], "version": p["VERSION"]}, p["DEVICE"], p["TIMEOUT_S"])
 
 
-def run_probe(module: str, kwargs: dict) -> list[dict]:
+def run_probe(probe_id: str, kwargs: dict) -> list[dict]:
     """Launch the probe's worlds (the default runner of the explorer)."""
-    import importlib
+    from kit import probes
 
-    return importlib.import_module(f"kit.probes.{module}").run(**kwargs)
+    return probes.get(probe_id).run(**kwargs)
 
 
 def result_rows(recs: list[dict], sel: dict) -> list[dict]:
     """What the explorer's figure shows: one row per judged case (per pipeline stage for B2) at the chosen GA."""
-    from kit import overview
+    from kit import probes
 
-    bug = overview.BUGS[sel["bug"]]
+    bug = probes.get(sel["bug"])
     rows = []
     for r in recs:
         if r.get("role") == "symptom" or (r["ga"] != sel["ga"] and r["role"] != "control"):
             continue
-        verdict = (r.get(bug.verdict_key) or r["verdict"]) if r["case"] == bug.measured else r["verdict"]
+        verdict = (r.get(bug.verdict_key) or r["verdict"]) if r["case"] == bug.measured_case else r["verdict"]
         parts = [(f" · stage {s['stage'] if 'stage' in s else i}", s.get("metrics") or {}, s.get("verdict", verdict))
                  for i, s in enumerate(r["stages"])] if r.get("stages") else [("", r.get("metrics") or {}, verdict)]
         for suffix, m, v in parts:
@@ -168,9 +149,9 @@ def result_rows(recs: list[dict], sel: dict) -> list[dict]:
 
 def sentence(rows: list[dict], sel: dict) -> str:
     """The result in words, with its numbers."""
-    from kit import overview
+    from kit import probes
 
-    measured = [r for r in rows if r["case"] == overview.BUGS[sel["bug"]].measured]
+    measured = [r for r in rows if r["case"] == probes.get(sel["bug"]).measured_case]
     if not measured:
         return "no measured case came back"
     worst = max(measured, key=lambda r: abs((r["ratio"] or 1) - 1))
@@ -184,7 +165,7 @@ def sentence(rows: list[dict], sel: dict) -> str:
 class ProbeExplorer:
     """Sliders and dropdowns for one probe run, a Run button, a progress bar, and the redrawn figure.
 
-    ``runner(module, kwargs) -> records`` launches the probe (default ``run_probe``); tests pass a fake.
+    ``runner(probe_id, kwargs) -> records`` launches the probe (default ``run_probe``); tests pass a fake.
     Headless (``interactive=False``, e.g. under papermill) ``run()`` draws the figure straight into the
     cell's output; in JupyterLab the figure goes into the widget's output area.
     """
@@ -198,7 +179,7 @@ class ProbeExplorer:
         self.records: list[dict] = []
         self.rows: list[dict] = []
         sel = selection or default_selection()
-        self.bug = widgets.Dropdown(options=sorted(KNOBS), value=sel["bug"], description="bug")
+        self.bug = widgets.Dropdown(options=list(knobs()), value=sel["bug"], description="bug")
         self.knobs = {
             "world_size": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["world_size"]),
             "ga": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["ga"]),
@@ -216,7 +197,7 @@ class ProbeExplorer:
 
     def _set_options(self, sel: dict) -> None:
         for knob, w in self.knobs.items():
-            opts = sorted(KNOBS[sel["bug"]][knob], key=str)
+            opts = sorted(knobs()[sel["bug"]][knob], key=str)
             w.options = opts
             w.value = sel[knob] if sel[knob] in opts else opts[0]
 
@@ -237,10 +218,11 @@ class ProbeExplorer:
         import time
 
         from kit import config as kconfig
+        from kit import probes
 
         sel = self.selection()
         try:
-            module, kwargs = probe_call(sel, self.device, self.timeout_s)
+            probe_id, kwargs = probe_call(sel, self.device, self.timeout_s)
         except kconfig.ConfigError as e:
             self.status.value = f"<b>cannot run this selection:</b> {e}"
             self.progress.value = 0.0
@@ -249,7 +231,7 @@ class ProbeExplorer:
 
         def work():
             try:
-                result["records"] = self.runner(module, kwargs)
+                result["records"] = self.runner(probe_id, kwargs)
             except Exception as e:  # noqa: BLE001 - shown in the status line, never swallowed silently
                 result["error"] = e
 
@@ -261,8 +243,8 @@ class ProbeExplorer:
         try:
             while thread.is_alive():
                 elapsed = time.monotonic() - t0
-                self.progress.value = min(0.95, elapsed / TYPICAL_S[sel["bug"]])
-                self.status.value = f"ranks running: {sel['bug']} via kit.probes.{module}, {elapsed:.0f} s"
+                self.progress.value = min(0.95, elapsed / probes.get(sel["bug"]).typical_s)
+                self.status.value = f"ranks running: {sel['bug']}, {elapsed:.0f} s"
                 thread.join(0.25)
         except KeyboardInterrupt:  # the kernel's interrupt: stop the world, not just this loop
             from kit import launch

@@ -320,11 +320,12 @@ def verdict_matrix(cells: list[dict], title: str = ""):
 
     ``cells`` come from ``kit.overview.verdict_matrix``. The installed release's column is marked.
     """
-    from kit import overview, versions
+    from kit import probes, records, versions
 
     installed = versions.installed_version("deepspeed")
-    bugs = [b for b in overview.BUGS if any(c["bug"] == b for c in cells)]
-    cols = sorted({c["deepspeed"] for c in cells}, key=overview._version_key)
+    every = probes.registry()
+    bugs = [b for b in every if any(c["bug"] == b for c in cells)]
+    cols = sorted({c["deepspeed"] for c in cells}, key=records.column_key)
     fig, ax = plt.subplots(figsize=(2.0 + 1.55 * len(cols), 0.9 + 0.75 * len(bugs)))
     for i, bug in enumerate(bugs):
         for j, v in enumerate(cols):
@@ -337,9 +338,9 @@ def verdict_matrix(cells: list[dict], title: str = ""):
             cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
             ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
             ax.text(j + 0.5, i + 0.85, c["where"].replace(", transformers ", ", tf "), ha="center", va="center", fontsize=5)
-    _grid_frame(ax, [overview.column_label(v, installed).replace(" (", "\n(").replace("no DeepSpeed", "no\nDeepSpeed")
+    _grid_frame(ax, [records.column_label(v, installed).replace(" (", "\n(").replace("no DeepSpeed", "no\nDeepSpeed")
                      for v in cols],
-                [f"{b}\n{overview.BUGS[b].notebook[:2]}" for b in bugs],
+                [f"{b}\n{every[b].notebook[:2]}" for b in bugs],
                 ("affected", "not-affected", "inconclusive", "cannot-run"))
     ax.set_xlabel("DeepSpeed release", fontsize=8)
     ax.set_title(title or "verdict per bug and DeepSpeed release; number = effective / reference ratio "

@@ -1,4 +1,4 @@
-"""Probe results as JSON records, and the one routine that turns a world's output into verdicted records.
+"""Probe results as JSON records: their format, their files, and how to read them (``kit.runner`` makes them).
 
 A record is a flat dict: what ran (bug, probe, case, role, config, seed, world size, GA,
 dtype, requested and imported versions, device), what was measured (metrics, attribution,
@@ -25,7 +25,7 @@ RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", 
                "dtype", "config", "metrics", "verdict", "reason", "run_id")
 
 
-def _base(meta: dict, case: dict, version: str) -> dict:
+def base(meta: dict, case: dict, version: str) -> dict:
     return {**meta, "case": case["name"], "role": case["role"], "ga": case["ga"], "dtype": case["dtype"],
             "zero_stage": case.get("zero_stage"), "config": case, "version": version,
             "host": platform.node(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -34,54 +34,8 @@ def _base(meta: dict, case: dict, version: str) -> dict:
 
 def failed_records(cases: list[dict], meta: dict, version: str, reason: str, versions: dict | None = None) -> list[dict]:
     """Every case of a world that could not run: verdict ``cannot-run``, never ``not-affected``."""
-    return [{**_base(meta, case, version), "versions": versions or {}, "metrics": None, "error": reason,
+    return [{**base(meta, case, version), "versions": versions or {}, "metrics": None, "error": reason,
              "verdict": oracle.CANNOT_RUN, "reason": f"could not run: {reason}"} for case in cases]
-
-
-def run_version_world(target: str, cases: list[dict], version: str, meta: dict, world_size: int, device: str,
-                      timeout_s: float, predicted=None, package: str = "deepspeed",
-                      control_key=lambda rec: rec["ga"], stack: dict | None = None) -> list[dict]:
-    """Resolve ``package==version``, run all ``cases`` in one world, return one verdicted record per case.
-
-    Each case is judged against the case with role ``control`` from the same world that has the same
-    ``control_key`` (by default: the same GA). ``stack`` ({package: version}) replaces ``package==version``
-    when a world needs several packages pinned; ``version`` is then only its label.
-    """
-    from kit import launch, versions as kversions
-
-    try:
-        stack = kversions.resolve_stack(stack if stack is not None else {package: version})
-    except kversions.CannotRun as e:
-        return failed_records(cases, meta, version, e.reason)
-    world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=stack.pythonpath,
-                         extensions_key=stack.extensions_key, expect=stack.expect)
-    try:
-        rank0 = launch.run_world(target, {"cases": cases}, world)[0]
-    except launch.LaunchError as e:
-        # the cases rank 0 finished before the world failed keep their results; the rest could not run
-        rank0 = e.partial.get(0, [])[:len(cases)]
-        why = str(e).splitlines()[0][:300] + " (see the rank's traceback)"
-        if not rank0:
-            return failed_records(cases, meta, version, why, stack.versions)
-        rank0 += [{"error": f"not run: the world stopped after case {len(rank0)} of {len(cases)}: {why}",
-                   "versions": rank0[0].get("versions", {})} for _ in cases[len(rank0):]]
-    out = []
-    for i, case in enumerate(cases):
-        res = dict(rank0[i])
-        rec = {**_base(meta, case, version), **{k: v for k, v in res.items() if k not in ("case", "ga")}}
-        rec.setdefault("metrics", None)
-        if predicted is not None:
-            rec["predicted_misplaced_weight"] = predicted(case)
-        out.append(rec)
-    controls = {control_key(r): r for r in out if r["role"] == "control"}
-    for rec in out:
-        if rec["role"] == "symptom":  # a trajectory is evidence for the eye, not a gradient to judge
-            rec["verdict"], rec["reason"] = (oracle.CANNOT_RUN, f"could not run: {rec['error']}") if rec.get("error") \
-                else ("n/a", "trajectory of losses and grad norms; judged by the gradient cases")
-            continue
-        control = controls.get(control_key(rec))
-        rec["verdict"], rec["reason"] = oracle.verdict(judged(rec), judged(control) if control else None)
-    return out
 
 
 def judged(rec: dict, dtype: str | None = None) -> dict:
@@ -166,3 +120,31 @@ def check(rec: dict) -> None:
         raise ValueError(f"record lacks {missing}")
     if rec["verdict"] not in oracle.VERDICTS + ("n/a",):
         raise ValueError(f"unknown verdict {rec['verdict']!r}")
+
+
+def deepspeed_version(rec: dict) -> str:
+    """The DeepSpeed release a record really imported (its request where it never got that far, the installed
+    one for an "installed" request); ``NO_DEEPSPEED`` for a step whose path or probe never uses DeepSpeed."""
+    from kit import config as kconfig, versions
+
+    if rec.get("path", (rec.get("config") or {}).get("path")) == "no_ds" or rec.get("init") == "torch":
+        return NO_DEEPSPEED
+    got = (rec.get("versions") or {}).get("deepspeed") or (rec.get("stack") or {}).get("deepspeed")
+    if got:
+        return got
+    label = rec.get("version", "")
+    return versions.installed_version("deepspeed") if label in (kconfig.INSTALLED, "") else label.split("=")[-1]
+
+
+NO_DEEPSPEED = "none"  # the matrix column of steps that never went through DeepSpeed
+
+
+def column_key(v: str):
+    """The matrix's column order: no DeepSpeed first, then DeepSpeed releases oldest first."""
+    from kit.expectations import version_key
+
+    return (-1,) if v == NO_DEEPSPEED else version_key(v)
+
+
+def column_label(v: str, installed: str) -> str:
+    return "no DeepSpeed" if v == NO_DEEPSPEED else f"{v} (installed)" if v == installed else v

@@ -103,22 +103,26 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
     return {name: ast.literal_eval(p["default"]) for name, p in known.items()}
 
 
+# The kit's notebooks that are not a probe's, and the module whose ``check_notebook`` checks their parameters.
+TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore"}
+
+
 def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> None:
     """Every value a kit notebook will run with (its defaults, then ``params``), checked by the notebook's own
     ``check_notebook`` -- before any kernel starts. ``ConfigError`` names the notebook and where the values
     came from; notebooks outside notebooks/ (a user's, a test's) have no such check."""
     import importlib
 
-    from kit import overview
+    from kit import probes
 
     if path.parent != NOTEBOOKS.resolve():
         return
-    modules = {b.notebook: f"kit.probes.{b.probe}" for b in overview.BUGS.values()}
-    modules.update({"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore"})
-    if path.name not in modules:
+    checks = {name: probe.check_notebook for name, probe in probes.by_notebook().items()}
+    checks.update({name: importlib.import_module(module).check_notebook for name, module in TOOL_NOTEBOOKS.items()})
+    if path.name not in checks:
         return
     try:
-        importlib.import_module(modules[path.name]).check_notebook({**notebook_defaults(path, known), **params})
+        checks[path.name]({**notebook_defaults(path, known), **params})
     except kconfig.ConfigError as e:
         raise kconfig.ConfigError(f"{path.name}{f' ({source})' if source else ''}: {e}") from None
 
@@ -269,7 +273,7 @@ def previous_summary(js: Path) -> dict:
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
               stopped: str | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
-    from kit import overview, records, report
+    from kit import overview, probes, records, report
 
     js = out / "summary.json"
     before = previous_summary(js)
@@ -287,9 +291,9 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
     changed = None
     if previous is not None:  # compared only where a notebook ran again with the same parameters
         old = {e["notebook"]: e.get("parameters") for e in before.get("notebooks", [])}
-        same = {b.id for b in overview.BUGS.values() if b.notebook in mine and b.notebook in old
+        same = {b.id for b in probes.registry().values() if b.notebook in mine and b.notebook in old
                 and old[b.notebook] == next(e.get("parameters") for e in entries if e["notebook"] == b.notebook)}
-        rerun = {b.id for b in overview.BUGS.values() if b.notebook in mine}
+        rerun = {b.id for b in probes.registry().values() if b.notebook in mine}
         keep = lambda cs: [c for c in cs if c["bug"] in same or c["bug"] not in rerun]  # noqa: E731
         changed = overview.differences(keep(previous), keep(cells))
     if cells:
@@ -308,7 +312,7 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
         link = lambda nb: nb  # noqa: E731 - the executed copies sit next to this file
         lines += ["## Verdict matrix", "", "![verdict matrix](verdict_matrix.png)", "",
                   overview.matrix_table(cells, link=link), "",
-                  "Each cell: the worst verdict of the bug's reported configuration on that DeepSpeed release, "
+                  "Each cell: the worst verdict of the probe's measured configuration on that DeepSpeed release, "
                   "with the effective/reference ratio (1.000 = correct; B2: the pipeline stage furthest from 1; B1: the "
                   "Trainer's step, with whether GAS changes it, and the steps without DeepSpeed in their own column) and "
                   "the cosine of the configuration shown.", ""]
@@ -403,12 +407,12 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
         run_id: str = "") -> list[dict]:
     """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote
     (``run.json`` says which notebooks of this run finished: only their records reach the overview)."""
-    from kit import overview
+    from kit import probes
 
     known = {p: notebook_parameters(p) for p in paths}
     aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
     first = [p for p in paths if p not in aggregating]
-    bug_notebooks = {b.notebook for b in overview.BUGS.values()}
+    bug_notebooks = set(probes.by_notebook())
     source = out if any(p.name in bug_notebooks for p in first) else None  # else the overview runs the probes itself
     plan = {p: params_for(p, spec, out, source if p in aggregating else None, known[p]) for p in paths}  # all checked first
     for p in paths:

@@ -192,8 +192,11 @@ def module_name(package: str) -> str:
     return package.replace("-", "_")
 
 
-def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
-    """Turn ``{"deepspeed": "0.18.9"}`` (others: installed) into a ready ``Stack``.
+def resolve_stack(wanted: dict[str, str] | None = None, packages=PACKAGES) -> Stack:
+    """Turn ``{"deepspeed": "0.18.9"}`` (the other ``packages``: installed) into a ready ``Stack``.
+
+    ``packages`` are what the probe's stack names: only those are put in the stack, so only those are
+    imported and checked by its ranks (``"torch"`` is always the installed one: the kit has no torch overlays).
 
     An older transformers also gets companion overlays (``COMPANIONS``) where the installed
     tokenizers / huggingface-hub / safetensors fall outside the ranges it checks at import.
@@ -201,12 +204,21 @@ def resolve_stack(wanted: dict[str, str] | None = None) -> Stack:
     when an existing release does not install here.
     """
     wanted = dict(wanted or {})
+    torch_now = installed_version("torch")
+    if wanted.get("torch", kconfig.INSTALLED) not in (kconfig.INSTALLED, torch_now, torch_now.split("+")[0]):
+        raise kconfig.ConfigError(f"torch {wanted['torch']} was asked for: the kit runs the installed torch "
+                                  f"({torch_now}) only (other releases are multi-GB downloads)")
+    wanted.pop("torch", None)
     for package, version in wanted.items():
         if package not in PACKAGES:
             raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
+        if package not in packages:
+            raise kconfig.ConfigError(f"this probe's stack names {list(packages)}, not {package!r}")
         kconfig.check_version(version)
     versions, path, roots = {}, [], {}
-    for package in PACKAGES:
+    if "torch" in packages:
+        versions["torch"] = torch_now
+    for package in (p for p in PACKAGES if p in packages):
         version = wanted.get(package, kconfig.INSTALLED)
         base = installed_version(package)
         if version in (kconfig.INSTALLED, base):

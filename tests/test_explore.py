@@ -36,7 +36,7 @@ def test_run_button_launches_the_chosen_probe_and_redraws():
     ex.knobs["zero_stage"].value = 1
     ex.button.click()
     (module, kwargs), = runner.calls
-    assert module == "zero_boundary"
+    assert module == "B3"
     assert kwargs["n_values"] == [1, 8] and kwargs["stages"] == [1] and kwargs["fix_n_values"] == [8]
     assert kwargs["world_sizes"] == [2] and kwargs["versions"] == ["installed"]
     assert ex.progress.value == 1.0 and ex.progress.bar_style == "success"
@@ -51,15 +51,15 @@ def test_choosing_a_bug_offers_only_its_knobs():
     ex = explore.ProbeExplorer(runner=Recorder(), interactive=False)
     ex.bug.value = "B4"
     assert ex.knobs["dtype"].options == ("bf16",) and ex.knobs["zero_stage"].options == (1,)
-    assert explore.probe_call(ex.selection())[0] == "bf16_leak"
+    assert explore.probe_call(ex.selection())[0] == "B4"
     ex.bug.value = "B2"
     assert set(ex.knobs["world_size"].options) == {2, 4}
     module, kwargs = explore.probe_call(ex.selection())
-    assert module == "pipeline_ga" and kwargs["splits"] == [[2, 4]]
+    assert module == "B2" and kwargs["splits"] == [[2, 4]]
     ex.bug.value = "B1"
     ex.knobs["zero_stage"].value = "none"
     module, kwargs = explore.probe_call(ex.selection())
-    assert module == "trainer_ga" and kwargs["paths"] == ["no_ds"] and kwargs["gas_values"] == [1, 4]
+    assert module == "B1" and kwargs["paths"] == ["no_ds"] and kwargs["gas_values"] == [1, 4]
 
 
 def test_a_bad_selection_never_launches():
@@ -72,7 +72,7 @@ def test_a_bad_selection_never_launches():
     ex.knobs["world_size"].value = 999
     assert ex.run() == [] and runner.calls == []
     assert "cannot run this selection" in ex.status.value
-    with pytest.raises(config.ConfigError, match="unknown bug"):
+    with pytest.raises(config.ConfigError, match="unknown probe"):
         explore.default_selection("B9")
 
 

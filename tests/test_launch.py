@@ -61,7 +61,8 @@ def test_a_case_failing_on_one_rank_stops_the_world_and_keeps_the_finished_cases
 
 
 def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
-    from kit import oracle, records
+    from kit import oracle, runner
+    from kit.probes import bf16_leak
 
     def stopped(*a, **k):
         raise launch.RankFailed("rank 1 raised WorldDesynchronised: case 'b' ...", rank=1,
@@ -69,7 +70,7 @@ def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
 
     monkeypatch.setattr(launch, "run_world", stopped)
     cases = [{"name": n, "role": "measured", "ga": 1, "dtype": "fp32"} for n in ("a", "b", "c")]
-    recs = records.run_version_world("x:y", cases, "installed", {"bug": "T"}, 2, "cpu", 60)
+    recs = runner.world_records(bf16_leak.PROBE, cases, {}, "installed", {"bug": "T"}, 2, "cpu", 60)
     assert [r["case"] for r in recs] == ["a", "b", "c"]
     assert all(r["verdict"] == oracle.CANNOT_RUN for r in recs)
     assert "world stopped after case 1 of 3" in recs[1]["reason"] and "WorldDesynchronised" in recs[2]["reason"]

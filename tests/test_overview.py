@@ -1,7 +1,7 @@
 """The verdict matrix from records: worst verdict wins, the number shown is the telling one, checks that can fail."""
 import pytest
 
-from kit import overview, records, versions
+from kit import overview, probes, records, versions
 
 DS = versions.installed_version("deepspeed")
 
@@ -54,7 +54,7 @@ def test_b1_says_what_is_measured_and_keeps_its_no_deepspeed_path_out_of_deepspe
 
 def test_what_to_do_names_the_fix_only_where_affected():
     cells = overview.verdict_matrix([rec("B3", "manual", "affected", 0.403), rec("B4", "leak", "not-affected", 1.0)])
-    advice = dict(zip(overview.BUGS, overview.what_to_do(cells, DS)))
+    advice = dict(zip(probes.registry(), overview.what_to_do(cells, DS)))
     assert "set_gradient_accumulation_boundary" in advice["B3"] and "**affected**" in advice["B3"]
     assert "nothing to change" in advice["B4"]
     assert "not measured" in advice["B1"] and "01_trainer_loss_kwargs" in advice["B1"]

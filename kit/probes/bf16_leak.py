@@ -27,6 +27,8 @@ from __future__ import annotations
 import copy
 
 from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
 
 CASES = {
     "leak": {"role": "measured", "dtype": "bf16", "zero_stage": 1, "grad_accum_dtype": "fp32",
@@ -39,7 +41,6 @@ CASES = {
                 "immediate_grad_update": False},
 }
 BUG = "B4"
-PROBE = "bf16_leak"
 
 
 def predicted_misplaced_weight(world_size: int, ga: int) -> float:
@@ -258,20 +259,33 @@ def check_notebook(p: dict) -> None:
 
 def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), micro_batch: int = 4, hidden: int = 32,
         seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, cases=tuple(CASES),
-        symptom: list[dict] | None = None) -> list[dict]:
-    """Run every case for every GA under every DeepSpeed version; one world per version.
+        symptom: list[dict] | None = None, stacks=None) -> list[dict]:
+    """Run every case for every GA under every DeepSpeed version (or ``stacks``); one world per version.
 
-    Returns one record per (version, GA, case), each with its verdict (see ``kit.records``).
+    Returns one record per (version, GA, case), each with its verdict (see ``kit.runner``).
     Everything is validated before the first launch.
     """
-    from kit import records
-
-    validate(world_size, ga_values, versions, device, timeout_s, micro_batch=micro_batch, hidden=hidden)
+    stacks = runner.stacks_of(versions) if stacks is None else list(stacks)
+    validate(world_size, ga_values, runner.versions_of(stacks), device, timeout_s, micro_batch=micro_batch,
+             hidden=hidden)
     todo = plan(ga_values, micro_batch, hidden, seed, cases) + (symptom or [])
-    meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
-            "micro_batch": micro_batch, "hidden": hidden}
-    out = []
-    for v in versions:
-        out += records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta, world_size, device, timeout_s,
-                                         predicted=lambda case: predicted_misplaced_weight(world_size, case["ga"]))
-    return out
+    return runner.run(PROBE, todo, stacks, (world_size,), device, timeout_s,
+                      meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden},
+                      predicted=lambda case, w: predicted_misplaced_weight(w, case["ga"]))
+
+
+def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
+    return {"world_size": sel["world_size"], "ga_values": [sel["ga"]], "versions": [sel["version"]],
+            "cases": ["leak", "workaround", "control"], "device": device, "timeout_s": timeout_s}
+
+
+PROBE = Probe(
+    id=BUG, title="BF16_Optimizer (bf16 + grad_accum_dtype fp32 + ZeRO-1)", module="bf16_leak",
+    notebook="04_bf16_leak.ipynb", measured_case="leak",
+    ratio_meaning="effective / reference gradient of the reported configuration",
+    advice="set \"bf16\": {\"enabled\": true, \"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_size=w, ga_values=(4,), cases=("leak", "workaround", "control")),
+    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": [1], "dtype": ["bf16"],
+           "version": ["installed", "0.18.9"]},
+    explorer_kwargs=explorer_kwargs, typical_s=15.0, violations=violations, order=4)

@@ -103,13 +103,14 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
 
 
 def versions() -> dict:
-    import deepspeed
-    out = {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
-    for name in ("transformers", "accelerate"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = "absent"
+    """The releases this rank runs: torch, and every stack package it imported (``kit.worker.check_stack``
+    imports what the world's stack names; a plain-torch probe's ranks never import DeepSpeed)."""
+    import sys
+
+    out = {"torch": torch.__version__}
+    for name in ("deepspeed", "transformers", "accelerate"):
+        if name in sys.modules:
+            out[name] = getattr(sys.modules[name], "__version__", "?")
     return out
 
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import copy
 
 from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
 
 BUG = "B2"
-PROBE = "pipeline_ga"
 STAGES = 2
 DEPTH = 4  # Linear layers; GELU between them; split over the stages by layer count
 CASES = {
@@ -289,27 +290,30 @@ def _annotate(rec: dict, control: dict | None) -> dict:
 
 def run(world_sizes=(2,), splits=((8, 1), (4, 2), (2, 4), (1, 8)), dtypes=("fp32",), zero_stages=(0,),
         versions=("installed",), workaround: bool = True, hidden: int = 16, seed: int = 0, device: str = "cpu",
-        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
-    """Every split x dtype x ZeRO stage under every (DeepSpeed version, world size); one world each.
+        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=None) -> list[dict]:
+    """Every split x dtype x ZeRO stage under every DeepSpeed version (or ``stacks``) and world size; one world
+    per ZeRO stage (a stage that breaks the engine cannot take the other down).
 
     Each record is judged against the GA=1 control of its own world, dtype and ZeRO stage (whole model),
     and carries ``stages``: per stage metrics, hypotheses, ``matches`` and ``verdict``.
     """
-    from kit import records
+    stacks = runner.stacks_of(versions) if stacks is None else list(stacks)
+    validate(world_sizes, splits, dtypes, zero_stages, runner.versions_of(stacks), device, timeout_s, hidden)
+    todo = [c for z in zero_stages for c in plan(splits, dtypes, (z,), workaround, hidden, seed)]
+    return runner.run(PROBE, todo, stacks, world_sizes, device, timeout_s,
+                      meta={"pipeline_stages": STAGES, "seed": seed, "hidden": hidden})
 
-    validate(world_sizes, splits, dtypes, zero_stages, versions, device, timeout_s, hidden)
-    out = []
-    for v in versions:
-        for w in world_sizes:
-            meta = {"bug": BUG, "probe": PROBE, "world_size": w, "pipeline_stages": STAGES,
-                    "data_parallel": w // STAGES, "device": device, "seed": seed, "hidden": hidden}
-            for zero_stage in zero_stages:  # one world each: a stage that breaks the engine cannot take the other down
-                todo = plan(splits, dtypes, (zero_stage,), workaround, hidden, seed)
-                recs = records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta, w, device, timeout_s,
-                                                 control_key=lambda r: (r["dtype"], r["zero_stage"]))
-                controls = {(r["dtype"], r["zero_stage"]): r for r in recs if r["role"] == "control"}
-                out += [_annotate(r, controls.get((r["dtype"], r["zero_stage"]))) for r in recs]
-    return out
+
+def _annotate_world(recs: list[dict]) -> list[dict]:
+    controls = {(r["dtype"], r["zero_stage"]): r for r in recs if r["role"] == "control"}
+    for r in recs:
+        r["data_parallel"] = r["world_size"] // STAGES
+    return [_annotate(r, controls.get((r["dtype"], r["zero_stage"]))) for r in recs]
+
+
+def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
+    return {"world_sizes": [sel["world_size"]], "splits": [[8 // sel["ga"], sel["ga"]]], "dtypes": [sel["dtype"]],
+            "zero_stages": [sel["zero_stage"]], "versions": [sel["version"]], "device": device, "timeout_s": timeout_s}
 
 
 # ====================================================================== reading the records
@@ -391,3 +395,17 @@ def violations(recs: list[dict]) -> list[str]:
                 if abs(scaled - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
                     bad.append(f"{where}: stage {s['stage']}: loss / GA changed the update by {1 / scaled:.4g} / GA, not 1 / GA")
     return bad
+
+
+PROBE = Probe(
+    id=BUG, title="PipelineEngine with GA > 1", module="pipeline_ga", notebook="02_pipeline_ga.ipynb",
+    measured_case="pipeline", ratio_meaning="effective / reference gradient of the pipeline stage furthest from 1",
+    advice="on DeepSpeed <= 0.18.2 divide the pipeline loss by GA; on 0.18.3 - 0.19.2 do not (earlier stages are "
+           "already divided twice): upgrade to >= 0.19.3 or train with GA = 1",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_sizes=(2,), splits=((8, 1), (1, 8)), dtypes=("fp32",), zero_stages=(0,),
+                              workaround=False),
+    knobs={"world_size": [2, 4], "ga": [4, 2, 8], "zero_stage": [0, 1], "dtype": ["fp32", "bf16"],
+           "version": ["installed", "0.18.2", "0.18.6"]},
+    explorer_kwargs=explorer_kwargs, typical_s=30.0, control_key=lambda r: (r["dtype"], r["zero_stage"]),
+    world_key=lambda case: case["zero_stage"], annotate=_annotate_world, violations=violations, order=2)

@@ -41,8 +41,11 @@ from __future__ import annotations
 import copy
 import math
 
+from kit import runner
+from kit.probe import Probe
+from kit.versions import PACKAGES
+
 BUG = "B1"
-PROBE = "trainer_ga"
 VOCAB, SEQ = 64, 12
 PATHS = {"no_ds": None, "ds_zero0": 0, "ds_zero2": 2, "ds_zero3": 3}
 CASES = {
@@ -390,19 +393,15 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
     is divided by) and ``gas_factor`` (effective/reference ratio / token_factor: 1 correct, GAS summed, 1/GAS
     divided twice).
     """
-    from kit import records
-
     validate(stacks, paths, gas_values, cases, world_size, global_batch, device, timeout_s)
     todo = plan(paths, gas_values, cases, global_batch, seed)
-    out = []
-    for st in stacks:
-        meta = {"bug": BUG, "probe": PROBE, "world_size": world_size, "device": device, "seed": seed,
-                "stack": dict(st)}
-        recs = records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, stack_label(st), meta, world_size,
-                                         device, timeout_s, control_key=lambda r: r["ga"], stack=dict(st))
-        baselines = {r["config"]["path"]: r for r in recs if r["case"] == "gas1"}
-        out += [_annotate(r, baselines.get(r["config"]["path"])) for r in recs]
-    return out
+    return runner.run(PROBE, todo, [dict(st) for st in stacks], (world_size,), device, timeout_s, meta={"seed": seed},
+                      label=stack_label)
+
+
+def _annotate_world(recs: list[dict]) -> list[dict]:
+    baselines = {r["config"]["path"]: r for r in recs if r["case"] == "gas1"}
+    return [_annotate(r, baselines.get(r["config"]["path"])) for r in recs]
 
 
 def token_factor(rank_traces: list[list[dict]]) -> float | None:
@@ -449,3 +448,28 @@ def _annotate(rec: dict, baseline: dict | None = None) -> dict:
         ok = abs(vs - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and rec["metrics"]["cosine"] > 0.9999
         rec["gas_verdict"] = oracle.NOT_AFFECTED if ok else oracle.AFFECTED
     return rec
+
+
+STACKS = {"installed": {}, "transformers 5.3.0 + DeepSpeed 0.18.9": {"transformers": "5.3.0", "deepspeed": "0.18.9"}}
+
+
+def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
+    path = "no_ds" if sel["zero_stage"] == "none" else f"ds_zero{sel['zero_stage']}"
+    return {"stacks": [STACKS[sel["version"]]], "paths": [path], "gas_values": [1, sel["ga"]],
+            "cases": ["trainer", "accepts_false"], "world_size": sel["world_size"], "device": device,
+            "timeout_s": timeout_s}
+
+
+PROBE = Probe(
+    id=BUG, title="HF Trainer + DeepSpeed + model_accepts_loss_kwargs=True", module="trainer_ga",
+    notebook="01_trainer_loss_kwargs.ipynb", measured_case="trainer",
+    ratio_meaning="effective / reference gradient of the Trainer's step (GAS > 1)",
+    advice="the Trainer's step is off the reference: read notebook 01 for which path GAS changes and what the token "
+           "count costs; upgrade transformers (see the upstream table in kit/expectations.py), and never add the "
+           "report's extra division by GAS",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(paths=("no_ds", "ds_zero0"), gas_values=(1, 4), cases=("trainer",), world_size=1),
+    knobs={"world_size": [1, 2], "ga": [4, 2, 8], "zero_stage": ["none", 0, 2, 3], "dtype": ["fp32"],
+           "version": list(STACKS)},
+    explorer_kwargs=explorer_kwargs, packages=PACKAGES, typical_s=45.0, annotate=_annotate_world,
+    violations=violations, order=1)

@@ -29,9 +29,10 @@ from __future__ import annotations
 import copy
 
 from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
 
 BUG = "B3"
-PROBE = "zero_boundary"
 CASES = {
     "manual": {"role": "measured", "loop": "manual", "config_ga": "1", "managed": True},
     "fix_boundary": {"role": "fix", "loop": "boundary", "config_ga": "1", "managed": True},
@@ -295,22 +296,39 @@ def violations(recs: list[dict]) -> list[str]:
 
 def run(world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=("fp32", "bf16"),
         versions=("installed",), fixes=FIXES, fix_n_values=None, micro_batch: int = 4, hidden: int = 32,
-        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
-    """Run the grid under every (DeepSpeed version, world size); one world each.
+        seed: int = 0, device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=None) -> list[dict]:
+    """Run the grid under every DeepSpeed version (or ``stacks``) and world size; one world each.
 
     Returns one record per case with its verdict (judged against the control of the same N and world),
     ``matches`` (the hypothesis the effective gradient is, or "none") and the attribution weights.
     """
-    from kit import records
-
+    stacks = runner.stacks_of(versions) if stacks is None else list(stacks)
     fix_n_values = tuple(n_values) if fix_n_values is None else tuple(fix_n_values)
-    validate(world_sizes, n_values, stages, dtypes, versions, device, timeout_s, fix_n_values, micro_batch, hidden)
+    validate(world_sizes, n_values, stages, dtypes, runner.versions_of(stacks), device, timeout_s, fix_n_values,
+             micro_batch, hidden)
     todo = plan(n_values, stages, dtypes, fixes, fix_n_values, micro_batch, hidden, seed)
-    out = []
-    for v in versions:
-        for w in world_sizes:
-            meta = {"bug": BUG, "probe": PROBE, "world_size": w, "device": device, "seed": seed,
-                    "micro_batch": micro_batch, "hidden": hidden}
-            out += [_annotate(r) for r in records.run_version_world(f"kit.probes.{PROBE}:run_rank", todo, v, meta,
-                                                                     w, device, timeout_s)]
-    return annotate_configs(out)
+    return runner.run(PROBE, todo, stacks, world_sizes, device, timeout_s,
+                      meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
+
+
+def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
+    ga = sel["ga"]
+    return {"world_sizes": [sel["world_size"]], "n_values": sorted({1, ga}), "stages": [sel["zero_stage"]],
+            "dtypes": [sel["dtype"]], "versions": [sel["version"]], "fixes": ["fix_boundary"], "fix_n_values": [ga],
+            "device": device, "timeout_s": timeout_s}
+
+
+PROBE = Probe(
+    id=BUG, title="ZeRO-1/2, config GA = 1, several backward() per step()", module="zero_boundary",
+    notebook="03_zero_boundary.ipynb", measured_case="manual", verdict_key="config_verdict",
+    ratio_meaning="effective / reference gradient (the last micro-batch / N survives)",
+    advice="call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward, or put the real N in "
+           "gradient_accumulation_steps and step after every backward; from 0.19.4 "
+           "\"managed_gradient_accumulation\": false also works",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_sizes=(w,), n_values=(1, 4), stages=(0, 1, 2, 3), dtypes=("fp32",),
+                              fixes=("fix_boundary",), fix_n_values=(4,)),
+    knobs={"world_size": [2, 1, 3, 4], "ga": [4, 2, 8], "zero_stage": [2, 0, 1, 3], "dtype": ["fp32", "bf16"],
+           "version": ["installed", "0.18.6"]},
+    explorer_kwargs=explorer_kwargs, typical_s=15.0,
+    annotate=lambda recs: annotate_configs([_annotate(r) for r in recs]), violations=violations, order=3)

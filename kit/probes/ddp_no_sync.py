@@ -1,0 +1,125 @@
+"""DDP: torch ``DistributedDataParallel`` with ``no_sync()`` accumulation -- the same oracle, no DeepSpeed.
+
+The accumulation path most training loops use without DeepSpeed: GA micro-batches per step, the first GA-1
+inside ``model.no_sync()`` (no allreduce), the last outside it (DDP averages the accumulated gradient over
+ranks), ``loss / GA`` each time, one ``optimizer.step()``. The ranks of this probe never import DeepSpeed.
+
+==============  ==========================================================================  ==========
+case            loop                                                                        role
+==============  ==========================================================================  ==========
+no_sync         DDP, ``no_sync()`` on the first GA-1 micro-batches                          measured
+every_step      DDP without ``no_sync()``: an allreduce after every micro-batch              comparison
+sum_not_mean    the ``no_sync`` loop without ``/ GA`` (a common loop bug: GA x the gradient)  comparison
+control         the bare module: local accumulation, one ``all_reduce`` of every grad / W   control
+==============  ==========================================================================  ==========
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
+
+BUG = "DDP"
+CASES = {"no_sync": "measured", "every_step": "comparison", "sum_not_mean": "comparison", "control": "control"}
+
+
+# ====================================================================== inside a rank
+
+def run_case(case: dict) -> dict:
+    import sys
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from kit.probes import common as c
+
+    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
+    model = c.tiny_mlp(hidden, seed)
+    start = copy.deepcopy(model)
+    wrapped = model if case["name"] == "control" else DDP(model)
+    opt = c.sgd(model)
+    before = torch_flat(model)
+    div = 1 if case["name"] == "sum_not_mean" else ga
+    for i, (x, y) in enumerate(c.micro_batches(seed, c.rank(), ga, mb, hidden)):
+        quiet = case["name"] in ("no_sync", "sum_not_mean") and i < ga - 1
+        with wrapped.no_sync() if quiet else contextlib.nullcontext():
+            (c.mse(wrapped(x), y) / div).backward()
+    if case["name"] == "control":  # the plain-torch.distributed average every other case is judged against
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= c.world_size()
+    opt.step()
+    effective = before - torch_flat(model)  # lr = 1
+    out, *_ = c.judge(effective, start, seed, ga, mb, hidden)
+    return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
+
+
+def torch_flat(model):
+    import torch
+
+    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
+
+
+def run_rank(payload: dict) -> list[dict]:
+    from kit.probes import common as c
+
+    return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0) -> list[dict]:
+    return [{"name": name, "role": role, "ga": ga, "dtype": "fp32", "micro_batch": micro_batch, "hidden": hidden,
+             "seed": seed} for ga in ga_values for name, role in CASES.items()]
+
+
+def validate(world_sizes, ga_values, device: str, timeout_s: float) -> None:
+    kconfig.check_device(device)
+    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values)):
+        kconfig.check_list(name, values)
+    for w in world_sizes:
+        kconfig.check_world_size(w, device)
+    for ga in ga_values:
+        kconfig.check_ga(ga)
+    kconfig.check_timeout(timeout_s)
+
+
+def check_notebook(p: dict) -> None:
+    validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"])
+
+
+def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
+        device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},)) -> list[dict]:
+    """Every case at every GA in one plain-torch world per world size; judged against the ``control``."""
+    validate(world_sizes, ga_values, device, timeout_s)
+    return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed), list(stacks), world_sizes, device,
+                      timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """What notebook 07 asserts: the control matches the reference; no rank imported DeepSpeed."""
+    from kit import oracle
+
+    bad = [f"W={r['world_size']} GA={r['ga']}: the control is {r['verdict']}: {r['reason']}"
+           for r in recs if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED]
+    bad += [f"W={r['world_size']} GA={r['ga']} {r['case']}: a rank imported DeepSpeed" for r in recs
+            if r.get("imported_deepspeed")]
+    return bad
+
+
+PROBE = Probe(
+    id=BUG, title="torch DDP, no_sync() accumulation (no DeepSpeed)", module="ddp_no_sync",
+    notebook="07_ddp_no_sync.ipynb", measured_case="no_sync",
+    ratio_meaning="effective / reference gradient of the no_sync() step",
+    advice="the DDP no_sync() step is off the reference on this torch: compare with the every_step case and "
+           "report it to PyTorch with notebook 07's numbers",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
+    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
+           "version": ["installed"]},
+    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
+                                                        device=device, timeout_s=timeout_s),
+    init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10)

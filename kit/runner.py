@@ -1,0 +1,104 @@
+"""The one way a probe runs: stacks x world sizes -> launch -> verdict against the control -> annotate.
+
+    recs = runner.run(PROBE, cases, stacks=[{}, {"deepspeed": "0.18.9"}], world_sizes=(2,), meta={...})
+
+For every stack (``{package: version}``, ``{}`` = what is installed) and world size, the cases run in
+one world (or one per ``probe.world_key`` value, so that a case that breaks an engine cannot take the
+others down). Each record is judged against the ``control`` case of the same world with the same
+``probe.control_key``; then ``probe.annotate`` adds what only the probe knows (hypotheses, worst
+stage, per-configuration verdicts). A stack that cannot be installed, or a world that fails, gives
+``cannot-run`` records: never ``not-affected``.
+"""
+from __future__ import annotations
+
+from kit import launch, oracle, records
+from kit import versions as kversions
+from kit.probe import Probe
+
+
+def stack_label(stack: dict, probe: Probe | None = None) -> str:
+    """The short name of a requested stack: "installed", "0.18.9" (DeepSpeed alone), or "pkg=ver pkg=ver"."""
+    if not stack:
+        return "installed"
+    if set(stack) == {"deepspeed"}:
+        return stack["deepspeed"]
+    return " ".join(f"{k}={v}" for k, v in sorted(stack.items()))
+
+
+def stacks_of(versions) -> list[dict]:
+    """A notebook's ``VERSIONS`` (DeepSpeed releases, "installed") as stacks."""
+    from kit import config as kconfig
+
+    return [{} if v == kconfig.INSTALLED else {"deepspeed": v} for v in versions]
+
+
+def versions_of(stacks) -> list[str]:
+    """The DeepSpeed release each stack asks for ("installed" where it names none)."""
+    from kit import config as kconfig
+
+    return [s.get("deepspeed", kconfig.INSTALLED) for s in stacks]
+
+
+def run(probe: Probe, cases: list[dict], stacks=({},), world_sizes=(2,), device: str = "cpu",
+        timeout_s: float = 600, meta: dict | None = None, predicted=None, label=stack_label) -> list[dict]:
+    """Every case under every (stack, world size); one verdicted, annotated record per case and world.
+
+    ``meta`` goes into every record (with ``bug``, ``probe``, ``world_size``, ``device``, ``stack``);
+    ``predicted(case, world_size)``, if given, is stored as ``predicted_misplaced_weight``.
+    """
+    out = []
+    for stack in stacks:
+        for w in world_sizes:
+            base = {"bug": probe.id, "probe": probe.module, "init": probe.init, "world_size": w, "device": device,
+                    "stack": dict(stack), **(meta or {})}
+            groups: dict = {}
+            for case in cases:
+                groups.setdefault(probe.world_key(case) if probe.world_key else None, []).append(case)
+            recs = []
+            for group in groups.values():
+                recs += world_records(probe, group, dict(stack), label(stack), base, w, device, timeout_s,
+                                      None if predicted is None else (lambda case, w=w: predicted(case, w)))
+            out += probe.annotate(recs)
+    return out
+
+
+def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, meta: dict, world_size: int,
+                  device: str, timeout_s: float, predicted=None) -> list[dict]:
+    """Resolve ``stack``, run all ``cases`` in one world, return one verdicted record per case."""
+    try:
+        resolved = kversions.resolve_stack(stack, probe.packages)
+    except kversions.CannotRun as e:
+        return records.failed_records(cases, meta, version, e.reason)
+    world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=resolved.pythonpath,
+                         extensions_key=resolved.extensions_key, expect=resolved.expect, init=probe.init)
+    try:
+        rank0 = launch.run_world(probe.target, {"cases": cases}, world)[0]
+    except launch.LaunchError as e:
+        # the cases rank 0 finished before the world failed keep their results; the rest could not run
+        rank0 = e.partial.get(0, [])[:len(cases)]
+        why = str(e).splitlines()[0][:300] + " (see the rank's traceback)"
+        if not rank0:
+            return records.failed_records(cases, meta, version, why, resolved.versions)
+        rank0 += [{"error": f"not run: the world stopped after case {len(rank0)} of {len(cases)}: {why}",
+                   "versions": rank0[0].get("versions", {})} for _ in cases[len(rank0):]]
+    out = []
+    for case, res in zip(cases, rank0):
+        rec = {**records.base(meta, case, version), **{k: v for k, v in res.items() if k not in ("case", "ga")}}
+        rec.setdefault("metrics", None)
+        if predicted is not None:
+            rec["predicted_misplaced_weight"] = predicted(case)
+        out.append(rec)
+    return judge(out, probe.control_key)
+
+
+def judge(recs: list[dict], control_key=lambda rec: rec["ga"]) -> list[dict]:
+    """Each record's verdict against the control of its world with the same ``control_key``."""
+    controls = {control_key(r): r for r in recs if r["role"] == "control"}
+    for rec in recs:
+        if rec["role"] == "symptom":  # a trajectory is evidence for the eye, not a gradient to judge
+            rec["verdict"], rec["reason"] = (oracle.CANNOT_RUN, f"could not run: {rec['error']}") if rec.get("error") \
+                else ("n/a", "trajectory of losses and grad norms; judged by the gradient cases")
+            continue
+        control = controls.get(control_key(rec))
+        rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), records.judged(control) if control else None)
+    return recs

@@ -1,0 +1,69 @@
+"""The fifth probe: torch DDP on a real 2-rank world, and the registry that makes it appear everywhere."""
+import pytest
+
+from kit import explore, oracle, overview, probes, records, runall
+from kit.probe import Probe
+from kit.probes import ddp_no_sync
+
+
+@pytest.fixture(scope="module")
+def ddp_records():
+    return ddp_no_sync.run(world_sizes=(2,), ga_values=(1, 4), timeout_s=120)
+
+
+@pytest.mark.world
+def test_ddp_no_sync_matches_the_reference_and_a_loop_bug_does_not(ddp_records):
+    by = {(r["case"], r["ga"]): r for r in ddp_records}
+    assert by[("control", 4)]["verdict"] == oracle.NOT_AFFECTED
+    assert by[("no_sync", 4)]["verdict"] == oracle.NOT_AFFECTED
+    assert by[("every_step", 4)]["verdict"] == oracle.NOT_AFFECTED
+    bug = by[("sum_not_mean", 4)]
+    assert bug["verdict"] == oracle.AFFECTED and abs(bug["metrics"]["norm_ratio"] - 4) < 1e-4
+    assert by[("sum_not_mean", 1)]["verdict"] == oracle.NOT_AFFECTED  # nothing to sum at GA = 1
+    assert ddp_no_sync.violations(ddp_records) == []
+
+
+@pytest.mark.world
+def test_its_ranks_never_import_deepspeed_and_the_matrix_shows_its_own_stack(ddp_records):
+    assert not any(r["imported_deepspeed"] for r in ddp_records)
+    assert all("deepspeed" not in r["versions"] and r["versions"]["torch"] for r in ddp_records)
+    cells = overview.verdict_matrix(ddp_records)
+    (cell,) = cells
+    assert cell["bug"] == "DDP" and cell["deepspeed"] == records.NO_DEEPSPEED and "torch 2." in cell["where"]
+    assert overview.violations(cells, ["DDP"], ["installed"]) == []  # its one column is its own stack
+
+
+def test_every_shipped_probe_is_registered_once_with_its_notebook():
+    every = probes.registry()
+    assert {"B1", "B2", "B3", "B4", "DDP"} <= set(every)
+    for p in every.values():
+        assert (runall.NOTEBOOKS / p.notebook).exists(), p.notebook
+        assert p.knobs and all(v for v in p.knobs.values())
+    assert probes.by_notebook()["07_ddp_no_sync.ipynb"].id == "DDP"
+
+
+def _toy(**kw) -> Probe:
+    return Probe(id="T9", title="a toy", module="ddp_no_sync", notebook="07_ddp_no_sync.ipynb",
+                 measured_case="no_sync", ratio_meaning="r", advice="a", run=kw.get("run", ddp_no_sync.run),
+                 check_notebook=ddp_no_sync.check_notebook, quick_plan=lambda w: {"world_sizes": (w,), "ga_values": (2,)},
+                 knobs={"world_size": [2], "ga": [2], "zero_stage": ["none"], "dtype": ["fp32"], "version": ["installed"]},
+                 explorer_kwargs=lambda sel, d, t: {"world_sizes": [2], "ga_values": [sel["ga"]]}, init="torch",
+                 packages=("torch",), order=99)
+
+
+def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_edit():
+    calls = []
+    toy = probes.register(_toy(run=lambda **kw: calls.append(kw) or []))
+    try:
+        assert "T9" in overview.quick_plan(2) and "T9" in explore.knobs()
+        overview.run_probes(["installed"], ["T9"])
+        assert calls == [{"stacks": [{}], "world_sizes": (2,), "ga_values": (2,), "device": "cpu", "timeout_s": 600}]
+        ex = explore.ProbeExplorer(explore.default_selection("T9"), runner=lambda pid, kw: calls.append((pid, kw)) or [],
+                                   interactive=False)
+        assert "T9" in ex.bug.options
+        ex.run()
+        assert calls[-1] == ("T9", {"world_sizes": [2], "ga_values": [2]})
+        assert toy.target == "kit.probes.ddp_no_sync:run_rank"
+    finally:
+        probes.unregister("T9")
+    assert "T9" not in probes.registry()
