@@ -347,14 +347,16 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_world(target: str, payload: dict, world: World | None = None, keep_dir: str | None = None, **kw) -> list:
+def run_world(target: str, payload: dict, world: World | None = None, keep_dir: str | None = None, on_partial=None,
+              **kw) -> list:
     """Run ``target`` ("package.module:function") on every rank of ``world``.
 
     Returns the list of per-rank return values (index = rank). Raises
     ``RankFailed`` when a rank raises or exits non-zero (the first failing
     rank's traceback is attached), ``RankTimeout`` when the world outlives
     ``world.timeout_s`` (all ranks are killed first), ``ConfigError`` on bad
-    input before anything starts.
+    input before anything starts. ``on_partial(piece)`` is called in the caller, while the world runs, with
+    each piece rank 0 reports (``kit.worker.report_partial``): progress, and results kept as they come.
     """
     world = world or World(**kw)
     world.validate()
@@ -362,7 +364,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
         raise kconfig.ConfigError(f"target must look like 'package.module:function', got {target!r}")
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
-            return _run_world_once(target, payload, world, keep_dir)
+            return _run_world_once(target, payload, world, keep_dir, on_partial)
         except RankFailed as e:
             # judged on the blamed rank's own error only: its peers' errors ("Then: ...") often read "Connection
             # reset by peer" whatever the blamed rank did
@@ -383,7 +385,7 @@ def _is_rendezvous_error(text: str) -> bool:
     return any(m in text for m in _RENDEZVOUS_ERRORS)
 
 
-def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None) -> list:
+def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None) -> list:
     job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
     job.mkdir(parents=True, exist_ok=True)
     # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
@@ -414,7 +416,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
                 procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
                                               preexec_fn=_session_dying_with_parent))
         try:
-            _wait(procs, world, job, logs)
+            _wait(procs, world, job, logs, on_partial)
             if not (job / "rank0.json").exists():
                 raise RankFailed("the launcher exited 0 but rank 0 wrote no result; its output:\n"
                                  + _tail(logs[0])[-1500:], rank=0, logs={0: _tail(logs[0])})
@@ -434,17 +436,39 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
             shutil.rmtree(job, ignore_errors=True)
 
 
-def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path]) -> None:
+class _PartialReader:
+    """Hands each complete line rank 0 appended to its partial file to ``on_partial``, once."""
+
+    def __init__(self, path: Path, on_partial):
+        self.path, self.on_partial, self.offset = path, on_partial, 0
+
+    def __call__(self) -> None:
+        if self.on_partial is None or not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        done = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offset += done
+        for line in data[:done].decode().splitlines():
+            if line.strip():
+                self.on_partial(json.loads(line))
+
+
+def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path], on_partial=None) -> None:
     deadline = time.monotonic() + world.timeout_s
     failed_at = None
     exited: dict[int, float] = {}  # rank -> when it was first seen gone: the first to go is the one to blame
+    partial = _PartialReader(job / "rank0.partial.jsonl", on_partial)
     while True:
+        partial()
         codes = [p.poll() for p in procs]
         now = time.monotonic()
         for r, c in enumerate(codes):
             if c is not None and r not in exited:
                 exited[r] = now
         if all(c == 0 for c in codes):
+            partial()
             return
         # A local rank that wrote its result and then died in tear-down (seen once in CI: a SIGABRT, "terminate
         # called without an active exception", in a C++ destructor after a freshly built comm op) finished its work.
@@ -454,16 +478,19 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
                 if c != 0:
                     print(f"gradkit: rank {r} wrote its result, then {how_it_ended(c)} in tear-down; "
                           "its result is kept", file=sys.stderr)
+            partial()
             return
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad and failed_at is None:
             failed_at = time.monotonic()
         if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_AFTER_FAILURE_S):
             _kill(procs)
+            partial()
             raise _failure(sorted(bad, key=lambda r: (exited[r], codes[r] >= 0)), codes, job, logs, by_exit=world.launcher == "local")
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
             _kill(procs)
+            partial()
             tails = {r: _tail(logs[r]) for r in range(len(procs))}
             raise RankTimeout(f"world of {world.world_size} ranks ran past its timeout of {world.timeout_s:g} s; "
                               f"ranks still running (killed): {running}. Last output of rank {running[0]}:\n"

@@ -43,7 +43,7 @@ def test_records_of_a_mismatched_stack_are_cannot_run(private_cache, monkeypatch
     shutil.copytree(shared / "torch_extensions", cache / "torch_extensions")
     wrong = versions.resolve_stack({})
     wrong.versions["deepspeed"] = OLD  # the label says 0.18.9; the ranks import the installed release
-    monkeypatch.setattr(versions, "resolve_stack", lambda wanted=None: wrong)
+    monkeypatch.setattr(versions, "resolve_stack", lambda wanted=None, packages=None: wrong)
     recs = bf16_leak.run(world_size=2, ga_values=(2,), versions=(OLD,), cases=("leak", "control"), timeout_s=120)
     assert {r["verdict"] for r in recs} == {oracle.CANNOT_RUN}
     assert all(f"{OLD} was requested" in r["reason"] for r in recs), recs[0]["reason"]

@@ -1,0 +1,28 @@
+"""``gradkit <command>`` / ``python -m kit <command>``.
+
+    gradkit check ds_config.json [--world-size 2] [--loop all] [--deepspeed 0.18.9] [--json out.json]
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from kit import config as kconfig
+
+COMMANDS = {"check": "kit.check"}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        raise kconfig.ConfigError(f"usage: gradkit {{{','.join(COMMANDS)}}} ...; got {' '.join(argv) or 'nothing'}")
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+def cli() -> None:
+    """The ``gradkit`` console script."""
+    kconfig.run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

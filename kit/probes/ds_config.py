@@ -1,0 +1,389 @@
+"""A user's DeepSpeed config, judged on the kit's tiny model: does one step apply the mean gradient?
+
+    cfg = ds_config.resolve(json.load(open("ds_config.json")), world_size=2)   # "auto" resolved, notes kept
+    recs = ds_config.run(cfg, loops=LOOPS, world_size=2)                    # one world, every loop style
+
+Everything in the config that touches gradients is kept (ZeRO stage, bf16 / fp16, ``data_types``,
+``communication_data_type``, offload, bucket sizes, ``gradient_predivide_factor``, ``prescale_gradients``,
+``bf16.immediate_grad_update`` ...). What would hide the measurement is replaced, and said: the optimizer
+becomes SGD (lr = 1, no momentum or weight decay), the scheduler goes, clipping is switched off, bucket
+sizes shrink so the tiny model spans several buckets, fp16's dynamic loss scale becomes a static one.
+
+Loop styles (each its own case, all in one world, ``N`` micro-batches per step):
+
+==========  ==================================================================================
+engine      DeepSpeed's own loop: config GA = N, ``backward(loss)`` + ``step()`` per micro-batch
+boundary    config GA = N, ``set_gradient_accumulation_boundary(i == N-1)``, ``backward(loss)``,
+            one ``step()`` (what Accelerate does)
+manual      config GA = 1, ``backward(loss / N)`` N times, one ``step()`` (B3's pattern)
+unmanaged   ``manual`` + ``managed_gradient_accumulation: false`` (DeepSpeed >= 0.19.4 only)
+==========  ==================================================================================
+
+The control runs in the same world without DeepSpeed: the bare fp32 module, local accumulation, one
+``torch.distributed.all_reduce`` per gradient. Where a known bug predicts this configuration is hit, its
+fix runs too (``fix:B3``: the manual loop with the boundary marked; ``fix:B4``: ``immediate_grad_update``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
+
+LOOPS = ("engine", "boundary", "manual", "unmanaged")
+UNMANAGED_SINCE = "0.19.4"
+HIDDEN, DEPTH, MICRO_BATCH, SEED = 32, 2, 4, 0
+PARAMS = DEPTH * (HIDDEN * HIDDEN + HIDDEN)  # the tiny model's parameter count
+BUCKETS = 3  # the tiny model spans this many buckets
+BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch")
+DROPPED = ("optimizer", "scheduler", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
+           "steps_per_print", "wall_clock_breakdown")
+
+
+class Resolved(dict):
+    """The config that will run (a dict), with ``notes``: every change made to the user's config, in words."""
+
+    notes: list
+
+
+def _auto(value) -> bool:
+    return value == "auto"
+
+
+def _enabled(section, name: str, notes: list, trainer_dtype: str) -> bool:
+    if not isinstance(section, dict):
+        raise kconfig.ConfigError(f'"{name}" must be an object like {{"enabled": true}}, got {section!r}')
+    on = section.get("enabled", False)
+    if _auto(on):
+        on = trainer_dtype == name
+        notes.append(f'{name}.enabled "auto" -> {str(on).lower()} (the Trainer takes it from --{name}; '
+                     f"this check's --trainer-dtype is {trainer_dtype})")
+    if not isinstance(on, bool):
+        raise kconfig.ConfigError(f'"{name}.enabled" must be true, false or "auto", got {on!r}')
+    return on
+
+
+def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "fp32") -> Resolved:
+    """The user's config as the kit will run it; ``ConfigError`` (exit 2) on anything DeepSpeed would not accept.
+
+    "auto" values are resolved as HF Trainer's ``HfTrainerDeepSpeedConfig`` does, from its arguments: the
+    micro-batch from ``per_device_train_batch_size`` (the kit's ``MICRO_BATCH``), GA from
+    ``gradient_accumulation_steps`` (``ga``), ``train_batch_size`` = micro-batch x GA x world size, fp16 / bf16
+    from ``trainer_dtype``, ``reduce_bucket_size`` = hidden x hidden, ``stage3_prefetch_bucket_size`` =
+    0.9 x hidden x hidden, ``stage3_param_persistence_threshold`` = 10 x hidden (hidden: the kit's model's).
+    """
+    if not isinstance(user, dict):
+        raise kconfig.ConfigError(f"a DeepSpeed config is a JSON object, got {type(user).__name__}")
+    kconfig.check_world_size(world_size)
+    kconfig.check_ga(ga)
+    if trainer_dtype not in ("fp32", "bf16", "fp16"):
+        raise kconfig.ConfigError(f"--trainer-dtype must be fp32, bf16 or fp16, got {trainer_dtype!r}")
+    cfg, notes = copy.deepcopy(user), []
+    for key in DROPPED:
+        if key in cfg:
+            cfg.pop(key)
+            notes.append(f'"{key}" removed' + (": the optimizer is SGD, lr = 1, no momentum or weight decay, so "
+                                               "the update is the gradient" if key == "optimizer" else ""))
+    mb = cfg.get("train_micro_batch_size_per_gpu", MICRO_BATCH)
+    if _auto(mb) or "train_micro_batch_size_per_gpu" not in cfg:
+        notes.append(f"train_micro_batch_size_per_gpu {'auto' if _auto(mb) else 'absent'} -> {MICRO_BATCH}")
+        mb = MICRO_BATCH
+    g = cfg.get("gradient_accumulation_steps", ga)
+    if _auto(g) or "gradient_accumulation_steps" not in cfg:
+        notes.append(f"gradient_accumulation_steps {'auto' if _auto(g) else 'absent'} -> {ga}")
+        g = ga
+    kconfig.check_positive_int("train_micro_batch_size_per_gpu", mb)
+    kconfig.check_ga(g)
+    if g == 1:  # nothing to accumulate in the config: the user's own loop accumulates (B3's pattern)
+        notes.append(f"gradient_accumulation_steps 1: every loop style takes N = {ga} micro-batches per step "
+                     f"(--ga); engine and boundary run it as config GA = {ga}, manual and unmanaged as config GA = 1 "
+                     f"with {ga} backward() calls")
+        g = ga
+    tbs = cfg.get("train_batch_size")
+    if tbs is not None and not _auto(tbs) and tbs != mb * g * world_size:
+        notes.append(f"train_batch_size {tbs} -> {mb * g * world_size} (micro-batch {mb} x GA {g} x {world_size} ranks)")
+    cfg.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=g, train_batch_size=mb * g * world_size)
+    clip = cfg.get("gradient_clipping", 0.0)
+    if clip not in (0, 0.0):
+        notes.append(f"gradient_clipping {clip} -> 0 (switched off for the measurement)")
+    cfg["gradient_clipping"] = 0.0
+    cfg["steps_per_print"] = 10 ** 9
+    cfg["zero_allow_untested_optimizer"] = True
+    bf16 = _enabled(cfg.get("bf16", {}), "bf16", notes, trainer_dtype)
+    fp16 = _enabled(cfg.get("fp16", {}), "fp16", notes, trainer_dtype)
+    if bf16 and fp16:
+        raise kconfig.ConfigError("bf16 and fp16 are both enabled: DeepSpeed accepts one of them")
+    for name, on in (("bf16", bf16), ("fp16", fp16)):
+        if name in cfg:
+            cfg[name] = {**cfg[name], "enabled": on}
+    if fp16:
+        scale = cfg["fp16"].get("loss_scale", 0)
+        if not scale:
+            cfg["fp16"]["loss_scale"] = 256
+            notes.append("fp16 dynamic loss scaling -> a static loss scale of 256 (a dynamic scale skips the "
+                         "first steps on overflow; one step must be measurable)")
+    zero = cfg.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise kconfig.ConfigError(f'"zero_optimization" must be an object, got {zero!r}')
+    stage = zero.setdefault("stage", 0)
+    kconfig.check_zero_stage(stage)
+    hidden_auto = {"reduce_bucket_size": HIDDEN * HIDDEN, "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
+                   "stage3_param_persistence_threshold": 10 * HIDDEN}
+    for key, value in hidden_auto.items():
+        if _auto(zero.get(key)):
+            zero[key] = value
+            notes.append(f"zero_optimization.{key} auto -> {value} (the Trainer's rule, on the kit's hidden size "
+                         f"{HIDDEN})")
+    small = max(PARAMS // BUCKETS, 64)
+    for key in BUCKET_KEYS:
+        value = zero.get(key)
+        if value is not None and not isinstance(value, (int, float)):
+            raise kconfig.ConfigError(f"zero_optimization.{key} must be a number, got {value!r}")
+        if value is not None and value > small:
+            zero[key] = small
+            notes.append(f"zero_optimization.{key} {value:g} -> {small} (the kit's model has {PARAMS} parameters: "
+                         f"{BUCKETS} buckets, as a large model spans many)")
+    if "stage3_param_persistence_threshold" in zero and zero["stage3_param_persistence_threshold"] > 10 * HIDDEN:
+        zero["stage3_param_persistence_threshold"] = 10 * HIDDEN
+    for key in ("offload_optimizer", "offload_param"):
+        off = zero.get(key)
+        if off is None:
+            continue
+        device = off.get("device", "none") if isinstance(off, dict) else None
+        if device not in ("cpu", "none", "nvme"):
+            raise kconfig.ConfigError(f'zero_optimization.{key}.device must be "cpu", "nvme" or "none", got {off!r}')
+        if device == "nvme":
+            raise kconfig.ConfigError(f"zero_optimization.{key} offloads to NVMe: the check runs in memory; "
+                                      'set its device to "cpu" to judge the same code path up to the swap')
+        if key == "offload_optimizer" and device == "cpu":
+            cfg["zero_force_ds_cpu_optimizer"] = False
+            notes.append("zero_force_ds_cpu_optimizer -> false (offloaded steps run the kit's SGD, not CPU Adam)")
+    types = cfg.get("data_types", {})
+    if not isinstance(types, dict) or types.get("grad_accum_dtype", "fp32") not in ("fp32", "bf16", "fp16"):
+        raise kconfig.ConfigError(f'data_types.grad_accum_dtype must be "fp32", "bf16" or "fp16", got {types!r}')
+    if cfg.get("communication_data_type") not in (None, "fp32", "bf16", "fp16"):
+        raise kconfig.ConfigError(f'communication_data_type must be "fp32", "bf16" or "fp16", got '
+                                  f"{cfg['communication_data_type']!r}")
+    if "pipeline" in cfg or "pipe_parallel_size" in cfg:
+        notes.append("pipeline keys ignored: the check runs data parallelism (notebook 02 judges the pipeline)")
+    out = Resolved(cfg)
+    out.notes = notes
+    return out
+
+
+def dtype_of(cfg: dict) -> str:
+    return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
+
+
+def known_fixes(cfg: dict, loop: str) -> list[str]:
+    """The known bugs' fixes worth a re-run for this config and loop (cheap: one more case each)."""
+    out = []
+    if loop == "manual" and cfg["zero_optimization"]["stage"] in (1, 2):
+        out.append("fix:B3")
+    if (dtype_of(cfg) == "bf16" and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"
+            and not cfg["bf16"].get("immediate_grad_update", False)):
+        out.append("fix:B4")
+    return out
+
+
+def case_config(cfg: dict, loop: str, fix: str | None = None) -> dict:
+    """The config one case runs: the loop's GA, the fix applied."""
+    n = cfg["gradient_accumulation_steps"]
+    out = copy.deepcopy(dict(cfg))
+    if loop in ("manual", "unmanaged") or fix == "fix:B3":
+        out["gradient_accumulation_steps"] = 1
+        out["train_batch_size"] //= n
+    if loop == "unmanaged":
+        out["managed_gradient_accumulation"] = False
+    if fix == "fix:B4":
+        out["bf16"] = {**out["bf16"], "immediate_grad_update": True}
+    return out
+
+
+# ====================================================================== inside a rank
+
+def hypothesis_weights(w: int, n: int, own: int = 0) -> dict:
+    """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``."""
+    k = w * n
+    last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
+    own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
+    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary)))
+
+
+def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
+    """One optimizer step in the loop style ``loop``; ``before_step()`` runs just before the step that applies."""
+    n = len(batches)
+    for i, (x, y) in enumerate(batches):
+        if loop == "engine":
+            engine.backward(loss_fn(engine(x), y))
+            if i == n - 1:
+                before_step()
+            engine.step()
+            continue
+        if loop in ("boundary", "fix:B3"):
+            engine.set_gradient_accumulation_boundary(is_boundary=(i == n - 1))
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss if loop == "boundary" else loss / n)
+    if loop != "engine":
+        before_step()
+        engine.step()
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    r, w, n = c.rank(), c.world_size(), case["ga"]
+    batches_fp32 = c.micro_batches(SEED, r, n, MICRO_BATCH, HIDDEN)
+    model = c.tiny_mlp(HIDDEN, SEED, DEPTH)
+    if case["role"] == "control":  # plain torch.distributed: no DeepSpeed in the step
+        start, opt = copy.deepcopy(model), c.sgd(model)
+        before = torch_flat(model)
+        for x, y in batches_fp32:
+            (c.mse(model(x), y) / n).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= w
+        opt.step()
+        out, *_ = c.judge(before - torch_flat(model), start, SEED, n, MICRO_BATCH, HIDDEN)
+        return out
+    dtype = c.DTYPE.get(case["dtype"]) or __import__("torch").float16
+    model = model.to(dtype)
+    start = copy.deepcopy(model)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=case["ds_config"])
+    if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
+        c.release(engine)
+        raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
+    dev = c.device()
+    before = c.full_fp32_params(engine.module, engine.optimizer)
+    held = {}  # BF16_Optimizer's own fp32 accumulator on this rank, going into the step (a leak is per rank)
+    _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
+          [(x.to(dev, dtype), y.to(dev)) for x, y in batches_fp32], c.mse,
+          before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
+    effective = before - c.full_fp32_params(engine.module, engine.optimizer)
+    out = {"optimizer": type(engine.optimizer).__name__, "engine_ga": engine.gradient_accumulation_steps(),
+           "skipped": bool(getattr(engine, "skipped_steps", 0))}
+    buffers = c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None
+    judged, basis, weights, reference = c.judge(effective, start, SEED, n, MICRO_BATCH, HIDDEN)
+    out.update(judged)
+    if r == 0:
+        out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
+        if buffers is not None:  # each rank's accumulator, attributed and explained from that rank's view
+            out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                    "attribution": oracle.attribute(b, basis, weights),
+                                    "hypotheses": oracle.explain(b, basis, hypothesis_weights(w, n, own=k),
+                                                                 case["dtype"], reference)}
+                                   for k, b in enumerate(buffers)]
+            out["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
+    c.release(engine)
+    if out["skipped"]:
+        raise RuntimeError("the step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
+    return out
+
+
+def bf16_accumulator(engine):
+    """This rank's fp32 accumulator of a BF16_Optimizer, flat in module order (None for other optimizers)."""
+    from kit.probes.bf16_leak import _bf16_accumulator
+
+    return _bf16_accumulator(engine, engine.module)
+
+
+def torch_flat(model):
+    import torch
+
+    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
+
+
+def run_rank(payload: dict) -> list[dict]:
+    from kit.probes import common as c
+
+    return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None) -> tuple[list[dict], list[str]]:
+    """The cases of one check (the control first) and a note per loop style left out."""
+    from kit.expectations import version_key
+
+    unknown = sorted(set(loops) - set(LOOPS))
+    if unknown or not loops:
+        raise kconfig.ConfigError(f"unknown loop style(s) {unknown or loops}; known: {', '.join(LOOPS)} (or all)")
+    n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
+    stage = cfg["zero_optimization"]["stage"]
+    out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None}]
+    for loop in loops:
+        if loop == "unmanaged" and deepspeed_version and version_key(deepspeed_version) < version_key(UNMANAGED_SINCE):
+            notes.append(f"unmanaged: left out, DeepSpeed {deepspeed_version} has no managed_gradient_accumulation "
+                         f"(added in {UNMANAGED_SINCE}; older releases ignore the key silently)")
+            continue
+        for fix in (None, *known_fixes(cfg, loop)):
+            out.append({"name": loop if fix is None else f"{loop} {fix}", "role": "measured" if fix is None else "fix",
+                        "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "zero_stage": stage,
+                        "ds_config": case_config(cfg, loop, fix)})
+    return out, notes
+
+
+def _annotate(recs: list[dict]) -> list[dict]:
+    """``matches``: the named hypothesis the step is -- every rank's own accumulator's where the probe read them
+    (under ZeRO the effective gradient mixes partitions stepped by different ranks), else the effective's."""
+    for r in recs:
+        h = r.get("hypotheses")
+        r["matches"] = (h["best"] if h["best_matches"] else "none") if h else None
+        per_rank = [b["hypotheses"] for b in r.get("rank_buffers") or []]
+        if per_rank and r["matches"] in (None, "none"):
+            names = {x["best"] if x["best_matches"] else "none" for x in per_rank}
+            r["matches"] = names.pop() if len(names) == 1 else "none"
+    return recs
+
+
+def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = None, device: str = "cpu",
+        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
+    """Every loop style of one resolved config in one world (with the control and the known fixes)."""
+    from kit import oracle, records, versions
+
+    stack = dict(stack or {})
+    kconfig.check_device(device)
+    kconfig.check_world_size(world_size, device)
+    kconfig.check_timeout(timeout_s)
+    ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
+    cases, notes = plan(cfg, loops, ds)
+    meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg)}
+    if dtype_of(cfg) == "fp16" and device == "cpu":  # said plainly, before anything launches
+        why = ("fp16 cannot run here: DeepSpeed's CPU accelerator refuses it (\"Type fp16 is not supported on your "
+               "device\"); run this check on a GPU (--device cuda)")
+        return records.failed_records(cases, {**meta, "bug": CHECK.id, "probe": CHECK.module, "world_size": world_size,
+                                              "device": device, "stack": stack}, runner.stack_label(stack), why)
+    recs = runner.run(CHECK, cases, [stack], (world_size,), device, timeout_s, meta=meta)
+    for r in recs:
+        if r["verdict"] == oracle.CANNOT_RUN and "managed_gradient_accumulation" in (r.get("error") or ""):
+            r["reason"] = f"not available: {r['error']}"
+    return recs
+
+
+CHECK = Probe(  # not registered (no ``PROBE`` name): the check and the sweep run it, the matrix does not
+    id="CFG", title="a user's DeepSpeed config", module="ds_config", notebook="06_sweep.ipynb",
+    measured_case="engine", ratio_meaning="effective / reference gradient of one step",
+    advice="see `gradkit check` for the loop style and the fix", run=run, check_notebook=lambda p: None,
+    quick_plan=lambda w: {}, knobs={}, explorer_kwargs=lambda sel, d, t: {}, annotate=_annotate)
+
+
+def load(path) -> dict:
+    """A DeepSpeed JSON config from a file; ``ConfigError`` names what is wrong with it."""
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise kconfig.ConfigError(f"cannot read {p}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise kconfig.ConfigError(f"{p} is not valid JSON: {e}") from None

@@ -1,0 +1,350 @@
+"""Sweep the DeepSpeed configuration space with the check's oracle, and group what is affected.
+
+    python -m kit.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
+
+A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``), ``skip``
+rules (partial points that make no sense), the ``world_size`` and the ``stacks``. Every point of the
+product is one case of ``kit.probes.ds_config``; every point of one stack runs inside one world, after
+one plain-torch control per GA. A point that crashes or desynchronises the world costs only itself: the
+world is relaunched and goes on after it. Each judged point is appended to ``records.jsonl`` as it comes
+back (a re-run into the same folder skips those), with a tqdm bar and its ETA.
+
+The affected points are then grouped by the smallest set of axis conditions (``axis in {values}``) that
+holds for all of them and for no point that is not affected (``groups``); each group is named by the known
+bug that explains its points (``kit.check.explain``) or marked **unknown**. For an unknown group the sweep
+writes a standalone reproduction (plain DeepSpeed + torch, no kit import) and runs it to verify it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import itertools
+import json
+import time
+from pathlib import Path
+
+from kit import config as kconfig
+from kit import launch, oracle, records, runner
+from kit.probes import ds_config
+
+SPECIAL_AXES = ("loop", "dtype", "ga")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+# ---------------------------------------------------------------------------------------------- the spec
+
+def load_spec(path) -> dict:
+    import yaml
+
+    p = kconfig.repo_path(path)
+    try:
+        spec = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise kconfig.ConfigError(f"cannot read the sweep spec {p}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise kconfig.ConfigError(f"the sweep spec {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return check_spec(spec, str(p))
+
+
+def check_spec(spec, where: str = "the spec") -> dict:
+    if not isinstance(spec, dict) or not isinstance(spec.get("axes"), dict) or not spec["axes"]:
+        raise kconfig.ConfigError(f"{where} needs 'axes': a mapping of axis name -> list of values")
+    unknown = sorted(set(spec) - {"base", "axes", "skip", "world_size", "stacks", "device", "timeout_s"})
+    if unknown:
+        raise kconfig.ConfigError(f"{where}: unknown key(s) {unknown}")
+    for axis, values in spec["axes"].items():
+        if not isinstance(values, list) or not values:
+            raise kconfig.ConfigError(f"{where}: axis {axis!r} must be a non-empty list, got {values!r}")
+        if axis == "loop" and set(values) - set(ds_config.LOOPS):
+            raise kconfig.ConfigError(f"{where}: loop values must be among {ds_config.LOOPS}, got {values}")
+        if axis == "dtype" and set(values) - set(DTYPES):
+            raise kconfig.ConfigError(f"{where}: dtype values must be among {DTYPES}, got {values}")
+        if axis == "ga":
+            for v in values:
+                kconfig.check_ga(v)
+    for rule in spec.get("skip") or []:
+        if not isinstance(rule, dict) or set(rule) - set(spec["axes"]):
+            raise kconfig.ConfigError(f"{where}: a skip rule maps axes of the spec to a value, got {rule!r}")
+    spec.setdefault("base", {})
+    spec.setdefault("world_size", 2)
+    spec.setdefault("stacks", [{}])
+    spec.setdefault("device", "cpu")
+    spec.setdefault("timeout_s", 1800)
+    kconfig.check_world_size(spec["world_size"], spec["device"])
+    kconfig.check_timeout(spec["timeout_s"])
+    if not isinstance(spec["stacks"], list) or not all(isinstance(s, dict) for s in spec["stacks"]):
+        raise kconfig.ConfigError(f"{where}: stacks is a list of mappings like {{deepspeed: 0.18.8}}")
+    for st in spec["stacks"]:
+        for package, version in st.items():
+            kconfig.check_version(version)
+    points(spec)  # every point resolves, or the spec is refused before anything launches
+    return spec
+
+
+def _matches(point: dict, rule: dict) -> bool:
+    return all(point.get(k) == v for k, v in rule.items())
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        cfg = cfg.setdefault(k, {})
+    cfg[keys[-1]] = value
+
+
+def points(spec: dict) -> list[dict]:
+    """Every point of the product that no skip rule removes: ``{axis: value}``."""
+    axes = spec["axes"]
+    out = []
+    for values in itertools.product(*axes.values()):
+        point = dict(zip(axes, values))
+        if not any(_matches(point, rule) for rule in spec.get("skip") or []):
+            out.append(point)
+    return out
+
+
+def point_case(spec: dict, point: dict) -> dict:
+    """The ds_config case of one point (its config resolved the way ``gradkit check`` resolves one)."""
+    cfg = copy.deepcopy(spec["base"])
+    for axis, value in point.items():
+        if axis not in SPECIAL_AXES:
+            _set(cfg, axis, value)
+    ga = point.get("ga", cfg.get("gradient_accumulation_steps", 4))
+    cfg["gradient_accumulation_steps"] = ga
+    dtype = point.get("dtype")
+    if dtype in ("bf16", "fp16"):
+        cfg[dtype] = {**cfg.get(dtype, {}), "enabled": True}
+    resolved = ds_config.resolve(cfg, spec["world_size"], ga=ga)
+    loop = point.get("loop", "engine")
+    (case,) = [c for c in ds_config.plan(resolved, (loop,))[0] if c["role"] == "measured"]
+    case["point"] = point
+    case["id"] = point_id(spec, point)
+    case["name"] = case["id"]
+    return case
+
+
+def point_id(spec: dict, point: dict) -> str:
+    key = json.dumps({"base": spec["base"], "world_size": spec["world_size"], "point": point}, sort_keys=True)
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+def _controls(cases: list[dict]) -> list[dict]:
+    return [{"name": f"control GA {n}", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32",
+             "zero_stage": None} for n in sorted({c["ga"] for c in cases})]
+
+
+def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None:
+    """Every case of ``todo`` in one world of ``stack`` (relaunched after a case that breaks it); each judged
+    record goes to ``sink(record)`` as soon as rank 0 reports it."""
+    meta = {"bug": ds_config.CHECK.id, "probe": "sweep", "init": "deepspeed", "world_size": spec["world_size"],
+            "device": spec["device"], "stack": dict(stack)}
+    label = runner.stack_label(stack)
+    try:
+        resolved = __import__("kit.versions", fromlist=["resolve_stack"]).resolve_stack(stack, ("deepspeed",))
+    except Exception as e:  # noqa: BLE001 - CannotRun, or a failed install: every point of the stack is cannot-run
+        for rec in records.failed_records(todo, meta, label, getattr(e, "reason", str(e))):
+            sink(_finish(rec))
+        return
+    world = launch.World(world_size=spec["world_size"], device=spec["device"], timeout_s=spec["timeout_s"],
+                         pythonpath=resolved.pythonpath, extensions_key=resolved.extensions_key,
+                         expect=resolved.expect)
+    remaining = list(todo)
+    while remaining:
+        controls = _controls(remaining)
+        cases = controls + remaining
+        got: dict = {}
+
+        def take(piece, cases=cases, got=got):
+            i = len(got)
+            got[i] = piece
+            case = cases[i]
+            rec = {**records.base(meta, case, label), **{k: v for k, v in piece.items() if k not in ("case", "ga")}}
+            rec.setdefault("metrics", None)
+            if case["role"] == "control":
+                rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), None) if rec["metrics"] \
+                    else (oracle.CANNOT_RUN, f"could not run: {rec.get('error')}")
+                got.setdefault("controls", {})[case["ga"]] = rec
+                return
+            control = got.get("controls", {}).get(case["ga"])
+            rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), records.judged(control) if control else None)
+            sink(_finish(rec))
+            if bar is not None:
+                bar.update(1)
+
+        try:
+            launch.run_world(ds_config.CHECK.target, {"cases": cases}, world, on_partial=take)
+            return
+        except launch.LaunchError as e:
+            done = len([k for k in got if k != "controls"])
+            if done < len(controls):  # the world did not get through its controls: nothing after can be judged
+                why = str(e).splitlines()[0][:300]
+                for rec in records.failed_records(remaining, meta, label, f"the world failed before its controls: {why}"):
+                    sink(_finish(rec))
+                    if bar is not None:
+                        bar.update(1)
+                return
+            finished = done - len(controls)
+            crashed = remaining[finished]
+            rec = records.failed_records([crashed], meta, label,
+                                         f"this point broke the world ({str(e).splitlines()[0][:300]}); the sweep "
+                                         "relaunched it and went on after this point")[0]
+            rec["crashed_world"] = True
+            sink(_finish(rec))
+            if bar is not None:
+                bar.update(1)
+            remaining = remaining[finished + 1:]
+
+
+def _finish(rec: dict) -> dict:
+    from kit import check
+
+    rec["point"] = rec["config"].get("point")
+    rec["id"] = rec["config"].get("id")
+    ds_config.CHECK.annotate([rec])
+    if rec["verdict"] == oracle.AFFECTED:
+        rec["explained_by"], rec["explanation"] = check.explain(rec)
+    return rec
+
+
+def run(spec: dict, out, progress: bool = True) -> list[dict]:
+    """Every point of ``spec`` under every stack; resumes from ``out/records.jsonl``. Returns every record."""
+    from tqdm.auto import tqdm
+
+    out = kconfig.repo_path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "records.jsonl"
+    have = records.load(path) if path.exists() else []
+    done = {(json.dumps(r["stack"], sort_keys=True), r["id"]) for r in have}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1, default=str))
+    every = [point_case(spec, p) for p in points(spec)]
+    todo = {json.dumps(st, sort_keys=True): [c for c in every if (json.dumps(st, sort_keys=True), c["id"]) not in done]
+            for st in spec["stacks"]}
+    total = sum(len(v) for v in todo.values())
+    bar = tqdm(total=total, desc="sweep", unit="config", disable=not progress or not total)
+    with open(path, "a") as f:
+        def sink(rec):
+            f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
+            f.flush()
+
+        for st in spec["stacks"]:
+            if todo[json.dumps(st, sort_keys=True)]:
+                run_stack(spec, st, todo[json.dumps(st, sort_keys=True)], sink, bar)
+    bar.close()
+    return records.load(path)
+
+
+# ---------------------------------------------------------------------------------------------- grouping
+
+def groups(recs: list[dict], axes: dict, max_keys: int = 3) -> list[dict]:
+    """The affected points of one stack, covered by the fewest, smallest conjunctions of ``axis in {values}``.
+
+    A conjunction is admissible when every point it selects that ran (affected or not-affected) is affected.
+    Greedy set cover: at each step the admissible conjunction with the fewest conditions that covers the most
+    still uncovered affected points. Returns ``[{"when": {axis: [values]}, "points": [ids], "count", ...}]``.
+    """
+    ran = [r for r in recs if r["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED) and r.get("point")]
+    if not ran:
+        return []
+    bit = {}  # (axis, frozenset(values)) -> bitset of the ran points it selects
+    for axis, values in axes.items():
+        for k in range(1, len(values)):
+            for subset in itertools.combinations(values, k):
+                mask = 0
+                for i, r in enumerate(ran):
+                    if r["point"].get(axis) in subset:
+                        mask |= 1 << i
+                bit[(axis, subset)] = mask
+    affected = 0
+    for i, r in enumerate(ran):
+        if r["verdict"] == oracle.AFFECTED:
+            affected |= 1 << i
+    everything = (1 << len(ran)) - 1
+    uncovered, out = affected, []
+    literals = list(bit.items())
+    while uncovered:
+        best = None
+        for size in range(0, max_keys + 1):
+            for combo in itertools.combinations(literals, size):
+                if len({axis for (axis, _), _ in combo}) < size:
+                    continue
+                mask = everything
+                for _, m in combo:
+                    mask &= m
+                if mask & ~affected or not mask & uncovered:
+                    continue
+                score = bin(mask & uncovered).count("1")
+                if best is None or score > best[0]:
+                    best = (score, combo, mask)
+            if best is not None:
+                break
+        if best is None:  # what no conjunction of max_keys conditions isolates: one group per point
+            for i, r in enumerate(ran):
+                if uncovered >> i & 1:
+                    out.append(_group(ran, 1 << i, {a: [v] for a, v in r["point"].items()}))
+            break
+        _, combo, mask = best
+        out.append(_group(ran, mask, {axis: list(values) for (axis, values), _ in combo}))
+        uncovered &= ~mask
+    return out
+
+
+def _group(ran: list[dict], mask: int, when: dict) -> dict:
+    members = [r for i, r in enumerate(ran) if mask >> i & 1]
+    bugs = {r.get("explained_by") for r in members}
+    ratios = [r["metrics"]["norm_ratio"] for r in members if r.get("metrics")]
+    return {"when": when, "count": len(members), "ids": [r["id"] for r in members],
+            "known_bug": bugs.pop() if len(bugs) == 1 and None not in bugs else None,
+            "explained_by": sorted(str(b) for b in {r.get("explained_by") for r in members}),
+            "matches": sorted({str(r.get("matches")) for r in members}),
+            "ratio_range": [min(ratios), max(ratios)] if ratios else None, "example": members[0]["id"]}
+
+
+def describe(group: dict) -> str:
+    parts = [f"{axis} = {values[0]}" if len(values) == 1 else f"{axis} in {{{', '.join(map(str, values))}}}"
+             for axis, values in group["when"].items()]
+    name = group["known_bug"] or "UNKNOWN"
+    lo, hi = group["ratio_range"] or (None, None)
+    ratio = f"; ratio {lo:.3f}-{hi:.3f}" if lo is not None else ""
+    return f"[{name}] {' x '.join(parts) or 'every point'}: {group['count']} configs{ratio}; the step is {', '.join(group['matches'])}"
+
+
+def summarise(spec: dict, recs: list[dict]) -> dict:
+    out = {"stacks": []}
+    for st in spec["stacks"]:
+        mine = [r for r in recs if r["stack"] == st]
+        counts = {v: sum(r["verdict"] == v for r in mine) for v in oracle.VERDICTS}
+        gs = groups(mine, spec["axes"])
+        deepspeed = next((r["versions"].get("deepspeed") for r in mine if r.get("versions")), None)
+        out["stacks"].append({"stack": st, "deepspeed": deepspeed, "configs": len(mine), "counts": counts,
+                              "groups": gs, "crashed_worlds": sum(bool(r.get("crashed_world")) for r in mine),
+                              "wall_s": round(sum(r.get("wall_s") or 0 for r in mine), 1)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("spec")
+    p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    spec = load_spec(a.spec)
+    t0 = time.time()
+    recs = run(spec, a.out, progress=not a.no_progress)
+    summary = summarise(spec, recs)
+    summary["wall_s"] = round(time.time() - t0, 1)
+    out = kconfig.repo_path(a.out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    for s in summary["stacks"]:
+        print(f"stack {runner.stack_label(s['stack'])} (DeepSpeed {s['deepspeed']}): {s['configs']} configs, "
+              + ", ".join(f"{n} {v}" for v, n in s["counts"].items() if n))
+        for g in s["groups"]:
+            print("  " + describe(g))
+    print(f"{len(recs)} records in {out / 'records.jsonl'}; {summary['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    kconfig.run_cli(main)
