@@ -114,13 +114,8 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     return "\n".join(lines)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # bad arguments are bad input: exit 2 with one sentence, as everything else
-        raise kconfig.ConfigError(message)
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gradkit check", description=__doc__.split("\n\n")[0])
+    p = kconfig.Parser(prog="gradkit check", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--loop", default="all", help=f"all, or a comma list of {', '.join(ds_config.LOOPS)}")

@@ -163,6 +163,13 @@ def check_version(version) -> None:
         raise ConfigError(f"a version must be {INSTALLED!r} or a release number like '0.18.9', got {version!r}")
 
 
+class Parser(__import__("argparse").ArgumentParser):
+    """An argument parser whose errors are bad input like any other: ``ConfigError``, one sentence, exit 2."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
 def run_cli(main) -> None:
     """Exit with ``main()``'s status; bad input (``ConfigError``) is one line on stderr and status 2."""
     import sys

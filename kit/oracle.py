@@ -167,6 +167,7 @@ def explain(effective, basis, candidates: dict, dtype: str, reference=None) -> d
 
     b = torch.as_tensor(basis, dtype=torch.float64)
     vectors = {name: torch.as_tensor(w, dtype=torch.float64) @ b for name, w in candidates.items()}
+    vectors = {name: v for name, v in vectors.items() if v.norm() > 0}  # "all but the first" of one: no prediction
     out = {name: compare(effective, v) for name, v in vectors.items()}
     best = min(out, key=lambda n: out[n]["rel_l2"])
     res = {"candidates": out, "best": best, "best_matches": matches_reference(out[best], dtype)}

@@ -16,7 +16,6 @@ writes a standalone reproduction (plain DeepSpeed + torch, no kit import) and ru
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import itertools
@@ -78,7 +77,11 @@ def check_spec(spec, where: str = "the spec") -> dict:
     for st in spec["stacks"]:
         for package, version in st.items():
             kconfig.check_version(version)
-    points(spec)  # every point resolves, or the spec is refused before anything launches
+    for point in points(spec):  # every point resolves, or the spec is refused before anything launches
+        try:
+            point_case(spec, point)
+        except kconfig.ConfigError as e:
+            raise kconfig.ConfigError(f"{where}: the point {point} is not a config DeepSpeed accepts: {e}") from None
     return spec
 
 
@@ -155,20 +158,19 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
     while remaining:
         controls = _controls(remaining)
         cases = controls + remaining
-        got: dict = {}
+        got = {"n": 0, "controls": {}}  # pieces seen so far, the controls' records by GA
 
         def take(piece, cases=cases, got=got):
-            i = len(got)
-            got[i] = piece
-            case = cases[i]
+            case = cases[got["n"]]
+            got["n"] += 1
             rec = {**records.base(meta, case, label), **{k: v for k, v in piece.items() if k not in ("case", "ga")}}
             rec.setdefault("metrics", None)
             if case["role"] == "control":
                 rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), None) if rec["metrics"] \
                     else (oracle.CANNOT_RUN, f"could not run: {rec.get('error')}")
-                got.setdefault("controls", {})[case["ga"]] = rec
+                got["controls"][case["ga"]] = rec
                 return
-            control = got.get("controls", {}).get(case["ga"])
+            control = got["controls"].get(case["ga"])
             rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), records.judged(control) if control else None)
             sink(_finish(rec))
             if bar is not None:
@@ -178,7 +180,7 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
             launch.run_world(ds_config.CHECK.target, {"cases": cases}, world, on_partial=take)
             return
         except launch.LaunchError as e:
-            done = len([k for k in got if k != "controls"])
+            done = got["n"]
             if done < len(controls):  # the world did not get through its controls: nothing after can be judged
                 why = str(e).splitlines()[0][:300]
                 for rec in records.failed_records(remaining, meta, label, f"the world failed before its controls: {why}"):
@@ -238,55 +240,67 @@ def run(spec: dict, out, progress: bool = True) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- grouping
 
-def groups(recs: list[dict], axes: dict, max_keys: int = 3) -> list[dict]:
+def groups(recs: list[dict], axes: dict, max_keys: int = 5) -> list[dict]:
     """The affected points of one stack, covered by the fewest, smallest conjunctions of ``axis in {values}``.
 
-    A conjunction is admissible when every point it selects that ran (affected or not-affected) is affected.
-    Greedy set cover: at each step the admissible conjunction with the fewest conditions that covers the most
-    still uncovered affected points. Returns ``[{"when": {axis: [values]}, "points": [ids], "count", ...}]``.
+    Affected points are first split by what explains them (the known bug, else the hypothesis the step
+    matches): one group never mixes two explanations. A conjunction is admissible for a label when every point
+    it selects that ran (affected or not-affected) is affected with that label. Greedy set cover: at each step
+    the admissible conjunction with the fewest conditions that covers the most still uncovered points (a
+    search by size, pruned where a conjunction covers nothing new).
+    Returns ``[{"when": {axis: [values]}, "count", "ids", "known_bug", ...}]``.
     """
     ran = [r for r in recs if r["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED) and r.get("point")]
     if not ran:
         return []
-    bit = {}  # (axis, frozenset(values)) -> bitset of the ran points it selects
-    for axis, values in axes.items():
+    names = [a for a in axes if len({r["point"].get(a) for r in ran}) > 1]  # an axis with one value selects nothing
+    literals = []  # per axis: [(values, bitset of the ran points it selects)]
+    for axis in names:
+        values = [v for v in axes[axis] if any(r["point"].get(axis) == v for r in ran)]
+        lits = []
         for k in range(1, len(values)):
             for subset in itertools.combinations(values, k):
-                mask = 0
-                for i, r in enumerate(ran):
-                    if r["point"].get(axis) in subset:
-                        mask |= 1 << i
-                bit[(axis, subset)] = mask
-    affected = 0
-    for i, r in enumerate(ran):
-        if r["verdict"] == oracle.AFFECTED:
-            affected |= 1 << i
-    everything = (1 << len(ran)) - 1
+                lits.append((subset, sum(1 << i for i, r in enumerate(ran) if r["point"].get(axis) in subset)))
+        literals.append(lits)
+    out = []
+    for label in sorted({_label(r) for r in ran if r["verdict"] == oracle.AFFECTED}):
+        target = sum(1 << i for i, r in enumerate(ran) if r["verdict"] == oracle.AFFECTED and _label(r) == label)
+        out += _cover(ran, names, literals, target, max_keys)
+    return sorted(out, key=lambda g: -g["count"])
+
+
+def _label(rec: dict) -> str:
+    return rec.get("explained_by") or f"unknown: {rec.get('matches')}"
+
+
+def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max_keys: int) -> list[dict]:
     uncovered, out = affected, []
-    literals = list(bit.items())
     while uncovered:
-        best = None
-        for size in range(0, max_keys + 1):
-            for combo in itertools.combinations(literals, size):
-                if len({axis for (axis, _), _ in combo}) < size:
+        best, level = None, [((), (1 << len(ran)) - 1, -1)]
+        for size in range(max_keys + 1):
+            following = []
+            for combo, mask, last in level:
+                new = mask & uncovered
+                if not new:
                     continue
-                mask = everything
-                for _, m in combo:
-                    mask &= m
-                if mask & ~affected or not mask & uncovered:
+                if not mask & ~affected:  # admissible: every point it selects is affected
+                    score = bin(new).count("1")
+                    if best is None or score > best[0]:
+                        best = (score, combo, mask)
                     continue
-                score = bin(mask & uncovered).count("1")
-                if best is None or score > best[0]:
-                    best = (score, combo, mask)
-            if best is not None:
+                if size < max_keys:
+                    following += [(combo + ((names[a], values),), mask & m, a)
+                                  for a in range(last + 1, len(names)) for values, m in literals[a] if mask & m & uncovered]
+            if best is not None or not following:
                 break
+            level = following
         if best is None:  # what no conjunction of max_keys conditions isolates: one group per point
             for i, r in enumerate(ran):
                 if uncovered >> i & 1:
-                    out.append(_group(ran, 1 << i, {a: [v] for a, v in r["point"].items()}))
+                    out.append(_group(ran, 1 << i, {a: [r["point"][a]] for a in names}))
             break
         _, combo, mask = best
-        out.append(_group(ran, mask, {axis: list(values) for (axis, values), _ in combo}))
+        out.append(_group(ran, mask, {axis: list(values) for axis, values in combo}))
         uncovered &= ~mask
     return out
 
@@ -311,21 +325,39 @@ def describe(group: dict) -> str:
     return f"[{name}] {' x '.join(parts) or 'every point'}: {group['count']} configs{ratio}; the step is {', '.join(group['matches'])}"
 
 
-def summarise(spec: dict, recs: list[dict]) -> dict:
-    out = {"stacks": []}
+def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path) -> None:
+    """For each unknown group: a standalone script next to the results, run to check that it reproduces."""
+    from kit import repro
+
+    by_id = {r["id"]: r for r in mine}
+    for k, g in enumerate(gs):
+        if g["known_bug"]:
+            continue
+        tag = runner.stack_label(stack).replace(" ", "_").replace("=", "-")
+        path = out / f"repro_{tag}_{k + 1}.py"
+        repro.write(by_id[g["example"]], path, f"DeepSpeed gradient accumulation: {describe(g)}")
+        rc, text = repro.verify(path, spec["world_size"], stack, spec["device"])
+        g["repro"] = {"script": path.name, "exit": rc, "reproduced": rc == 1, "output": text}
+
+
+def summarise(spec: dict, recs: list[dict], out=None) -> dict:
+    """Counts and groups per stack; with ``out``, the unknown groups' reproduction scripts are written there and run."""
+    summary = {"stacks": []}
     for st in spec["stacks"]:
         mine = [r for r in recs if r["stack"] == st]
         counts = {v: sum(r["verdict"] == v for r in mine) for v in oracle.VERDICTS}
         gs = groups(mine, spec["axes"])
+        if out is not None:
+            reproduce(spec, st, mine, gs, Path(out))
         deepspeed = next((r["versions"].get("deepspeed") for r in mine if r.get("versions")), None)
-        out["stacks"].append({"stack": st, "deepspeed": deepspeed, "configs": len(mine), "counts": counts,
-                              "groups": gs, "crashed_worlds": sum(bool(r.get("crashed_world")) for r in mine),
-                              "wall_s": round(sum(r.get("wall_s") or 0 for r in mine), 1)})
-    return out
+        summary["stacks"].append({"stack": st, "deepspeed": deepspeed, "configs": len(mine), "counts": counts,
+                                  "groups": gs, "crashed_worlds": sum(bool(r.get("crashed_world")) for r in mine),
+                                  "wall_s": round(sum(r.get("wall_s") or 0 for r in mine), 1)})
+    return summary
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
+    p = kconfig.Parser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--no-progress", action="store_true")
@@ -333,15 +365,18 @@ def main(argv=None) -> int:
     spec = load_spec(a.spec)
     t0 = time.time()
     recs = run(spec, a.out, progress=not a.no_progress)
-    summary = summarise(spec, recs)
-    summary["wall_s"] = round(time.time() - t0, 1)
     out = kconfig.repo_path(a.out)
+    summary = summarise(spec, recs, out)
+    summary["wall_s"] = round(time.time() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for s in summary["stacks"]:
         print(f"stack {runner.stack_label(s['stack'])} (DeepSpeed {s['deepspeed']}): {s['configs']} configs, "
               + ", ".join(f"{n} {v}" for v, n in s["counts"].items() if n))
         for g in s["groups"]:
             print("  " + describe(g))
+            if g.get("repro"):
+                print(f"    {g['repro']['script']}: {'reproduces' if g['repro']['reproduced'] else 'does NOT reproduce'} "
+                      f"(exit {g['repro']['exit']}): {g['repro']['output'].splitlines()[0][:200]}")
     print(f"{len(recs)} records in {out / 'records.jsonl'}; {summary['wall_s']} s")
     return 0
 

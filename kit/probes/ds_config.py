@@ -38,7 +38,9 @@ HIDDEN, DEPTH, MICRO_BATCH, SEED = 32, 2, 4, 0
 PARAMS = DEPTH * (HIDDEN * HIDDEN + HIDDEN)  # the tiny model's parameter count
 BUCKETS = 3  # the tiny model spans this many buckets
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
-HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch")
+HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch",
+              "all but the first micro-batch")
+FAULT_KEY = "gradkit_fault_kill_rank"  # a config key the kit reads, never DeepSpeed: that rank kills itself (tests)
 DROPPED = ("optimizer", "scheduler", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
            "steps_per_print", "wall_clock_breakdown")
 
@@ -210,7 +212,8 @@ def hypothesis_weights(w: int, n: int, own: int = 0) -> dict:
     k = w * n
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
-    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary)))
+    first_lost = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
+    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost)))
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
@@ -253,10 +256,15 @@ def run_case(case: dict) -> dict:
         opt.step()
         out, *_ = c.judge(before - torch_flat(model), start, SEED, n, MICRO_BATCH, HIDDEN)
         return out
+    if case["ds_config"].get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     dtype = c.DTYPE.get(case["dtype"]) or __import__("torch").float16
     model = model.to(dtype)
     start = copy.deepcopy(model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=case["ds_config"])
+    ds = {k: v for k, v in case["ds_config"].items() if k != FAULT_KEY}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
     if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
         c.release(engine)
         raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")

@@ -1,0 +1,88 @@
+"""The sweep on a small spec in real 2-rank worlds: groups B3 exactly, survives a point that kills a rank,
+resumes without re-running anything, and its standalone reproduction script reproduces (and only then)."""
+import json
+
+import pytest
+
+from kit import config, launch, oracle, records, repro, sweep
+
+SPEC = {
+    "world_size": 2,
+    "base": {"train_micro_batch_size_per_gpu": 4},
+    "axes": {"zero_optimization.stage": [2, 0], "gradkit_fault_kill_rank": [-1, 1], "ga": [1, 4],
+             "loop": ["engine", "manual"]},
+    # one point only kills its rank 1 (ZeRO-2, GA 4, manual), in the middle of the world's work
+    "skip": [{"gradkit_fault_kill_rank": 1, "zero_optimization.stage": 0}, {"gradkit_fault_kill_rank": 1, "ga": 1},
+             {"gradkit_fault_kill_rank": 1, "loop": "engine"}],
+}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    spec = sweep.check_spec(json.loads(json.dumps(SPEC)))
+    return spec, out, sweep.run(spec, out, progress=False)
+
+
+@pytest.mark.world
+def test_a_point_that_kills_a_rank_costs_only_itself(swept):
+    spec, _, recs = swept
+    assert len(recs) == len(sweep.points(spec)) == 9
+    (crashed,) = [r for r in recs if r["point"]["gradkit_fault_kill_rank"] == 1]
+    assert crashed["verdict"] == oracle.CANNOT_RUN and crashed["crashed_world"] and "SIGKILL" in crashed["reason"]
+    after = [r for r in recs if r["point"]["zero_optimization.stage"] == 0]  # run by the relaunched world
+    assert len(after) == 4 and {r["verdict"] for r in after} == {oracle.NOT_AFFECTED}
+
+
+@pytest.mark.world
+def test_the_affected_points_are_grouped_by_the_smallest_key_set_and_named(swept):
+    spec, _, recs = swept
+    (group,) = sweep.groups(recs, spec["axes"])
+    assert group["when"] == {"zero_optimization.stage": [2], "ga": [4], "loop": ["manual"]}
+    assert group["known_bug"] == "B3" and group["count"] == 1 and group["matches"] == ["last micro-batch / N"]
+    assert "[B3]" in sweep.describe(group)
+
+
+@pytest.mark.world
+def test_a_rerun_into_the_same_folder_skips_what_is_done(swept, monkeypatch):
+    spec, out, recs = swept
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a finished point was launched again"))
+    again = sweep.run(spec, out, progress=False)
+    assert len(again) == len(recs) and len((out / "records.jsonl").read_text().splitlines()) == 9
+
+
+@pytest.mark.world
+def test_the_reproduction_script_reproduces_b3_and_not_a_correct_loop(swept, tmp_path):
+    _, _, recs = swept
+    bad = next(r for r in recs if r["verdict"] == oracle.AFFECTED)
+    good = records.one(recs, verdict=oracle.NOT_AFFECTED, id=next(r["id"] for r in recs if r["verdict"] == oracle.NOT_AFFECTED
+                                                                 and r["point"]["loop"] == "engine" and r["ga"] == 4))
+    script = repro.write(bad, tmp_path / "repro_b3.py", "ZeRO-2, config GA = 1, 4 backward() per step()")
+    text = script.read_text()
+    assert "import kit" not in text and "from kit" not in text and len(text.splitlines()) <= 70
+    rc, output = repro.verify(script)
+    assert rc == 1 and "REPRODUCED" in output, output
+    rc, output = repro.verify(repro.write(good, tmp_path / "repro_ok.py", "ZeRO-2, DeepSpeed's own loop"))
+    assert rc == 0 and "not reproduced" in output, output
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"axes": {}}, "needs 'axes'"),
+    ({"axes": {"loop": ["sideways"]}}, "loop values"),
+    ({"axes": {"ga": [0]}}, "gradient accumulation"),
+    ({"axes": {"ga": [2]}, "colour": "red"}, "unknown key"),
+    ({"axes": {"ga": [2]}, "skip": [{"stage": 1}]}, "skip rule"),
+    ({"axes": {"zero_optimization.stage": [5]}}, "stage"),
+    ({"axes": {"ga": [2]}, "stacks": [{"deepspeed": "newest"}]}, "newest"),
+])
+def test_a_bad_spec_is_refused_before_anything_launches(bad, needle, monkeypatch):
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
+    with pytest.raises(config.ConfigError, match=needle):
+        sweep.check_spec(bad)
+
+
+def test_the_default_spec_has_at_least_200_points_that_run_on_cpu():
+    spec = sweep.load_spec("scripts/sweeps/default.yaml")
+    pts = sweep.points(spec)
+    assert len(pts) >= 200 and spec["world_size"] == 2
+    assert not any(p.get("dtype") == "fp16" for p in pts)
