@@ -371,3 +371,63 @@ def explorer_result(rows: list[dict], title: str = ""):
     fig.suptitle(title + "  (colour = verdict, dashed = correct)", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def sweep_heatmaps(recs: list[dict], rows: str, cols: tuple, facets: tuple = (), title: str = ""):
+    """The sweep as heatmaps: one panel per value of the ``facets`` axes, ``rows`` down, ``cols`` across
+    (several axes joined), each cell coloured by its verdict with the effective/reference ratio written in it.
+
+    Axis names are the spec's (``"zero_optimization.stage"``, ``"loop"`` ...); a record's values are in
+    ``rec["point"]``. Empty cells were skipped by the spec.
+    """
+    import math
+
+    def val(r, axes):
+        return tuple(r["point"].get(a) for a in axes)
+
+    def short(axis):
+        parts = axis.split(".")
+        name = parts[-2] if parts[-1] == "device" and len(parts) > 1 else parts[-1]  # offload_optimizer.device
+        return name.replace("offload_optimizer", "offload").replace("offload_param", "offload params")
+
+    panels = sorted({val(r, facets) for r in recs}, key=str) or [()]
+    row_values = sorted({r["point"].get(rows) for r in recs}, key=str)
+    col_values = sorted({val(r, cols) for r in recs}, key=str)
+    n = len(panels)
+    ncols = min(n, 2)
+    nrows = math.ceil(n / ncols)
+    width = max(4.0, 0.62 * len(col_values) + 1.6)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 0.55 * len(row_values) * nrows + 1.6 * nrows),
+                             squeeze=False)
+    for k, panel in enumerate(panels):
+        ax = axes[k // ncols][k % ncols]
+        mine = [r for r in recs if val(r, facets) == panel]
+        for i, rv in enumerate(row_values):
+            for j, cv in enumerate(col_values):
+                found = [r for r in mine if r["point"].get(rows) == rv and val(r, cols) == cv]
+                if not found:
+                    continue
+                r = found[0]
+                ax.add_patch(plt.Rectangle((j, i), 1, 1, color=VERDICT_COLOURS.get(r["verdict"], "white"), alpha=0.75))
+                ratio = (r.get("metrics") or {}).get("norm_ratio")
+                ax.text(j + 0.5, i + 0.5, f"{ratio:.2f}" if ratio is not None else "x", ha="center", va="center",
+                        fontsize=8)
+        ax.set_xlim(0, len(col_values))
+        ax.set_ylim(len(row_values), 0)
+        ax.set_xticks([j + 0.5 for j in range(len(col_values))])
+        ax.set_xticklabels(["\n".join(map(str, cv)) for cv in col_values], fontsize=8)
+        ax.set_yticks([i + 0.5 for i in range(len(row_values))])
+        ax.set_yticklabels([f"{short(rows)} {rv}" for rv in row_values], fontsize=9)
+        ax.tick_params(length=0)
+        ax.set_title(", ".join(f"{short(a)} {v}" for a, v in zip(facets, panel)) or "every point", fontsize=10)
+        ax.set_xlabel(" / ".join(short(c) for c in cols), fontsize=9)
+    for k in range(n, nrows * ncols):
+        axes[k // ncols][k % ncols].axis("off")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=VERDICT_COLOURS[v], alpha=0.75)
+               for v in ("affected", "not-affected", "inconclusive", "cannot-run")]
+    fig.legend(handles, ["affected", "not-affected", "inconclusive", "cannot-run (x)"], fontsize=9, loc="upper right",
+               ncol=4, bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title or "sweep: verdict (colour) and effective / reference ratio (number)", fontsize=11, x=0.01,
+                 ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    return fig

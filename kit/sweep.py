@@ -356,6 +356,63 @@ def summarise(spec: dict, recs: list[dict], out=None) -> dict:
     return summary
 
 
+def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
+    """What notebook 06 asserts (empty: all hold).
+
+    1. every point of the spec has one record per stack, and no record is ``inconclusive`` (every control of
+       every world matched the reference);
+    2. the upstream table's own prediction holds: wherever it says B3 hits (the report's configuration: fp32,
+       the manual loop, ZeRO-1/2's ``DeepSpeedZeroOptimizer``, N > 1, no offload, on a release it pins as
+       affected) the point is affected;
+    3. every group of known-bug points is explained by that bug at every point, and every unknown group's
+       standalone reproduction reproduced.
+    """
+    from kit import expectations
+
+    bad = []
+    want = {(json.dumps(st, sort_keys=True), point_id(spec, p)) for st in spec["stacks"] for p in points(spec)}
+    have = [(json.dumps(r["stack"], sort_keys=True), r["id"]) for r in recs]
+    if sorted(set(have)) != sorted(want) or len(have) != len(set(have)):
+        bad.append(f"{len(want)} points x stacks in the spec, {len(set(have))} distinct records ({len(have)} in all)")
+    bad += [f"{r['id']} {r['point']}: inconclusive: {r['reason'][:200]}" for r in recs if r["verdict"] == oracle.INCONCLUSIVE]
+    for r in recs:
+        p = r.get("point") or {}
+        offload = p.get("zero_optimization.offload_optimizer.device", "none")
+        if (p.get("loop") == "manual" and r.get("optimizer") == "DeepSpeedZeroOptimizer" and r["ga"] > 1
+                and offload == "none" and r["dtype"] == "fp32" and r["verdict"] != oracle.CANNOT_RUN
+                and expectations.expected("B3", r.get("versions") or {}, "manual", r.get("zero_stage")) == oracle.AFFECTED
+                and r["verdict"] != oracle.AFFECTED):
+            bad.append(f"{r['id']} {p}: the upstream table says B3 hits here, measured {r['verdict']}")
+    for s in summary["stacks"]:
+        for g in s["groups"]:
+            if g["known_bug"] and g["explained_by"] != [g["known_bug"]]:
+                bad.append(f"{describe(g)}: not every point is explained by {g['known_bug']}")
+            if not g["known_bug"] and not (g.get("repro") or {}).get("reproduced"):
+                bad.append(f"{describe(g)}: its standalone reproduction did not reproduce: {g.get('repro')}")
+    return bad
+
+
+NOTEBOOK_PARAMETERS = ("SPEC", "SWEEP_DIR", "STACKS", "RESULTS_DIR", "INTERACTIVE")
+
+
+def check_notebook(p: dict) -> None:
+    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.runall`` call first)."""
+    if not isinstance(p["SWEEP_DIR"], str):
+        raise kconfig.ConfigError(f"SWEEP_DIR must be a folder name or \"\", got {p['SWEEP_DIR']!r}")
+    if not isinstance(p["STACKS"], list) or not all(isinstance(s, dict) for s in p["STACKS"]):
+        raise kconfig.ConfigError(f"STACKS must be a list of mappings like {{\"deepspeed\": \"0.18.8\"}} (empty: the "
+                                  f"spec's), got {p['STACKS']!r}")
+    notebook_spec(p)
+
+
+def notebook_spec(p: dict) -> dict:
+    """The spec notebook 06 runs: ``SPEC``'s file, its stacks replaced by ``STACKS`` when given."""
+    spec = load_spec(p["SPEC"])
+    if p["STACKS"]:
+        spec = check_spec({**spec, "stacks": p["STACKS"]}, str(p["SPEC"]))
+    return spec
+
+
 def main(argv=None) -> int:
     p = kconfig.Parser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec")

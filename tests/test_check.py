@@ -95,3 +95,12 @@ def test_auto_values_resolve_as_the_trainer_does():
     assert cfg["gradient_accumulation_steps"] == 8 and cfg["train_batch_size"] == 4 * 8 * 2
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 704  # hidden**2 = 1024, then 3 buckets of the model
     assert any("auto -> 1024" in n for n in cfg.notes)
+
+
+def test_the_gradkit_console_script_is_installed_and_refuses_bad_input(tmp_path):
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "gradkit"
+    assert script.exists(), "scripts/setup.sh installs the kit with its console script"
+    out = subprocess.run([str(script), "check", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot read" in out.stderr
