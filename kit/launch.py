@@ -385,9 +385,34 @@ def _is_rendezvous_error(text: str) -> bool:
     return any(m in text for m in _RENDEZVOUS_ERRORS)
 
 
+OWNER_FILE = "owner"  # "<pid> <process start time>" of the process that started a world and owns its folder
+
+
+def remove_stale_worlds() -> list[Path]:
+    """Remove the world folders whose owner is gone (a caller killed with SIGKILL never ran its clean-up)."""
+    import psutil
+
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob("gradkit-world-*"):
+        try:
+            pid, started = (folder / OWNER_FILE).read_text().split()
+            alive = psutil.pid_exists(int(pid)) and abs(psutil.Process(int(pid)).create_time() - float(started)) < 1
+        except (OSError, ValueError, psutil.Error):
+            continue  # no owner written yet (a world starting now), or not the kit's
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None) -> list:
+    import psutil
+
+    remove_stale_worlds()
     job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
     job.mkdir(parents=True, exist_ok=True)
+    if keep_dir is None:
+        (job / OWNER_FILE).write_text(f"{os.getpid()} {psutil.Process().create_time()}")
     # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
     # races for a port; the port is held (bound, never listened on) for the world's life so that no other world
     # of this machine gets the same number, since MASTER_PORT still names the world (DeepSpeed's shm comm op).

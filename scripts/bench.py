@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench.py [--skip-runall] [--json runs/bench.json]
     .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
+    .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
 
 Measures, side by side in one run, on this machine:
 - cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
@@ -70,13 +71,69 @@ def noise(json_path: str) -> int:
     return 0
 
 
+SWEEP_TARGETS = {"check_warm_s": 15.0, "sweep_configs_min": 200, "sweep_s": 300.0, "speedup_min": 20.0}
+
+
+def sweep_bench(json_path: str) -> int:
+    """``gradkit check`` and the sweep, against their targets (``SWEEP_TARGETS``), on this machine.
+
+    - check: ``python -m kit check`` of a B3-pattern config (ZeRO-2, config GA = 1, N = 4), every loop style, as a
+      user runs it (a fresh process), after one warm-up run;
+    - sweep: the default spec (``scripts/sweeps/default.yaml``) into an empty folder, all points in one world;
+    - side by side: a sample of the same points, one launch per point (each with its control), in configs/min.
+    """
+    import random
+    import subprocess
+
+    from kit import launch, sweep
+    from kit.probes import ds_config
+
+    res = {"cpus": os.cpu_count(), "targets": SWEEP_TARGETS}
+    with tempfile.TemporaryDirectory(prefix="gradkit-bench-sweep-") as tmp:
+        cfg = Path(tmp) / "b3.json"
+        cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                                   "zero_optimization": {"stage": 2}}))
+        cmd = [sys.executable, "-m", "kit", "check", str(cfg), "--loop", "all"]
+        subprocess.run(cmd, capture_output=True, cwd=REPO)  # warm-up: overlays, comm op, page cache
+        res["check_warm_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
+        res["check_exit"] = out.returncode
+        spec = sweep.load_spec("scripts/sweeps/default.yaml")
+        res["sweep_configs"] = len(sweep.points(spec))
+        res["sweep_s"], recs = timed(lambda: sweep.run(spec, Path(tmp) / "sweep", progress=False))
+        res["sweep_configs_per_min_one_world"] = 60 * len(recs) / res["sweep_s"]
+        sample = random.Random(0).sample(sweep.points(spec), 8)
+        world = launch.World(world_size=spec["world_size"], timeout_s=600)
+
+        def one_launch_each():
+            for point in sample:
+                case = sweep.point_case(spec, point)
+                launch.run_world(ds_config.CHECK.target, {"cases": sweep._controls([case]) + [case]}, world)
+
+        res["one_launch_per_config_s"], _ = timed(one_launch_each)
+        res["one_launch_per_config_configs"] = len(sample)
+        res["sweep_configs_per_min_one_launch_each"] = 60 * len(sample) / res["one_launch_per_config_s"]
+    res["speedup"] = res["sweep_configs_per_min_one_world"] / res["sweep_configs_per_min_one_launch_each"]
+    res["meets"] = {"check_warm_s": res["check_warm_s"] <= SWEEP_TARGETS["check_warm_s"],
+                    "sweep_configs": res["sweep_configs"] >= SWEEP_TARGETS["sweep_configs_min"],
+                    "sweep_s": res["sweep_s"] <= SWEEP_TARGETS["sweep_s"],
+                    "speedup": res["speedup"] >= SWEEP_TARGETS["speedup_min"]}
+    print("\n".join(f"{k:40s} {v:.2f}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in res.items()))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"written to {json_path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-runall", action="store_true")
     ap.add_argument("--noise", action="store_true",
                     help="only measure the noise of correct engines that the oracle's tolerances are set against")
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
+    ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep_bench(a.json or str(REPO / "runs" / "bench_sweep.json"))
     if a.noise:
         return noise(a.json or str(REPO / "runs" / "noise.json"))
     a.json = a.json or str(REPO / "runs" / "bench.json")

@@ -5,9 +5,12 @@ import signal
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 
 import psutil
+from pathlib import Path
+
 import pytest
 
 from kit import launch, oracle
@@ -96,10 +99,16 @@ def test_ranks_die_within_seconds_when_their_caller_is_killed(tmp_path):
         time.sleep(0.1)
     assert ranks, "no rank came up"
     time.sleep(1.0)
+    mine = [f for f in Path(tempfile.gettempdir()).glob("gradkit-world-*")
+            if (f / launch.OWNER_FILE).exists() and (f / launch.OWNER_FILE).read_text().split()[0] == str(caller.pid)]
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     took = _gone(list(ranks.values()), within_s=5.0)
     assert took is not None, "a rank outlived its caller by more than 5 s"
+    # the killed caller never cleaned its world's folder: the next world does
+    assert len(mine) == 1 and mine[0].exists()
+    launch.run_world("kit.selftest:ping", {}, world_size=2, init="torch", timeout_s=60)
+    assert not mine[0].exists()
 
 
 def test_eight_worlds_at_once_rendezvous_without_a_port_race():
