@@ -1,6 +1,7 @@
 """Sweep the DeepSpeed configuration space with the check's oracle, and group what is affected.
 
     python -m kit.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
+    python -m kit.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
 
 A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``), ``skip``
 rules (partial points that make no sense), the ``world_size`` and the ``stacks``. Every point of the
@@ -417,9 +418,14 @@ def main(argv=None) -> int:
     p = kconfig.Parser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec")
     p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--deepspeed", help="comma list of DeepSpeed releases to sweep instead of the spec's stacks "
+                                       "(installed = the installed one), e.g. 0.18.6,installed")
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     spec = load_spec(a.spec)
+    if a.deepspeed:
+        spec = check_spec({**spec, "stacks": runner.stacks_of([v.strip() for v in a.deepspeed.split(",") if v.strip()])},
+                          a.spec)
     t0 = time.time()
     recs = run(spec, a.out, progress=not a.no_progress)
     out = kconfig.repo_path(a.out)
