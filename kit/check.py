@@ -31,6 +31,9 @@ EXPLAINS = {
     "B4": ("BF16_Optimizer averages its fp32 accumulator before the boundary micro-batch is added",
            "own rank's boundary micro-batch",
            "set \"bf16\": {\"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0"),
+    "B5": ("ZeRO-1/2 with offload_optimizer copies a micro-step's gradient to the CPU buffer only on the first "
+           "micro-step; the ones between it and the boundary are lost", "first and last micro-batch",
+           "upgrade to DeepSpeed >= 0.19.0, or keep GA <= 2 with optimizer offload"),
 }
 
 
@@ -46,6 +49,10 @@ def explain(rec: dict) -> tuple[str | None, str]:
             candidates.append("B3")
     if rec.get("optimizer") == "BF16_Optimizer" and expectations.expected("B4", versions) == oracle.AFFECTED:
         candidates.append("B4")
+    offload = (((rec["config"].get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer") or {})
+    if (stage in (1, 2) and offload.get("device") == "cpu" and rec["ga"] > 2 and loop in ("engine", "boundary")
+            and expectations.expected("B5", versions) == oracle.AFFECTED):
+        candidates.append("B5")
     for bug in candidates:
         pattern, hypothesis, _ = EXPLAINS[bug]
         if matches == hypothesis:
@@ -76,7 +83,8 @@ def summarise(recs: list[dict]) -> dict:
             if row["explained_by"]:
                 fm = (fix or {}).get("metrics") or {}
                 row["fix"] = {"what": EXPLAINS[row["explained_by"]][2],
-                              "verdict": fix["verdict"] if fix else "not run",
+                              "verdict": fix["verdict"] if fix else "not re-run here (the fix is another release: "
+                                                                     "run this check with --deepspeed)",
                               "ratio": fm.get("norm_ratio")}
         rows.append(row)
     worst = min((r["verdict"] for r in rows), key=oracle.WORST_FIRST.index, default=oracle.CANNOT_RUN)

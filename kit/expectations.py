@@ -21,6 +21,12 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   transformers 5.3.0; 5.3.0 counts one label token too many per sequence, so every path applies
   tokens / (tokens + sequences) of the reference; 5.23.0 (installed) is measured correct on every path. The
   release in between that fixed it is not pinned here: such releases are findings, not assertions.
+- B5 (ZeRO-1/2 + ``offload_optimizer`` CPU, DeepSpeed's own loop with GA > 2): found by the kit's sweep on 0.18.6,
+  then traced upstream. ``async_accumulate_grad_in_cpu_via_gpu`` copies a micro-step's gradient to the CPU buffer
+  only at ``micro_step_id == 0`` (deepspeedai/DeepSpeed#6550); the micro-steps between the first and the boundary
+  are added on the device and never copied back, so only the first and the boundary micro-batch reach the step.
+  deepspeedai/DeepSpeed#7967 copies on every micro-step, first released in 0.19.0 (read in the 0.18.9 and 0.19.0
+  sources: 0.18.9 still has the ``else``, 0.19.0 does not).
 """
 from __future__ import annotations
 
@@ -84,6 +90,9 @@ KNOWN = {k.bug: k for k in (
           notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop")),
     Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.6", fixed_in="0.19.0", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",)),
+    Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from=None, fixed_in="0.19.0", last_affected="0.18.9",
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#6550 (the regression)", "deepspeedai/DeepSpeed#7967 (the fix)"),
+          notes=("ZeRO-1/2 with offload_optimizer only, GA > 2, DeepSpeed's own loop",)),
 )}
 
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently

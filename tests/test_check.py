@@ -104,3 +104,18 @@ def test_the_gradkit_console_script_is_installed_and_refuses_bad_input(tmp_path)
     assert script.exists(), "scripts/setup.sh installs the kit with its console script"
     out = subprocess.run([str(script), "check", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot read" in out.stderr
+
+
+B5_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.world
+def test_zero2_optimizer_offload_is_b5_on_0_18_6_and_fixed_on_the_installed_release(tmp_path, capsys):
+    """Found by the sweep: DeepSpeed's own loop, ZeRO-2 + CPU optimizer offload, GA 4 keeps the first and the last
+    micro-batch only on 0.18.6 (deepspeedai/DeepSpeed#7967 fixes it in 0.19.0)."""
+    path = _write(tmp_path, B5_CONFIG)
+    assert check.main([path, "--deepspeed", "0.18.6", "--loop", "engine"]) == 1
+    text = capsys.readouterr().out
+    assert "explained by B5" in text and "'first and last micro-batch'" in text, text
+    assert check.main([path, "--loop", "engine"]) == 0, capsys.readouterr().out

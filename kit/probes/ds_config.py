@@ -39,7 +39,7 @@ PARAMS = DEPTH * (HIDDEN * HIDDEN + HIDDEN)  # the tiny model's parameter count
 BUCKETS = 3  # the tiny model spans this many buckets
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch",
-              "all but the first micro-batch")
+              "all but the first micro-batch", "first and last micro-batch")
 FAULT_KEY = "gradkit_fault_kill_rank"  # a config key the kit reads, never DeepSpeed: that rank kills itself (tests)
 DROPPED = ("optimizer", "scheduler", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
            "steps_per_print", "wall_clock_breakdown")
@@ -213,7 +213,9 @@ def hypothesis_weights(w: int, n: int, own: int = 0) -> dict:
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
     first_lost = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
-    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost)))
+    ends = [1.0 / k if i % n in (0, n - 1) else 0.0 for i in range(k)] if n > 2 else [0.0] * k  # n <= 2: the mean
+    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost,
+                                 ends)))
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
