@@ -66,6 +66,11 @@ def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
 
 
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """Every parameter of a plain (non-DeepSpeed) module, flat, in module order, as float64."""
+    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
+
+
 def full_fp32_params(module: nn.Module, optimizer=None) -> torch.Tensor:
     """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
 

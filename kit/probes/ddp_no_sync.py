@@ -41,7 +41,7 @@ def run_case(case: dict) -> dict:
     start = copy.deepcopy(model)
     wrapped = model if case["name"] == "control" else DDP(model)
     opt = c.sgd(model)
-    before = torch_flat(model)
+    before = c.flat_params(model)
     div = 1 if case["name"] == "sum_not_mean" else ga
     for i, (x, y) in enumerate(c.micro_batches(seed, c.rank(), ga, mb, hidden)):
         quiet = case["name"] in ("no_sync", "sum_not_mean") and i < ga - 1
@@ -52,15 +52,10 @@ def run_case(case: dict) -> dict:
             dist.all_reduce(p.grad)
             p.grad /= c.world_size()
     opt.step()
-    effective = before - torch_flat(model)  # lr = 1
+    effective = before - c.flat_params(model)  # lr = 1
     out, *_ = c.judge(effective, start, seed, ga, mb, hidden)
     return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
 
-
-def torch_flat(model):
-    import torch
-
-    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
 
 
 def run_rank(payload: dict) -> list[dict]:

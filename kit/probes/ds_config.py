@@ -249,14 +249,14 @@ def run_case(case: dict) -> dict:
     model = c.tiny_mlp(HIDDEN, SEED, DEPTH)
     if case["role"] == "control":  # plain torch.distributed: no DeepSpeed in the step
         start, opt = copy.deepcopy(model), c.sgd(model)
-        before = torch_flat(model)
+        before = c.flat_params(model)
         for x, y in batches_fp32:
             (c.mse(model(x), y) / n).backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= w
         opt.step()
-        out, *_ = c.judge(before - torch_flat(model), start, SEED, n, MICRO_BATCH, HIDDEN)
+        out, *_ = c.judge(before - c.flat_params(model), start, SEED, n, MICRO_BATCH, HIDDEN)
         return out
     if case["ds_config"].get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
         import os
@@ -303,11 +303,6 @@ def bf16_accumulator(engine):
 
     return _bf16_accumulator(engine, engine.module)
 
-
-def torch_flat(model):
-    import torch
-
-    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
 
 
 def run_rank(payload: dict) -> list[dict]:
