@@ -228,24 +228,44 @@ class ProbeExplorer:
             self.progress.value = 0.0
             return []
         result: dict = {}
+        heard: dict = {"done": 0, "planned": 0, "worlds": 0, "first_time": ""}  # from the ranks (kit.runner.listen)
+
+        def hear(event):
+            if event["kind"] == "world":
+                heard.update(worlds=heard["worlds"] + 1, first_time=event["first_time"],
+                             base=heard["done"], planned=heard["done"] + event["planned"])
+            else:
+                heard["done"] = heard.get("base", 0) + event["done"]
 
         def work():
+            from kit import runner
+
             try:
-                result["records"] = self.runner(probe_id, kwargs)
+                with runner.listen(hear):
+                    result["records"] = self.runner(probe_id, kwargs)
             except Exception as e:  # noqa: BLE001 - shown in the status line, never swallowed silently
                 result["error"] = e
 
         self.button.disabled = True
         self.progress.bar_style = ""
+        self.progress.value = 0.0
         t0 = time.monotonic()
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
         try:
             while thread.is_alive():
                 elapsed = time.monotonic() - t0
-                self.progress.value = min(0.95, elapsed / probes.get(sel["bug"]).typical_s)
-                self.status.value = f"ranks running: {sel['bug']}, {elapsed:.0f} s"
-                thread.join(0.25)
+                if heard["planned"]:  # what the ranks reported: cases done of cases planned (5 %: ranks starting)
+                    self.progress.value = min(0.99, 0.05 + 0.95 * heard["done"] / heard["planned"])
+                    step = (f"{heard['done']} of {heard['planned']} cases done"
+                            + (f" (world {heard['worlds']})" if heard["worlds"] > 1 else ""))
+                    if heard["done"] == heard.get("base", 0):
+                        step += (f"; first launch: {heard['first_time']}" if heard["first_time"]
+                                 else "; the ranks are starting (importing torch and DeepSpeed)")
+                else:
+                    step = "preparing the world"
+                self.status.value = f"ranks running: {sel['bug']}: {step}, {elapsed:.0f} s"
+                thread.join(0.1)
         except KeyboardInterrupt:  # the kernel's interrupt: stop the world, not just this loop
             from kit import launch
 

@@ -11,9 +11,50 @@ stage, per-configuration verdicts). A stack that cannot be installed, or a world
 """
 from __future__ import annotations
 
+import contextlib
+
+from kit import config as kconfig
 from kit import launch, oracle, records
 from kit import versions as kversions
 from kit.probe import Probe
+
+_LISTENERS: list = []
+
+
+@contextlib.contextmanager
+def listen(callback):
+    """While the block runs, ``callback(event)`` hears every world the runner starts and every case its rank 0
+    finishes, from the ranks themselves (an explorer's progress bar, a notebook's status line).
+
+    Events: ``{"kind": "world", "label", "world_size", "planned", "first_time"}`` before a world (``first_time``
+    names the one-off work that makes a first launch slow, or is ""), then ``{"kind": "case", "done",
+    "planned", "case"}`` as each case comes back.
+    """
+    _LISTENERS.append(callback)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(callback)
+
+
+def _emit(**event) -> None:
+    for callback in list(_LISTENERS):
+        callback(event)
+
+
+def first_time(stack: dict, probe: Probe) -> str:
+    """What makes the first launch of this stack slow, in words ("" when everything is cached)."""
+    if "deepspeed" not in probe.packages:
+        return ""
+    version = stack.get("deepspeed") or kversions.installed_version("deepspeed")
+    said = []
+    if stack.get("deepspeed") and not (kversions.overlay_root() / f"deepspeed-{version}" / ".complete").exists():
+        said.append(f"installing DeepSpeed {version} into the kit's cache, once per release (~30 s)")
+    if probe.init == "deepspeed":
+        built = kconfig.cache_dir() / "torch_extensions" / f"deepspeed-{version}"
+        if not any(built.rglob("*.so")) if built.exists() else True:
+            said.append(f"building DeepSpeed {version}'s CPU comm op, once per release (~40 s)")
+    return "; ".join(said)
 
 
 def stack_label(stack: dict, probe: Probe | None = None) -> str:
@@ -65,14 +106,22 @@ def run(probe: Probe, cases: list[dict], stacks=({},), world_sizes=(2,), device:
 def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, meta: dict, world_size: int,
                   device: str, timeout_s: float, predicted=None) -> list[dict]:
     """Resolve ``stack``, run all ``cases`` in one world, return one verdicted record per case."""
+    if _LISTENERS:
+        _emit(kind="world", label=version, world_size=world_size, planned=len(cases), first_time=first_time(stack, probe))
     try:
         resolved = kversions.resolve_stack(stack, probe.packages)
     except kversions.CannotRun as e:
         return records.failed_records(cases, meta, version, e.reason)
     world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=resolved.pythonpath,
                          extensions_key=resolved.extensions_key, expect=resolved.expect, init=probe.init)
+    done = {"n": 0}
+
+    def arrived(piece):
+        done["n"] += 1
+        _emit(kind="case", done=done["n"], planned=len(cases), case=piece.get("case"))
+
     try:
-        rank0 = launch.run_world(probe.target, {"cases": cases}, world)[0]
+        rank0 = launch.run_world(probe.target, {"cases": cases}, world, on_partial=arrived if _LISTENERS else None)[0]
     except launch.LaunchError as e:
         # the cases rank 0 finished before the world failed keep their results; the rest could not run
         rank0 = e.partial.get(0, [])[:len(cases)]

@@ -67,3 +67,27 @@ def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_
     finally:
         probes.unregister("T9")
     assert "T9" not in probes.registry()
+
+
+@pytest.mark.world
+def test_the_runner_reports_progress_from_the_ranks_as_cases_finish():
+    from kit import runner
+
+    events = []
+    with runner.listen(events.append):
+        recs = ddp_no_sync.run(world_sizes=(2,), ga_values=(2,), timeout_s=120)
+    worlds = [e for e in events if e["kind"] == "world"]
+    cases = [e for e in events if e["kind"] == "case"]
+    assert len(worlds) == 1 and worlds[0]["planned"] == 4 and worlds[0]["first_time"] == ""  # no DeepSpeed to build
+    assert [e["done"] for e in cases] == [1, 2, 3, 4]
+    assert [e["case"] for e in cases] == [r["case"] for r in recs]
+
+
+def test_a_first_launch_says_what_makes_it_slow(tmp_path, monkeypatch):
+    from kit import runner
+    from kit.probes import bf16_leak
+
+    monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))  # nothing installed, nothing built
+    said = runner.first_time({"deepspeed": "0.18.2"}, bf16_leak.PROBE)
+    assert "installing DeepSpeed 0.18.2" in said and "building DeepSpeed 0.18.2's CPU comm op" in said
+    assert runner.first_time({}, ddp_no_sync.PROBE) == ""
