@@ -9,6 +9,21 @@ import matplotlib.pyplot as plt
 VERDICT_COLOURS = {"affected": "#d62728", "not-affected": "#2ca02c", "inconclusive": "#ff7f0e",
                    "cannot-run": "#7f7f7f", "n/a": "#cccccc"}
 
+# Legible at the size shown: JupyterLab shows a figure at its own width up to the cell's (about 12 inches at the
+# inline backend's 100 dpi on a laptop screen) and scales a wider one down. No text may end up below MIN_POINTS there.
+MIN_POINTS = 8.0
+SHOWN_WIDTH_IN = 12.0
+SMALL = 8  # the smallest font any figure uses (cell annotations, legends, tick labels)
+
+
+def smallest_shown_points(fig) -> tuple[float, str]:
+    """The smallest text of ``fig`` in points as shown (scaled down when the figure is wider than the cell),
+    and that text."""
+    scale = min(1.0, SHOWN_WIDTH_IN / fig.get_size_inches()[0])
+    found = [(t.get_fontsize() * scale, t.get_text()) for t in fig.findobj(plt.Text)
+             if t.get_visible() and t.get_text().strip()]
+    return min(found) if found else (float("inf"), "")
+
 
 def accumulator_norms(recs: list[dict], title: str = ""):
     """Per-rank fp32 accumulator norm after each micro-batch, one panel per record (the seed's view).
@@ -46,7 +61,7 @@ def misplaced_vs_predicted(recs: list[dict], title: str = ""):
         xs, ys, gas = zip(*pts)
         ax.scatter(xs, ys, label=f"W={w} (every rank)", s=30)
         for x, y, ga in sorted(set(pts)):
-            ax.annotate(f"GA={ga}", (x, y), fontsize=7, xytext=(3, -9), textcoords="offset points")
+            ax.annotate(f"GA={ga}", (x, y), fontsize=SMALL, xytext=(3, -9), textcoords="offset points")
         top = max(top, *xs, *ys)
     ax.plot([0, top * 1.05], [0, top * 1.05], color="grey", ls="--", lw=1, label="measured = predicted")
     ax.set_xlabel("predicted misplaced weight (W-1)/W * 1/GA")
@@ -72,7 +87,7 @@ def ratio_by_version(recs: list[dict], cases=("leak", "workaround", "control"), 
                 axes[0].bar(x, m.get("norm_ratio", 0.0), width, color=colour, edgecolor="black", lw=0.5)
                 axes[1].bar(x, m.get("rel_l2", 0.0), width, color=colour, edgecolor="black", lw=0.5)
                 for ax in axes:
-                    ax.annotate(case, (x, 0), rotation=90, fontsize=7, ha="center", va="bottom",
+                    ax.annotate(case, (x, 0), rotation=90, fontsize=SMALL, ha="center", va="bottom",
                                 xytext=(0, 2), textcoords="offset points")
     labels = [f"{v}\n(ds {next(r['versions'].get('deepspeed', '?') for r in recs if r['version'] == v)})" for v in versions]
     for ax, name in zip(axes, ("effective / reference norm", "relative L2 error")):
@@ -82,7 +97,7 @@ def ratio_by_version(recs: list[dict], cases=("leak", "workaround", "control"), 
     axes[0].axhline(1.0, color="grey", ls="--", lw=1)
     axes[1].set_yscale("symlog", linthresh=1e-4)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in VERDICT_COLOURS.values()]
-    axes[1].legend(handles, VERDICT_COLOURS.keys(), fontsize=7, loc="upper right")
+    axes[1].legend(handles, VERDICT_COLOURS.keys(), fontsize=SMALL, loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -102,7 +117,7 @@ def trajectories(recs: list[dict], title: str = ""):
     axes[1].set_ylabel("applied gradient norm")
     for ax in axes:
         ax.set_xlabel("optimizer step")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=SMALL)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -151,7 +166,7 @@ def ratio_cosine_vs_n(recs: list[dict], case: str = "manual", predicted: str | N
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N: backward() calls per step() (config GA = 1)")
         ax.set_ylabel(name)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=SMALL)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
@@ -173,10 +188,10 @@ def attribution_bars(recs: list[dict], title: str = ""):
         if exp:
             ax.axhline(exp[0], color="black", ls="--", lw=1, label="correct: 1/(W·N)")
         ax.set_xticks(range(len(w)))
-        ax.set_xticklabels([f"r{k // n}\nmb{k % n}" for k in range(len(w))], fontsize=6)
+        ax.set_xticklabels([f"r{k // n}\nmb{k % n}" for k in range(len(w))], fontsize=SMALL)
         ax.set_title(f"{rec['case']} ZeRO-{rec['zero_stage']} {rec['dtype']}, N={n}\n"
                      f"ds {rec['versions'].get('deepspeed', rec['version'])}: {rec['verdict']}", fontsize=8)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=SMALL)
     axes[0][0].set_ylabel("weight in the applied gradient")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -193,7 +208,7 @@ def _grid_frame(ax, col_labels: list[str], row_labels: list[str], verdicts: tupl
     ax.set_yticklabels(row_labels, fontsize=8)
     ax.tick_params(length=0)
     handles = [plt.Rectangle((0, 0), 1, 1, color=VERDICT_COLOURS[v], alpha=0.75) for v in verdicts]
-    ax.legend(handles, verdicts, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.legend(handles, verdicts, fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def verdict_grid(recs: list[dict], row_key, col_key, title: str = "", value: str = "norm_ratio"):
@@ -254,7 +269,7 @@ def logged_norm_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
     ax.set_yscale("log", base=2)
     ax.set_xlabel("GA (micro-batch x GA = constant global batch)")
     ax.set_ylabel("logged grad norm")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=SMALL)
     ax.set_title(title or "what the user logs", fontsize=10)
     fig.tight_layout()
     return fig
@@ -284,7 +299,7 @@ def stage_ratio_vs_ga(recs: list[dict], case: str = "pipeline", title: str = "")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("GA (GA=1: the control)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=SMALL)
     axes[0][0].set_ylabel("effective / reference norm, per stage")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -308,7 +323,7 @@ def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
         ax.set_yscale("log", base=2)
         ax.set_xlabel("GAS (global batch fixed; GAS=1: the path's own step)")
         ax.set_title(st, fontsize=8)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=SMALL)
     axes[0][0].set_ylabel("effective / reference norm")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -318,7 +333,8 @@ def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
 def verdict_matrix(cells: list[dict], title: str = ""):
     """Bug x DeepSpeed version: each cell coloured by its verdict, with the measured ratio and where it was taken.
 
-    ``cells`` come from ``kit.overview.verdict_matrix``. The installed release's column is marked.
+    ``cells`` come from ``kit.overview.verdict_matrix``. The installed release's column is marked. With more
+    releases than fit the width of a notebook cell, releases go down and bugs across (nothing is scaled down).
     """
     from kit import probes, records, versions
 
@@ -326,25 +342,31 @@ def verdict_matrix(cells: list[dict], title: str = ""):
     every = probes.registry()
     bugs = [b for b in every if any(c["bug"] == b for c in cells)]
     cols = sorted({c["deepspeed"] for c in cells}, key=records.column_key)
-    fig, ax = plt.subplots(figsize=(2.0 + 1.55 * len(cols), 0.9 + 0.75 * len(bugs)))
-    for i, bug in enumerate(bugs):
-        for j, v in enumerate(cols):
+    release_labels = [records.column_label(v, installed).replace(" (", "\n(").replace("no DeepSpeed", "no\nDeepSpeed")
+                      for v in cols]
+    bug_labels = [f"{b}\n{every[b].notebook[:2]}" for b in bugs]
+    across = 1.8 + 1.25 * len(cols) <= SHOWN_WIDTH_IN  # releases across (the usual), else down
+    n_x, n_y = (len(cols), len(bugs)) if across else (len(bugs), len(cols))
+    fig, ax = plt.subplots(figsize=(1.8 + 1.25 * n_x, 1.2 + 1.05 * n_y))
+    for bi, bug in enumerate(bugs):
+        for vi, v in enumerate(cols):
+            x, y = (vi, bi) if across else (bi, vi)
             c = next((c for c in cells if c["bug"] == bug and c["deepspeed"] == v), None)
             if c is None:
-                ax.text(j + 0.5, i + 0.5, "not run", ha="center", va="center", fontsize=7, color="#999999")
+                ax.text(x + 0.5, y + 0.5, "not run", ha="center", va="center", fontsize=SMALL, color="#999999")
                 continue
-            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=VERDICT_COLOURS.get(c["verdict"], "white"), alpha=0.75))
+            ax.add_patch(plt.Rectangle((x, y), 1, 1, color=VERDICT_COLOURS.get(c["verdict"], "white"), alpha=0.75))
             ratio = f"{c['ratio']:.3f}" if c.get("ratio") else "-"
-            cos = f"  cos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
-            ax.text(j + 0.5, i + 0.42, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=7)
-            ax.text(j + 0.5, i + 0.85, c["where"].replace(", transformers ", ", tf "), ha="center", va="center", fontsize=5)
-    _grid_frame(ax, [records.column_label(v, installed).replace(" (", "\n(").replace("no DeepSpeed", "no\nDeepSpeed")
-                     for v in cols],
-                [f"{b}\n{every[b].notebook[:2]}" for b in bugs],
+            cos = f"\ncos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
+            ax.text(x + 0.5, y + 0.3, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=9)
+            where = c["where"].replace(", transformers ", ", tf ").split(", ")
+            ax.text(x + 0.5, y + 0.8, "\n".join(", ".join(where[k:k + 2]) for k in range(0, len(where), 2)),
+                    ha="center", va="center", fontsize=SMALL)
+    _grid_frame(ax, release_labels if across else bug_labels, bug_labels if across else release_labels,
                 ("affected", "not-affected", "inconclusive", "cannot-run"))
-    ax.set_xlabel("DeepSpeed release", fontsize=8)
-    ax.set_title(title or "verdict per bug and DeepSpeed release; number = effective / reference ratio "
-                          "(1.000 = correct)", fontsize=9)
+    ax.set_xlabel("DeepSpeed release" if across else "bug", fontsize=9)
+    ax.set_title(title or "verdict per bug and DeepSpeed release\nnumber = effective / reference ratio "
+                          "(1.000 = correct)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -362,11 +384,11 @@ def explorer_result(rows: list[dict], title: str = ""):
         ax.barh(range(len(rows)), vals, color=colours, alpha=0.8)
         ax.axvline(1.0, color="#555555", lw=1, ls="--")
         for i, (v, r) in enumerate(zip(vals, rows)):
-            ax.text(v, i, f" {v:.3f}" if r[key] is not None else " cannot run", va="center", fontsize=7)
+            ax.text(v, i, f" {v:.3f}" if r[key] is not None else " cannot run", va="center", fontsize=SMALL)
         ax.set_xlabel(name, fontsize=8)
         ax.set_xlim(0, max(1.25, max(vals or [1]) * 1.2))
     axes[0].set_yticks(range(len(rows)))
-    axes[0].set_yticklabels(labels, fontsize=7)
+    axes[0].set_yticklabels(labels, fontsize=SMALL)
     axes[0].invert_yaxis()
     fig.suptitle(title + "  (colour = verdict, dashed = correct)", fontsize=9)
     fig.tight_layout()
@@ -394,9 +416,9 @@ def sweep_heatmaps(recs: list[dict], rows: str, cols: tuple, facets: tuple = (),
     row_values = sorted({r["point"].get(rows) for r in recs}, key=str)
     col_values = sorted({val(r, cols) for r in recs}, key=str)
     n = len(panels)
-    ncols = min(n, 2)
-    nrows = math.ceil(n / ncols)
     width = max(4.0, 0.62 * len(col_values) + 1.6)
+    ncols = min(n, 2) if 2 * width <= SHOWN_WIDTH_IN else 1  # never wider than the cell: nothing shrinks
+    nrows = math.ceil(n / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 0.55 * len(row_values) * nrows + 1.6 * nrows),
                              squeeze=False)
     for k, panel in enumerate(panels):
