@@ -249,6 +249,12 @@ class ProbeExplorer:
         self.button.disabled = True
         self.progress.bar_style = ""
         self.progress.value = 0.0
+        if self.interactive and self.output.outputs:  # never leave the previous selection's figure under a new run
+            from IPython.display import HTML
+
+            self.output.outputs = ()
+            self.output.append_display_data(HTML(f"<i>running {_title(sel)}: the previous figure is cleared; the new "
+                                                  "one is drawn here when the ranks are done</i>"))
         t0 = time.monotonic()
         thread = threading.Thread(target=work, daemon=True)
         thread.start()

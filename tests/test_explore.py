@@ -128,3 +128,22 @@ def test_a_front_end_click_in_a_real_kernel_moves_the_progress_bar_then_reports(
         assert final and "B4" in final and "not-affected" in final and "1.000 x the reference" in final
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_a_new_run_never_shows_the_previous_selections_figure():
+    seen = []
+
+    def runner(module, kwargs):
+        seen.append([next(iter(o["data"])) for o in ex.output.outputs])  # what the output area holds meanwhile
+        seen[-1].append(" ".join(o["data"].get("text/html", "") for o in ex.output.outputs))
+        return _fake_records(module, kwargs)
+
+    ex = explore.ProbeExplorer(runner=runner, interactive=True)
+    ex.bug.value = "B3"
+    ex.button.click()
+    assert [next(iter(o["data"])) for o in ex.output.outputs] == ["image/png"]  # the first figure
+    ex.knobs["ga"].value = 8
+    ex.button.click()
+    during = seen[-1]
+    assert "image/png" not in during[:-1] and "running B3: W=2, GA/N=8" in during[-1] and "cleared" in during[-1]
+    assert [next(iter(o["data"])) for o in ex.output.outputs] == ["image/png"]  # the new figure replaced the note
