@@ -179,16 +179,17 @@ class ProbeExplorer:
         self.records: list[dict] = []
         self.rows: list[dict] = []
         sel = selection or default_selection()
-        self.bug = widgets.Dropdown(options=list(knobs()), value=sel["bug"], description="bug")
+        wide = {"description_width": "initial"}  # labels in full ("world size W"), never cut to "world size…"
+        self.bug = widgets.Dropdown(options=list(knobs()), value=sel["bug"], description="bug", style=wide)
         self.knobs = {
-            "world_size": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["world_size"]),
-            "ga": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["ga"]),
-            "zero_stage": widgets.Dropdown(options=[0], description=KNOB_LABELS["zero_stage"]),
-            "dtype": widgets.Dropdown(options=["fp32"], description=KNOB_LABELS["dtype"]),
-            "version": widgets.Dropdown(options=["installed"], description=KNOB_LABELS["version"]),
+            "world_size": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["world_size"], style=wide),
+            "ga": widgets.SelectionSlider(options=[1], description=KNOB_LABELS["ga"], style=wide),
+            "zero_stage": widgets.Dropdown(options=[0], description=KNOB_LABELS["zero_stage"], style=wide),
+            "dtype": widgets.Dropdown(options=["fp32"], description=KNOB_LABELS["dtype"], style=wide),
+            "version": widgets.Dropdown(options=["installed"], description=KNOB_LABELS["version"], style=wide),
         }
         self.button = widgets.Button(description="Run", button_style="primary", icon="play")
-        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="ranks")
+        self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="ranks", style=wide)
         self.status = widgets.HTML(value="choose a configuration and press Run")
         self.output = widgets.Output()
         self._set_options(sel)
@@ -291,7 +292,7 @@ class ProbeExplorer:
         self.records = result["records"]
         self.rows = result_rows(self.records, sel)
         self.progress.bar_style = "success"
-        self.status.value = sentence(self.rows, sel).replace("**", "") + f" ({time.monotonic() - t0:.0f} s)"
+        self.status.value = markdown_bold(sentence(self.rows, sel)) + f" ({time.monotonic() - t0:.0f} s)"
         self.redraw(sel)
         return self.records
 
@@ -315,6 +316,14 @@ class ProbeExplorer:
         else:
             display(fig)
         plt.close(fig)
+
+
+def markdown_bold(text: str) -> str:
+    """The status line is HTML: the sentence's **bold** (its verdict) stays bold instead of being dropped."""
+    import html
+    import re
+
+    return re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", html.escape(text))
 
 
 def _title(sel: dict) -> str:

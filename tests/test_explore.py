@@ -147,3 +147,12 @@ def test_a_new_run_never_shows_the_previous_selections_figure():
     during = seen[-1]
     assert "image/png" not in during[:-1] and "running B3: W=2, GA/N=8" in during[-1] and "cleared" in during[-1]
     assert [next(iter(o["data"])) for o in ex.output.outputs] == ["image/png"]  # the new figure replaced the note
+
+
+def test_labels_are_whole_and_the_verdict_stays_bold():
+    ex = explore.ProbeExplorer(runner=Recorder(), interactive=False)
+    widgets = [ex.bug, ex.progress, *ex.knobs.values()]
+    assert all(w.style.description_width == "initial" for w in widgets)  # "world size W", not "world size…"
+    ex.run()
+    assert "<b>affected</b>" in ex.status.value and "**" not in ex.status.value
+    assert explore.markdown_bold("a <b> & **x**") == "a &lt;b&gt; &amp; <b>x</b>"
