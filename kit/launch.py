@@ -461,6 +461,15 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
             shutil.rmtree(job, ignore_errors=True)
 
 
+def _complete(path: Path) -> bool:
+    """A rank's result file that is whole (the worker renames it into place; a foreign writer may not)."""
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 class _PartialReader:
     """Hands each complete line rank 0 appended to its partial file to ``on_partial``, once."""
 
@@ -497,7 +506,7 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
             return
         # A local rank that wrote its result and then died in tear-down (seen once in CI: a SIGABRT, "terminate
         # called without an active exception", in a C++ destructor after a freshly built comm op) finished its work.
-        if world.launcher == "local" and all(c == 0 or (c is not None and (job / f"rank{r}.json").exists())
+        if world.launcher == "local" and all(c == 0 or (c is not None and _complete(job / f"rank{r}.json"))
                                              for r, c in enumerate(codes)):
             for r, c in enumerate(codes):
                 if c != 0:

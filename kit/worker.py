@@ -124,7 +124,9 @@ def main(job: Path) -> int:
             "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))
         traceback.print_exc()
         return 1
-    (job / f"rank{rank}.json").write_text(text)
+    tmp = job / f"rank{rank}.json.tmp"  # written whole, then renamed: rank<R>.json exists only when complete
+    tmp.write_text(text)
+    os.replace(tmp, job / f"rank{rank}.json")
     try:
         import torch.distributed as dist
         if dist.is_initialized():
