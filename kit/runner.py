@@ -57,7 +57,7 @@ def first_time(stack: dict, probe: Probe) -> str:
     return "; ".join(said)
 
 
-def stack_label(stack: dict, probe: Probe | None = None) -> str:
+def stack_label(stack: dict) -> str:
     """The short name of a requested stack: "installed", "0.18.9" (DeepSpeed alone), or "pkg=ver pkg=ver"."""
     if not stack:
         return "installed"
@@ -68,15 +68,11 @@ def stack_label(stack: dict, probe: Probe | None = None) -> str:
 
 def stacks_of(versions) -> list[dict]:
     """A notebook's ``VERSIONS`` (DeepSpeed releases, "installed") as stacks."""
-    from kit import config as kconfig
-
     return [{} if v == kconfig.INSTALLED else {"deepspeed": v} for v in versions]
 
 
 def versions_of(stacks) -> list[str]:
     """The DeepSpeed release each stack asks for ("installed" where it names none)."""
-    from kit import config as kconfig
-
     return [s.get("deepspeed", kconfig.INSTALLED) for s in stacks]
 
 
@@ -109,11 +105,9 @@ def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, me
     if _LISTENERS:
         _emit(kind="world", label=version, world_size=world_size, planned=len(cases), first_time=first_time(stack, probe))
     try:
-        resolved = kversions.resolve_stack(stack, probe.packages)
+        world, resolved = world_for(probe, stack, world_size, device, timeout_s)
     except kversions.CannotRun as e:
         return records.failed_records(cases, meta, version, e.reason)
-    world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=resolved.pythonpath,
-                         extensions_key=resolved.extensions_key, expect=resolved.expect, init=probe.init)
     done = {"n": 0}
 
     def arrived(piece):
@@ -132,12 +126,27 @@ def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, me
                    "versions": rank0[0].get("versions", {})} for _ in cases[len(rank0):]]
     out = []
     for case, res in zip(cases, rank0):
-        rec = {**records.base(meta, case, version), **{k: v for k, v in res.items() if k not in ("case", "ga")}}
-        rec.setdefault("metrics", None)
+        rec = record(meta, case, version, res)
         if predicted is not None:
             rec["predicted_misplaced_weight"] = predicted(case)
         out.append(rec)
     return judge(out, probe.control_key)
+
+
+def world_for(probe: Probe, stack: dict, world_size: int, device: str, timeout_s: float):
+    """``(launch.World, versions.Stack)`` for running ``probe`` on ``stack`` (installs an overlay if needed;
+    ``CannotRun`` if it does not install)."""
+    resolved = kversions.resolve_stack(stack, probe.packages)
+    world = launch.World(world_size=world_size, device=device, timeout_s=timeout_s, pythonpath=resolved.pythonpath,
+                         extensions_key=resolved.extensions_key, expect=resolved.expect, init=probe.init)
+    return world, resolved
+
+
+def record(meta: dict, case: dict, version: str, result: dict) -> dict:
+    """One case's record, before its verdict: what ran (``meta``, the case) and what rank 0 measured."""
+    rec = {**records.base(meta, case, version), **{k: v for k, v in result.items() if k not in ("case", "ga")}}
+    rec.setdefault("metrics", None)
+    return rec
 
 
 def judge(recs: list[dict], control_key=lambda rec: rec["ga"]) -> list[dict]:

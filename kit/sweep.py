@@ -147,14 +147,11 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
             "device": spec["device"], "stack": dict(stack)}
     label = runner.stack_label(stack)
     try:
-        resolved = __import__("kit.versions", fromlist=["resolve_stack"]).resolve_stack(stack, ("deepspeed",))
+        world, _ = runner.world_for(ds_config.CHECK, stack, spec["world_size"], spec["device"], spec["timeout_s"])
     except Exception as e:  # noqa: BLE001 - CannotRun, or a failed install: every point of the stack is cannot-run
         for rec in records.failed_records(todo, meta, label, getattr(e, "reason", str(e))):
             sink(_finish(rec))
         return
-    world = launch.World(world_size=spec["world_size"], device=spec["device"], timeout_s=spec["timeout_s"],
-                         pythonpath=resolved.pythonpath, extensions_key=resolved.extensions_key,
-                         expect=resolved.expect)
     remaining = list(todo)
     while remaining:
         controls = _controls(remaining)
@@ -164,11 +161,8 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
         def take(piece, cases=cases, got=got):
             case = cases[got["n"]]
             got["n"] += 1
-            rec = {**records.base(meta, case, label), **{k: v for k, v in piece.items() if k not in ("case", "ga")}}
-            rec.setdefault("metrics", None)
-            if case["role"] == "control":
-                rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), None) if rec["metrics"] \
-                    else (oracle.CANNOT_RUN, f"could not run: {rec.get('error')}")
+            rec = runner.record(meta, case, label, piece)
+            if case["role"] == "control":  # judged on its own by the oracle when it is every other point's control
                 got["controls"][case["ga"]] = rec
                 return
             control = got["controls"].get(case["ga"])

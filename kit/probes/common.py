@@ -71,6 +71,13 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
 
 
+def average_grads(model: nn.Module) -> None:
+    """Every gradient averaged over the ranks with plain ``torch.distributed``: a control's step, no library."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world_size()
+
+
 def full_fp32_params(module: nn.Module, optimizer=None) -> torch.Tensor:
     """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
 

@@ -31,7 +31,6 @@ CASES = {"no_sync": "measured", "every_step": "comparison", "sum_not_mean": "com
 def run_case(case: dict) -> dict:
     import sys
 
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from kit.probes import common as c
@@ -48,9 +47,7 @@ def run_case(case: dict) -> dict:
         with wrapped.no_sync() if quiet else contextlib.nullcontext():
             (c.mse(wrapped(x), y) / div).backward()
     if case["name"] == "control":  # the plain-torch.distributed average every other case is judged against
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= c.world_size()
+        c.average_grads(model)
     opt.step()
     effective = before - c.flat_params(model)  # lr = 1
     out, *_ = c.judge(effective, start, seed, ga, mb, hidden)

@@ -239,7 +239,6 @@ def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None
 
 def run_case(case: dict) -> dict:
     import deepspeed
-    import torch.distributed as dist
 
     from kit import oracle
     from kit.probes import common as c
@@ -252,9 +251,7 @@ def run_case(case: dict) -> dict:
         before = c.flat_params(model)
         for x, y in batches_fp32:
             (c.mse(model(x), y) / n).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= w
+        c.average_grads(model)
         opt.step()
         out, *_ = c.judge(before - c.flat_params(model), start, SEED, n, MICRO_BATCH, HIDDEN)
         return out
