@@ -12,12 +12,13 @@ that carry that verdict, and the configuration it came from.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle, plots, probes, records, versions
+from kit import oracle, plots, probes, records, runner, versions
 from kit.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
 
 
@@ -49,13 +50,16 @@ def check_notebook(p: dict) -> None:
 
 
 def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, device: str = "cpu",
-               timeout_s: float = 600, progress=None) -> list[dict]:
+               timeout_s: float = 600, progress: str = "") -> list[dict]:
     """Run ``quick_plan`` of every probe (``bugs``: those ids; empty: all) under every DeepSpeed version.
 
-    A probe whose stack does not name DeepSpeed runs once, on its installed stack. ``progress(bug, i, n)``
-    is called before each probe, if given.
+    A probe whose stack does not name DeepSpeed runs once, on its installed stack. ``progress``: "" none,
+    "text" a text bar on stdout, "widget" a JupyterLab bar; either counts the cases the ranks finish
+    (``kit.runner.case_bar``) and names the probe, the stack, and what makes a first launch slow.
     """
     kconfig.check_list("versions", versions)
+    if progress not in ("", "text", "widget"):
+        raise kconfig.ConfigError(f"progress must be '', 'text' or 'widget', got {progress!r}")
     every = probes.registry()
     bugs = list(bugs) or list(every)
     unknown = sorted(set(bugs) - set(every))
@@ -65,13 +69,12 @@ def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, devi
         kconfig.check_version(v)
     kconfig.check_world_size(world_size, device)
     out = []
-    for i, bug in enumerate(bugs):
-        probe = every[bug]
-        if progress:
-            progress(bug, i, len(bugs))
-        stacks = [{} if v == kconfig.INSTALLED else {"deepspeed": v} for v in versions] \
-            if "deepspeed" in probe.packages else [{}]
-        out += probe.run(stacks=stacks, **probe.quick_plan(world_size), device=device, timeout_s=timeout_s)
+    bar = runner.case_bar(f"{len(bugs)} probes", widget=progress == "widget") if progress else contextlib.nullcontext()
+    with bar:
+        for bug in bugs:
+            probe = every[bug]
+            stacks = runner.stacks_of(versions) if "deepspeed" in probe.packages else [{}]
+            out += probe.run(stacks=stacks, **probe.quick_plan(world_size), device=device, timeout_s=timeout_s)
     return out
 
 

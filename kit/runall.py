@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit.records import RUN_ID_ENV
+from kit.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
@@ -210,7 +211,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
            "--request-save-on-cell-execute"]
     tmp = Path(tempfile.mkdtemp(prefix=f"gradkit-{path.stem}-"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-           "TMPDIR": str(tmp)}
+           "TMPDIR": str(tmp), RUNNER_PROGRESS_ENV: str(tmp / "progress.jsonl")}
     if run_id:
         env[RUN_ID_ENV] = run_id
     t0 = time.time()
@@ -220,6 +221,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                     preexec_fn=launch._session_dying_with_parent)
             STOP.running[proc.pid] = proc
+            LIVE[path.name] = Live(executed, tmp / "progress.jsonl")
         if STOP.signal:  # the stop came while it was being started
             launch.kill_tree(proc.pid)
         try:
@@ -232,6 +234,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     finally:
         if proc is not None:
             STOP.running.pop(proc.pid, None)
+        LIVE.pop(path.name, None)
         os.unlink(f.name)
         shutil.rmtree(tmp, ignore_errors=True)
     entry["wall_s"] = round(time.time() - t0, 1)
@@ -252,6 +255,77 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     else:
         entry["error"] = f"papermill exited with {code}: " + log.read_text(errors="replace")[-800:]
     return entry
+
+
+class Live:
+    """What a running notebook has done so far, read from outside its kernel: cells from the executed notebook
+    papermill saves after every cell, cases from the events its runner appends (``kit.runner.PROGRESS_ENV``)."""
+
+    def __init__(self, executed: Path, events: Path):
+        self.executed, self.events = executed, events
+        self.cells, self.total, self.offset = 0, None, 0
+        self.since = time.time()  # an executed notebook older than this is a previous run's, not yet overwritten
+        self.world: dict = {}
+        self.done = 0
+
+    def poll(self) -> None:
+        try:
+            if self.executed.stat().st_mtime < self.since:
+                raise OSError("a previous run's notebook")
+            nb = json.loads(self.executed.read_text())  # papermill may be writing it: then keep the last count
+            states = [c.get("metadata", {}).get("papermill", {}).get("status") for c in nb["cells"]]
+            self.cells, self.total = states.count("completed"), len(states)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        try:
+            with open(self.events) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        whole = chunk[:chunk.rfind("\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(whole.encode())
+        for line in whole.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("kind") == "world":
+                self.world, self.done = event, 0
+            elif event.get("kind") == "case":
+                self.done = event.get("done", self.done + 1)
+
+    def say(self, name: str) -> str:
+        bits = [f"{Path(name).stem} cell {self.cells}/{self.total or '?'}"]
+        if self.world:
+            bits.append(f"{self.world.get('probe', '')} on {self.world.get('label')}: {self.done}/{self.world.get('planned')} cases")
+            if self.world.get("first_time") and not self.done:
+                bits.append(f"first launch: {self.world['first_time']}")
+        return ", ".join(bits)
+
+
+LIVE: dict[str, Live] = {}
+
+
+def _cells(path: Path) -> int:
+    """Cells papermill will run: the notebook's own, and the parameters cell it injects."""
+    return len(json.loads(path.read_text())["cells"]) + 1
+
+
+def _watch(bar, paths: list[Path], entries: dict, stop: threading.Event, every_s: float = 1.0) -> None:
+    """Until ``stop``: the bar counts the cells run in every notebook and names what each running one is doing."""
+    planned = {p.name: _cells(p) for p in paths}
+    while not stop.wait(every_s):
+        live = dict(LIVE)
+        for name, lv in live.items():
+            lv.poll()
+            if lv.total:
+                planned[name] = lv.total
+        finished = sum(planned[e["notebook"]] for e in list(entries.values()))  # failed ones say so in their line
+        bar.total = sum(planned.values())
+        bar.n = finished + sum(lv.cells for lv in live.values())
+        bar.set_postfix_str("; ".join(lv.say(name) for name, lv in sorted(live.items())), refresh=False)
+        bar.refresh()
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -418,26 +492,35 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     for p in paths:
         check_notebook_values(p, plan[p], known[p], spec.get("file", ""))
     entries: dict[Path, dict] = {}
-    bar = _bar(len(paths), progress)
+    bar = _bar(sum(_cells(p) for p in paths), progress)
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(bar, paths, entries, stop), daemon=True)
+    if progress:
+        watcher.start()
     run_id = run_id or new_run_id()
-    for wave in (first, aggregating):
-        if wave is aggregating:
-            write_run_file(out, run_id, [entries[p] for p in first])
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {pool.submit(execute, p, out, plan[p], float(spec["timeouts"].get(p.stem, timeout_s)), run_id): p
-                       for p in wave}
-            for fut in as_completed(futures):
-                e = entries[futures[fut]] = fut.result()
-                bar.write(f"{e['notebook']}: {e['status']} in {e['wall_s']} s" + (f" — {e['error']}" if e.get("error") else ""))
-                bar.update(1)
-    bar.close()
+    try:
+        for wave in (first, aggregating):
+            if wave is aggregating:
+                write_run_file(out, run_id, [entries[p] for p in first])
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                futures = {pool.submit(execute, p, out, plan[p], float(spec["timeouts"].get(p.stem, timeout_s)), run_id): p
+                           for p in wave}
+                for fut in as_completed(futures):
+                    e = entries[futures[fut]] = fut.result()
+                    bar.write(f"{e['notebook']}: {e['status']} in {e['wall_s']} s" + (f" — {e['error']}" if e.get("error") else ""))
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        bar.close()
     return [entries[p] for p in paths]
 
 
 def _bar(total: int, enabled: bool):
+    """Cells run over cells planned, in every notebook of the run; the running notebooks' cell and cases after it."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="notebooks", unit="nb", file=sys.stderr, disable=not enabled)
+    return tqdm(total=total, desc="cells", unit="cell", file=sys.stderr, disable=not enabled)
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,9 @@ stage, per-configuration verdicts). A stack that cannot be installed, or a world
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import sys
 
 from kit import config as kconfig
 from kit import launch, oracle, records
@@ -19,6 +22,7 @@ from kit import versions as kversions
 from kit.probe import Probe
 
 _LISTENERS: list = []
+PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (kit.runall reads it)
 
 
 @contextlib.contextmanager
@@ -26,9 +30,10 @@ def listen(callback):
     """While the block runs, ``callback(event)`` hears every world the runner starts and every case its rank 0
     finishes, from the ranks themselves (an explorer's progress bar, a notebook's status line).
 
-    Events: ``{"kind": "world", "label", "world_size", "planned", "first_time"}`` before a world (``first_time``
-    names the one-off work that makes a first launch slow, or is ""), then ``{"kind": "case", "done",
-    "planned", "case"}`` as each case comes back.
+    Events: ``{"kind": "world", "probe", "label", "world_size", "planned", "first_time"}`` before a world
+    (``first_time`` names the one-off work that makes a first launch slow, or is ""), then ``{"kind": "case",
+    "done", "planned", "case"}`` as each case comes back. With ``GRADKIT_PROGRESS`` set (``kit.runall`` sets it
+    for each notebook's kernel) the same events are appended to that file.
     """
     _LISTENERS.append(callback)
     try:
@@ -37,9 +42,48 @@ def listen(callback):
         _LISTENERS.remove(callback)
 
 
+def _listening() -> bool:
+    return bool(_LISTENERS) or bool(os.environ.get(PROGRESS_ENV))
+
+
 def _emit(**event) -> None:
     for callback in list(_LISTENERS):
         callback(event)
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(event, default=str) + "\n")
+        except OSError:
+            pass  # progress is for the eye: a run never fails for it
+
+
+@contextlib.contextmanager
+def case_bar(desc: str = "cases", widget: bool = False):
+    """A tqdm bar of the cases the ranks finish, while the block runs: its total grows as each world announces
+    its planned cases, its label names the probe and stack of the running world, and a first launch says what
+    makes it slow. ``widget``: the notebook widget (JupyterLab) rather than text on stdout (papermill, a log)."""
+    if widget:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=0, desc=desc, unit="case")
+    else:
+        from tqdm import tqdm
+        bar = tqdm(total=0, desc=desc, unit="case", file=sys.stdout, mininterval=2.0, ascii=True)
+
+    def hear(event):
+        if event["kind"] == "world":
+            bar.total += event["planned"]
+            bar.set_description(f"{desc}: {event.get('probe', '')} on {event['label']}, {event['world_size']} ranks")
+            bar.set_postfix_str(f"first launch: {event['first_time']}" if event["first_time"] else "", refresh=False)
+            bar.refresh()
+        elif event["kind"] == "case":
+            bar.update(1)
+
+    try:
+        with listen(hear):
+            yield bar
+    finally:
+        bar.close()
 
 
 def first_time(stack: dict, probe: Probe) -> str:
@@ -102,8 +146,8 @@ def run(probe: Probe, cases: list[dict], stacks=({},), world_sizes=(2,), device:
 def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, meta: dict, world_size: int,
                   device: str, timeout_s: float, predicted=None) -> list[dict]:
     """Resolve ``stack``, run all ``cases`` in one world, return one verdicted record per case."""
-    if _LISTENERS:
-        _emit(kind="world", label=version, world_size=world_size, planned=len(cases), first_time=first_time(stack, probe))
+    if _listening():
+        _emit(kind="world", probe=probe.id, label=version, world_size=world_size, planned=len(cases), first_time=first_time(stack, probe))
     try:
         world, resolved = world_for(probe, stack, world_size, device, timeout_s)
     except kversions.CannotRun as e:
@@ -115,7 +159,7 @@ def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, me
         _emit(kind="case", done=done["n"], planned=len(cases), case=piece.get("case"))
 
     try:
-        rank0 = launch.run_world(probe.target, {"cases": cases}, world, on_partial=arrived if _LISTENERS else None)[0]
+        rank0 = launch.run_world(probe.target, {"cases": cases}, world, on_partial=arrived if _listening() else None)[0]
     except launch.LaunchError as e:
         # the cases rank 0 finished before the world failed keep their results; the rest could not run
         rank0 = e.partial.get(0, [])[:len(cases)]

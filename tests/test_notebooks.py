@@ -1,5 +1,6 @@
 """The bug notebooks execute under papermill with small parameters (scripts/params/quick.yaml) and record verdicts."""
 import json
+import re
 
 import pytest
 
@@ -77,11 +78,19 @@ def test_explorer_runs_headless_with_its_default_selection(quick_run):
     assert findings["fix_boundary (fix, GA 4)"] == "not-affected"
 
 
-def test_overview_runs_the_probes_itself_when_given_no_results(repo, tmp_path):
+def test_overview_runs_the_probes_itself_when_given_no_results(repo, tmp_path, capsys):
+    """... and both bars move with the ranks: run-all's (cells, then the running world's cases, read from outside
+    the kernel) and the overview's own (cases of each probe's world)."""
     params = tmp_path / "p.yaml"
     params.write_text('notebooks:\n  00_overview:\n    VERSIONS: ["installed"]\n    BUGS: ["B2", "B4"]\n')
     code = runall.main([str(repo / "notebooks" / "00_overview.ipynb"), "--params", str(params), "--out", str(tmp_path),
-                        "--timeout", "600", "--no-progress"])
+                        "--timeout", "600"])
     assert code == 0, (tmp_path / "summary.md").read_text()
     findings = json.loads((tmp_path / "00_overview.findings.json").read_text())
     assert set(findings.values()) == {"not-affected"} and sorted(k.split()[0] for k in findings) == ["B2", "B4"]
+    shown = capsys.readouterr().err.replace("\r", "\n")
+    assert re.search(r"00_overview cell \d+/\d+, B[24] on installed: \d/\d cases", shown), shown[-2000:]
+    assert re.search(r"cells: 100%.*\| (\d+)/\1 ", shown), shown[-2000:]  # every cell counted, none twice
+    executed = json.loads((tmp_path / "00_overview.ipynb").read_text())
+    text = "".join(t for c in executed["cells"] for o in c.get("outputs", []) for t in o.get("text", ""))
+    assert "2 probes: B4 on installed, 2 ranks: 100%" in text  # the notebook's own bar reached its cases' end
