@@ -156,6 +156,21 @@ def check_timeout(timeout_s) -> None:
         raise ConfigError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
 
 
+AUTO = "auto"
+FRONTEND_ENV = "JPY_SESSION_NAME"  # jupyter_server sets it for the kernels of the notebooks it opens, papermill does not
+
+
+def interactive(value=AUTO) -> bool:
+    """A notebook's ``INTERACTIVE``: True / False as given; "auto" (the stored default, so that nobody edits and
+    autosaves a tracked notebook to get widgets) is True in a JupyterLab or Notebook session, False under
+    papermill or nbconvert. ``kit.runall`` passes False and keeps the variable out of its kernels."""
+    if isinstance(value, bool):
+        return value
+    if value != AUTO:
+        raise ConfigError(f"INTERACTIVE must be True, False or {AUTO!r}, got {value!r}")
+    return bool(os.environ.get(FRONTEND_ENV))
+
+
 def check_version(version) -> None:
     if version == INSTALLED:
         return

@@ -123,7 +123,10 @@ def check_notebook_values(path: Path, params: dict, known: dict | None = None, s
     if path.name not in checks:
         return
     try:
-        checks[path.name]({**notebook_defaults(path, known), **params})
+        values = {**notebook_defaults(path, known), **params}
+        if "INTERACTIVE" in values:
+            kconfig.interactive(values["INTERACTIVE"])
+        checks[path.name](values)
     except kconfig.ConfigError as e:
         raise kconfig.ConfigError(f"{path.name}{f' ({source})' if source else ''}: {e}") from None
 
@@ -210,8 +213,9 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
            "--cwd", str(REPO), "--execution-timeout", str(int(timeout_s)), "--no-progress-bar",
            "--request-save-on-cell-execute"]
     tmp = Path(tempfile.mkdtemp(prefix=f"gradkit-{path.stem}-"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-           "TMPDIR": str(tmp), RUNNER_PROGRESS_ENV: str(tmp / "progress.jsonl")}
+    env = {**{k: v for k, v in os.environ.items() if k != kconfig.FRONTEND_ENV},  # headless, even when started
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           "TMPDIR": str(tmp), RUNNER_PROGRESS_ENV: str(tmp / "progress.jsonl")}  # from a JupyterLab kernel
     if run_id:
         env[RUN_ID_ENV] = run_id
     t0 = time.time()

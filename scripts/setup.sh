@@ -11,5 +11,6 @@ python -m pip install -q --upgrade pip setuptools wheel
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 # deepspeed ships as an sdist whose build imports torch: build it against the torch above.
 DS_BUILD_OPS=0 python -m pip install -q --no-build-isolation -e .
+bash scripts/nbstripout_filter.sh "$PWD/.venv/bin/python"  # outputs JupyterLab autosaves never reach a commit
 python -m ipykernel install --sys-prefix --name gradkit --display-name "Python (gradkit)" >/dev/null
 python -c "import torch, deepspeed, transformers, kit; print(f'gradkit ready: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"

@@ -82,3 +82,12 @@ def test_an_old_transformers_gets_companions_for_the_pins_it_checks(tmp_path):
         '\n    "torch": "torch>=2.2",\n}\n')
     assert versions.companion_requirements(tmp_path) == {"tokenizers": ">=0.22.0,<=0.23.0",
                                                          "huggingface-hub": ">=1.3.0,<2.0"}
+
+
+def test_interactive_auto_follows_the_frontend(monkeypatch):
+    monkeypatch.delenv(config.FRONTEND_ENV, raising=False)
+    assert config.interactive("auto") is False and config.interactive(True) is True
+    monkeypatch.setenv(config.FRONTEND_ENV, "notebooks/05_explorer.ipynb")  # what jupyter_server gives its kernels
+    assert config.interactive("auto") is True and config.interactive(False) is False
+    with pytest.raises(config.ConfigError, match="INTERACTIVE must be True, False or 'auto', got 'yes'"):
+        config.interactive("yes")

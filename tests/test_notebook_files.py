@@ -63,3 +63,48 @@ def test_no_markdown_cell_states_a_measured_number_as_fixed_text(path):
         if c.cell_type == "markdown":
             found = [m.group(0) for m in MEASURED.finditer(c.source) if m.group(0) != "1.000"]
             assert not found, f"markdown cell {i} states {found} as fixed text: print it from the run instead"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_stored_as_the_git_filter_would_store_it(path):
+    """nbstripout (the clean filter scripts/setup.sh installs) leaves every stored notebook byte for byte as it is:
+    a commit through the filter changes nothing but what a session added."""
+    import subprocess
+    import sys
+
+    cleaned = subprocess.run([sys.executable, "-m", "nbstripout", "--keep-id"], input=path.read_bytes(),
+                             capture_output=True, check=True).stdout
+    assert cleaned == path.read_bytes(), f"nbstripout --keep-id would rewrite {path.name}: run it on the file"
+
+
+def test_outputs_jupyterlab_autosaves_never_reach_a_commit(tmp_path):
+    """scripts/nbstripout_filter.sh in a clone: a notebook autosaved with outputs, execution counts and widget
+    state stages nothing; an edit of its code is staged without the outputs around it."""
+    import shutil
+    import subprocess
+    import sys
+
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    capture_output=True, text=True, check=True).stdout
+    git("init", "-q")
+    subprocess.run(["bash", str(runall.REPO / "scripts" / "nbstripout_filter.sh"), sys.executable], cwd=tmp_path,
+                   check=True, capture_output=True)
+    nb_path = tmp_path / "n.ipynb"
+    shutil.copy(NOTEBOOKS[0], nb_path)
+    git("add", "n.ipynb")
+    git("commit", "-qm", "clean")
+    nb = nbformat.read(nb_path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for i, c in enumerate(code):
+        c.execution_count = i + 1
+        c.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"ran {i}\n")]
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    nbformat.write(nb, str(nb_path))
+    assert git("diff") == ""
+    git("add", "-A")  # (git status may list the file until then: its size changed, its cleaned content did not)
+    assert git("diff", "--cached") == "" and git("status", "--porcelain") == ""  # nothing to commit
+    code[-1].source += "\nprint('edited')"
+    nbformat.write(nb, str(nb_path))
+    git("add", "-A")
+    staged = git("diff", "--cached")
+    assert "print('edited')" in staged and "ran 0" not in staged and "execution_count\": 1" not in staged

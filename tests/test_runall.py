@@ -162,3 +162,12 @@ def test_a_run_all_gives_the_signal_handlers_back(tmp_path):
     assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
     assert runall.STOP.signal is None
+
+
+def test_a_run_all_started_from_a_jupyterlab_kernel_runs_its_notebooks_headless(tmp_path, monkeypatch):
+    """INTERACTIVE = "auto" means widgets in a JupyterLab session (JPY_SESSION_NAME): the kernels run-all starts
+    must not inherit that, or a run-all started from a notebook would draw inert widgets instead of figures."""
+    monkeypatch.setenv(config.FRONTEND_ENV, "notebooks/00_overview.ipynb")
+    assert config.interactive("auto") is True
+    nb = _notebook(tmp_path / "n.ipynb", "from kit.config import interactive\nassert interactive('auto') is False")
+    assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
