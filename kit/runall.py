@@ -15,6 +15,8 @@
   bug notebooks and read the records those just wrote.
 - **The summary** (``summary.md``, ``summary.json``, ``verdict_matrix.png`` / ``.json``) links to every
   executed notebook, and lists any verdict that changed since the previous run into the same folder.
+- **The site** (``OUT/site/index.html``, ``kit.site``): the summary and every executed notebook as static HTML
+  pages with their figures and a table of contents, to read without running anything (``--no-site``: none).
 Exit status: 0 all notebooks ran, 1 one or more failed, 2 bad input (nothing ran).
 """
 from __future__ import annotations
@@ -537,6 +539,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=default_jobs(), help="notebooks run at the same time")
     ap.add_argument("--device", choices=kconfig.DEVICES, help="DEVICE for every notebook (overrides the params file)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--no-site", action="store_true", help="no HTML site of the executed notebooks (OUT/site)")
     a = ap.parse_args(argv)
     kconfig.check_timeout(a.timeout)
     kconfig.check_positive_int("jobs", a.jobs)
@@ -572,18 +575,31 @@ def main(argv=None) -> int:
             pf = Path(a.params).resolve()
             params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
         md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal)
+        index = None if a.no_site or STOP.signal else build_site(out)
     finally:
         for sig, handler in previous.items():  # a caller in the same process (a test, a kernel) gets its own back
             signal.signal(sig, handler)
     failed = [e["notebook"] for e in entries if e["status"] != "ok"]
-    print(f"executed notebooks: {out}\nsummary: {md}\n         {js}")
+    print(f"executed notebooks: {out}\nsummary: {md}\n         {js}" + (f"\nsite:    {index}" if index else ""))
     if STOP.signal:
         print(f"stopped by {STOP.signal}: {len(failed)} notebook(s) did not finish; the summary says which",
               file=sys.stderr)
         return 128 + signal.Signals[STOP.signal].value  # 130 for SIGINT, 143 for SIGTERM
     if failed:
         print(f"FAILED: {failed}", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or index is False else 0
+
+
+def build_site(out: Path):
+    """The static site of the executed notebooks (``kit.site``): its index, or False (said on stderr) when it
+    could not be built; the run's own results stand either way."""
+    from kit import site
+
+    try:
+        return site.build(out)
+    except Exception as e:  # noqa: BLE001 - a site that fails to render is reported, the run is kept
+        print(f"site not built: {type(e).__name__}: {e}", file=sys.stderr)
+        return False
 
 
 if __name__ == "__main__":

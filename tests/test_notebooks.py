@@ -94,3 +94,44 @@ def test_overview_runs_the_probes_itself_when_given_no_results(repo, tmp_path, c
     executed = json.loads((tmp_path / "00_overview.ipynb").read_text())
     text = "".join(t for c in executed["cells"] for o in c.get("outputs", []) for t in o.get("text", ""))
     assert "2 probes: B4 on installed, 2 ranks: 100%" in text  # the notebook's own bar reached its cases' end
+
+
+def test_the_run_renders_a_site_to_read_without_running(quick_run):
+    """OUT/site: an index with the verdict matrix embedded and a link to a page per notebook; every page has its
+    figures embedded and a table of contents whose every link lands on a heading of that page."""
+    from html.parser import HTMLParser
+    from urllib.parse import unquote
+
+    class Page(HTMLParser):
+        def __init__(self, text):
+            super().__init__()
+            self.ids, self.hrefs, self.images = set(), [], []
+            self.feed(text)
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            self.ids.add(a.get("id"))
+            if tag == "a" and a.get("href"):
+                self.hrefs.append(a["href"])
+            if tag == "img":
+                self.images.append(a.get("src", ""))
+
+    site = quick_run[1] / "site"
+    index = Page((site / "index.html").read_text())
+    assert any(src.startswith("data:image/png;base64,") for src in index.images), "the verdict matrix is not embedded"
+    assert {f"{nb}.html" for nb in NOTEBOOKS} <= set(index.hrefs)
+    assert not [h for h in index.hrefs if h.endswith(".ipynb")], "a link to a notebook file instead of its page"
+    for nb in NOTEBOOKS:
+        page = Page((site / f"{nb}.html").read_text())
+        toc = [h[1:] for h in page.hrefs if h.startswith("#") and len(h) > 1]
+        lost = [t for t in toc if t not in page.ids and unquote(t) not in page.ids]  # as a browser looks a fragment up
+        assert len(toc) >= 3 and not lost, (nb, lost)
+        assert "index.html" in page.hrefs
+        stored = json.loads((repo_path_of(nb)).read_text())
+        draws = any("plots." in "".join(c["source"]) for c in stored["cells"] if c["cell_type"] == "code")
+        embedded = [s for s in page.images if s.startswith("data:image/png;base64,")]
+        assert not draws or embedded, f"{nb} draws figures, but its page embeds none"
+
+
+def repo_path_of(nb):
+    return runall.NOTEBOOKS / f"{nb}.ipynb"

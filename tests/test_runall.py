@@ -48,6 +48,9 @@ def test_runner_keeps_going_past_a_failing_notebook(mixed_run):
     md = (out / "summary.md").read_text()
     assert "1 of 3 notebooks ran to the end" in md
     assert "assert y == 3" in md and "[a_fails.ipynb](a_fails.ipynb)" in md
+    page = (out / "site" / "a_fails.html").read_text()  # the site shows a failed notebook, saying so first
+    assert "This notebook did not finish (failed)" in page and "deliberate failure: y is 2" in page
+    assert 'href="a_fails.html"' in (out / "site" / "index.html").read_text()
 
 
 def test_runner_stops_a_notebook_at_its_own_limit(mixed_run):
