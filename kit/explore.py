@@ -1,6 +1,8 @@
 """Interactive views over records, for JupyterLab (``INTERACTIVE = True``); papermill never calls them."""
 from __future__ import annotations
 
+import threading
+
 
 def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict | None = None,
               missing: str = "no record for that combination"):
@@ -168,6 +170,13 @@ class ProbeExplorer:
     ``runner(probe_id, kwargs) -> records`` launches the probe (default ``run_probe``); tests pass a fake.
     Headless (``interactive=False``, e.g. under papermill) ``run()`` draws the figure straight into the
     cell's output; in JupyterLab the figure goes into the widget's output area.
+
+    Stopping a run. Run starts it in a thread of its own (``start``), so that while it runs the kernel still
+    hears **Stop** and the kernel's **Interrupt**: JupyterLab 4.6 hands widget clicks to a kernel subshell (a
+    thread) that SIGINT never reaches, and ipykernel ignores SIGINT between cells, so for the length of a run a
+    SIGINT handler of the explorer's own is armed on the kernel's main thread (through its event loop). Either
+    way the run's world is stopped (its ranks killed) and the status line says so. ``run()`` called from a cell
+    blocks as before, and the cell's Interrupt raises ``KeyboardInterrupt`` in it as usual.
     """
 
     def __init__(self, selection: dict | None = None, device: str = "cpu", timeout_s: float = 600,
@@ -189,12 +198,17 @@ class ProbeExplorer:
             "version": widgets.Dropdown(options=["installed"], description=KNOB_LABELS["version"], style=wide),
         }
         self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = widgets.Button(description="Stop", button_style="warning", icon="stop", disabled=True)
         self.progress = widgets.FloatProgress(value=0.0, min=0.0, max=1.0, description="ranks", style=wide)
         self.status = widgets.HTML(value="choose a configuration and press Run")
         self.output = widgets.Output()
         self._set_options(sel)
         self.bug.observe(lambda change: self._set_options(default_selection(change["new"])), names="value")
-        self.button.on_click(lambda _: self.run())
+        self.button.on_click(lambda _: self.start())
+        self.stop_button.on_click(lambda _: self.cancel.set())
+        self.cancel = threading.Event()  # Stop, or a SIGINT while a started run is in flight
+        self.thread: threading.Thread | None = None
+        self._main_loop = _main_thread_loop()
 
     def _set_options(self, sel: dict) -> None:
         for knob, w in self.knobs.items():
@@ -211,11 +225,26 @@ class ProbeExplorer:
         return widgets.VBox([widgets.HBox([self.bug, self.knobs["version"]]),
                              widgets.HBox([self.knobs["world_size"], self.knobs["ga"]]),
                              widgets.HBox([self.knobs["zero_stage"], self.knobs["dtype"]]),
-                             widgets.HBox([self.button, self.progress]), self.status, self.output])
+                             widgets.HBox([self.button, self.stop_button, self.progress]), self.status, self.output])
+
+    def start(self) -> threading.Thread | None:
+        """The Run button: ``run()`` in a thread of its own, with Stop and the kernel's Interrupt armed."""
+        if self.thread is not None and self.thread.is_alive():
+            return None
+        self.cancel.clear()
+        disarm = _on_sigint(self._main_loop, self.cancel.set)
+        self.thread = threading.Thread(target=self._run_then, args=(disarm,), daemon=True, name="gradkit-explorer-run")
+        self.thread.start()
+        return self.thread
+
+    def _run_then(self, disarm) -> None:
+        try:
+            self.run()
+        finally:
+            disarm()
 
     def run(self) -> list[dict]:
-        """The Run button: check the selection, launch the probe in a thread while the progress bar moves, redraw."""
-        import threading
+        """One run, blocking: check the selection, launch the probe in a thread while the progress bar moves, redraw."""
         import time
 
         from kit import config as kconfig
@@ -247,20 +276,19 @@ class ProbeExplorer:
             except Exception as e:  # noqa: BLE001 - shown in the status line, never swallowed silently
                 result["error"] = e
 
-        self.button.disabled = True
+        self.button.disabled, self.stop_button.disabled = True, False
         self.progress.bar_style = ""
         self.progress.value = 0.0
-        if self.interactive and self.output.outputs:  # never leave the previous selection's figure under a new run
-            from IPython.display import HTML
-
-            self.output.outputs = ()
-            self.output.append_display_data(HTML(f"<i>running {_title(sel)}: the previous figure is cleared; the new "
-                                                  "one is drawn here when the ranks are done</i>"))
+        if self.output.outputs:  # never leave the previous selection's figure under a new run
+            self._say_in_output(f"running {_title(sel)}: the previous figure is cleared; the new one is drawn here "
+                                "when the ranks are done")
         t0 = time.monotonic()
         thread = threading.Thread(target=work, daemon=True)
         thread.start()
         try:
             while thread.is_alive():
+                if self.cancel.is_set():  # Stop, or the kernel's Interrupt during a started run
+                    raise KeyboardInterrupt
                 elapsed = time.monotonic() - t0
                 if heard["planned"]:  # what the ranks reported: cases done of cases planned (5 %: ranks starting)
                     self.progress.value = min(0.99, 0.05 + 0.95 * heard["done"] / heard["planned"])
@@ -278,16 +306,18 @@ class ProbeExplorer:
 
             stopped = launch.stop_worlds()
             thread.join(10)
-            self.button.disabled = False
+            self.button.disabled, self.stop_button.disabled = False, True
             self.progress.bar_style = "danger"
             self.status.value = (f"<b>interrupted</b> after {time.monotonic() - t0:.0f} s: {stopped} world(s) stopped, "
                                  "their ranks killed; nothing was measured")
+            self._say_in_output(f"no figure: the run of {_title(sel)} was interrupted")
             return []
-        self.button.disabled = False
+        self.button.disabled, self.stop_button.disabled = False, True
         self.progress.value = 1.0
         if "error" in result:
             self.progress.bar_style = "danger"
             self.status.value = f"<b>the probe failed:</b> {type(result['error']).__name__}: {result['error']}"
+            self._say_in_output(f"no figure: the run of {_title(sel)} failed")
             return []
         self.records = result["records"]
         self.rows = result_rows(self.records, sel)
@@ -295,6 +325,17 @@ class ProbeExplorer:
         self.status.value = markdown_bold(sentence(self.rows, sel)) + f" ({time.monotonic() - t0:.0f} s)"
         self.redraw(sel)
         return self.records
+
+    def _say_in_output(self, text: str) -> None:
+        """Replace what the figure area shows with one italic line (only where a figure was or is awaited)."""
+        if not self.interactive or not self.output.outputs:
+            return
+        import html
+
+        from IPython.display import HTML
+
+        self.output.outputs = ()
+        self.output.append_display_data(HTML(f"<i>{html.escape(text)}</i>"))
 
     def redraw(self, sel: dict | None = None) -> None:
         import matplotlib.pyplot as plt
@@ -316,6 +357,41 @@ class ProbeExplorer:
         else:
             display(fig)
         plt.close(fig)
+
+
+def _main_thread_loop():
+    """The kernel's main-thread event loop, when called from a cell (where ipykernel runs one); else None."""
+    import asyncio
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _on_sigint(loop, callback):
+    """Until the returned ``disarm()`` is called, a SIGINT to this process calls ``callback`` (installed on the main
+    thread through ``loop``: only that thread may set a signal handler); nothing when there is no such loop."""
+    import signal
+
+    if loop is None or loop.is_closed():
+        return lambda: None
+    state: dict = {}
+
+    def handler(_signum, _frame):
+        callback()
+
+    def arm():
+        state["before"] = signal.signal(signal.SIGINT, handler)
+
+    def disarm_now():
+        if "before" in state and signal.getsignal(signal.SIGINT) is handler:
+            signal.signal(signal.SIGINT, state["before"])
+
+    loop.call_soon_threadsafe(arm)
+    return lambda: loop.is_closed() or loop.call_soon_threadsafe(disarm_now)
 
 
 def markdown_bold(text: str) -> str:

@@ -28,13 +28,20 @@ class Recorder:
         return self.result(module, kwargs)
 
 
+def click(ex):
+    """Run, as a user clicks it (the run goes on in its own thread), then wait for it to end."""
+    ex.button.click()
+    ex.thread.join(30)
+    assert not ex.thread.is_alive()
+
+
 def test_run_button_launches_the_chosen_probe_and_redraws():
     runner = Recorder()
     ex = explore.ProbeExplorer(runner=runner, interactive=True)
     ex.bug.value = "B3"
     ex.knobs["ga"].value = 8
     ex.knobs["zero_stage"].value = 1
-    ex.button.click()
+    click(ex)
     (module, kwargs), = runner.calls
     assert module == "B3"
     assert kwargs["n_values"] == [1, 8] and kwargs["stages"] == [1] and kwargs["fix_n_values"] == [8]
@@ -43,7 +50,7 @@ def test_run_button_launches_the_chosen_probe_and_redraws():
     assert "affected" in ex.status.value and "0.403" in ex.status.value
     assert [r["case"] for r in ex.rows] == ["control", "manual", "fix_boundary"]  # GA 1 measured row left out
     assert len(ex.output.outputs) == 1  # the figure, redrawn into the output area
-    ex.button.click()
+    click(ex)
     assert len(runner.calls) == 2 and len(ex.output.outputs) == 1  # replaced, not appended
 
 
@@ -140,10 +147,10 @@ def test_a_new_run_never_shows_the_previous_selections_figure():
 
     ex = explore.ProbeExplorer(runner=runner, interactive=True)
     ex.bug.value = "B3"
-    ex.button.click()
+    click(ex)
     assert [next(iter(o["data"])) for o in ex.output.outputs] == ["image/png"]  # the first figure
     ex.knobs["ga"].value = 8
-    ex.button.click()
+    click(ex)
     during = seen[-1]
     assert "image/png" not in during[:-1] and "running B3: W=2, GA/N=8" in during[-1] and "cleared" in during[-1]
     assert [next(iter(o["data"])) for o in ex.output.outputs] == ["image/png"]  # the new figure replaced the note
@@ -156,3 +163,32 @@ def test_labels_are_whole_and_the_verdict_stays_bold():
     ex.run()
     assert "<b>affected</b>" in ex.status.value and "**" not in ex.status.value
     assert explore.markdown_bold("a <b> & **x**") == "a &lt;b&gt; &amp; <b>x</b>"
+
+
+def test_stop_ends_a_started_run_and_says_so():
+    """Run returns at once (the kernel stays free to hear Stop); Stop ends the run within a poll, the status and
+    the figure area say it was interrupted, and Run is offered again."""
+    import threading
+    import time
+
+    release, slow = threading.Event(), []
+
+    def runner(module, kwargs):
+        if slow:
+            release.wait(30)  # a world that would run for a while
+        return _fake_records(module, kwargs)
+
+    ex = explore.ProbeExplorer(runner=runner, interactive=True)
+    click(ex)  # a first, finished run: its figure is in the output area
+    slow.append(True)
+    ex.button.click()
+    assert ex.thread.is_alive() and ex.button.disabled and not ex.stop_button.disabled
+    t0 = time.monotonic()
+    ex.stop_button.click()
+    time.sleep(0.5)
+    release.set()  # the world ends as its killed ranks do
+    ex.thread.join(5)
+    assert not ex.thread.is_alive() and time.monotonic() - t0 < 2
+    assert "<b>interrupted</b>" in ex.status.value and ex.progress.bar_style == "danger"
+    assert not ex.button.disabled and ex.stop_button.disabled
+    assert "no figure: the run of B3" in ex.output.outputs[0]["data"]["text/html"]
