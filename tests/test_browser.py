@@ -1,0 +1,203 @@
+"""JupyterLab in a real browser: Debian's chromium and chromium-driver, driven by selenium.
+
+The explorer opened as a user opens it (``INTERACTIVE = "auto"``, nothing edited), Run All, Run, a changed
+selection and its redrawn figure, a run stopped by the kernel's Interrupt and one by Stop (their ranks gone),
+then the static site of a run-all: its index and a notebook page, with their figures loaded.
+``SCREENSHOTS_DIR=folder`` keeps the screenshots and the timings (``browser.json``).
+"""
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kit import launch, runall
+
+pytestmark = pytest.mark.world
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+if not (CHROMIUM and DRIVER):
+    pytest.skip("no browser: the real-browser test needs Debian's chromium and chromium-driver "
+                "(`apt-get install chromium chromium-driver` as root; scripts/test.sh does it where it can)",
+                allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+KERNEL_STATUS = ("const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
+                 "const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+                 "return k ? [k.status, w.sessionContext.kernelDisplayName] : null")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    folder = Path(os.environ.get("SCREENSHOTS_DIR") or tmp_path_factory.mktemp("shots"))
+    folder.mkdir(parents=True, exist_ok=True)
+    timings: dict = {}
+    yield folder, timings
+    (folder / "browser.json").write_text(json.dumps(timings, indent=1))
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 over a copy of the explorer notebook; its config, data, runtime,
+    settings and workspaces in a temporary folder (nothing of the user's is read or written)."""
+    home = tmp_path_factory.mktemp("lab")
+    root = home / "root"
+    root.mkdir()
+    shutil.copy(runall.NOTEBOOKS / "05_explorer.ipynb", root)
+    settings = home / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_DATA_DIR": str(home / "data"),
+           "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+    env.pop("JPY_SESSION_NAME", None)
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.allow_root=True",
+           "--LabApp.expose_app_in_browser=True", f"--LabApp.user_settings_dir={home / 'settings'}",
+           f"--LabApp.workspaces_dir={home / 'workspaces'}"]
+    log = open(home / "lab.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=launch._session_dying_with_parent)
+    import urllib.request
+
+    t0 = time.time()
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() - t0 < 90, (home / "lab.log").read_text()[-3000:]
+            time.sleep(0.5)
+    yield {"url": f"http://127.0.0.1:{port}", "token": token, "pid": proc.pid, "root": root}
+    launch.kill_tree(proc.pid)  # the server, its kernel and any rank still alive
+    proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,1100",
+                f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=webdriver.ChromeService(DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def _ranks(server_pid: int) -> list:
+    """The rank processes below the JupyterLab server (its kernel's worlds)."""
+    try:
+        below = psutil.Process(server_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in below:
+        try:
+            if "kit.worker" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _all_gone(procs, within_s: float) -> bool:
+    return not psutil.wait_procs(procs, timeout=within_s)[1]
+
+
+def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(lab, browser, shots):
+    folder, timings = shots
+    wait = WebDriverWait(browser, 240, poll_frequency=0.1)
+    browser.get(f"{lab['url']}/lab/tree/05_explorer.ipynb?token={lab['token']}")
+    wait.until(lambda d: (d.execute_script(KERNEL_STATUS) or [None])[0] == "idle")
+    assert browser.execute_script(KERNEL_STATUS)[1] == "Python (gradkit)"
+    browser.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    run = wait.until(lambda d: d.find_elements(By.XPATH, "//button[contains(@class, 'jupyter-button') and .='Run']"))[0]
+    stop = browser.find_element(By.XPATH, "//button[contains(@class, 'jupyter-button') and .='Stop']")
+    status = lambda: browser.find_element(By.CSS_SELECTOR, ".widget-html-content").text  # noqa: E731
+    figure = lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-output img")  # noqa: E731
+    wait.until(lambda d: status() == "choose a configuration and press Run")  # widgets, with no figure yet
+    assert not figure() and stop.get_attribute("disabled")
+    browser.save_screenshot(str(folder / "1-explorer-before-run.png"))
+
+    # Run the default selection (B3, ZeRO-2: the manual loop loses micro-batches on every release)
+    t0 = time.monotonic()
+    run.click()
+    wait.until(lambda d: figure() and "x the reference" in status())
+    timings["first_run_click_to_figure_s"] = round(time.monotonic() - t0, 1)
+    assert "ZeRO 2" in status() and ": affected:" in status(), status()
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 600", figure()[0])
+    browser.save_screenshot(str(folder / "2-explorer-after-run-zero2.png"))
+
+    # another selection: the old figure goes at once, the new one comes with the new verdict (ZeRO-3 is not hit)
+    zero = next(e for e in browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown") if "ZeRO stage" in e.text)
+    Select(zero.find_element(By.TAG_NAME, "select")).select_by_visible_text("3")
+    t0 = time.monotonic()
+    run.click()
+    wait.until(lambda d: not figure())
+    assert "previous figure is cleared" in browser.find_element(By.CSS_SELECTOR, ".widget-output").text
+    wait.until(lambda d: figure() and "ZeRO 3" in status() and "x the reference" in status())
+    timings["warm_run_click_to_figure_s"] = round(time.monotonic() - t0, 1)
+    assert ": not-affected:" in status(), status()
+    browser.save_screenshot(str(folder / "3-explorer-after-run-zero3.png"))
+
+    # the kernel's Interrupt (the toolbar's stop square), then the Stop button: each run's ranks die within seconds
+    Select(zero.find_element(By.TAG_NAME, "select")).select_by_visible_text("1")
+    for how in ("interrupt", "stop"):
+        run.click()
+        wait.until(lambda d: "cases done" in status())  # the world is up: its ranks report
+        ranks = _ranks(lab["pid"])
+        assert ranks, "no rank process found below the JupyterLab server"
+        t0 = time.monotonic()
+        if how == "interrupt":
+            browser.find_element(By.CSS_SELECTOR, "jp-button[data-command='notebook:interrupt-kernel'], "
+                                                  "button[data-command='notebook:interrupt-kernel']").click()
+        else:
+            stop.click()
+        wait.until(lambda d: "interrupted" in status())
+        timings[f"{how}_to_message_s"] = round(time.monotonic() - t0, 1)
+        assert _all_gone(ranks, within_s=5.0), f"{how}: ranks still alive"
+        assert "world(s) stopped, their ranks killed" in status()
+        assert not run.get_attribute("disabled") and stop.get_attribute("disabled")
+        browser.save_screenshot(str(folder / f"4-explorer-after-{how}.png"))
+    assert not _ranks(lab["pid"])
+
+
+def test_the_site_of_a_run_opens_with_its_figures(browser, shots, tmp_path):
+    folder, timings = shots
+    out = tmp_path / "run"
+    assert runall.main(["07_ddp_no_sync", "--params", str(runall.REPO / "scripts/params/quick.yaml"), "--out", str(out),
+                        "--no-progress"]) == 0
+    loaded = "return [...document.images].map(i => i.complete && i.naturalWidth > 0)"
+    browser.get((out / "site" / "index.html").as_uri())
+    images = browser.execute_script(loaded)
+    assert images and all(images), images  # the verdict matrix
+    browser.save_screenshot(str(folder / "5-site-index.png"))
+    browser.find_element(By.CSS_SELECTOR, "a[href='07_ddp_no_sync.html']").click()
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("07_ddp_no_sync.html"))
+    images = browser.execute_script(loaded)
+    assert images and all(images), images  # the notebook's figures
+    toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")
+    target = next(a for a in toc if a.text.startswith("Verdict per case"))
+    target.click()
+    top = browser.execute_script("const e = document.getElementById(decodeURIComponent(location.hash.slice(1)));"
+                                 "return e ? e.getBoundingClientRect().top : null")
+    assert top is not None and abs(top) < 50, top  # the contents link landed on its heading
+    browser.save_screenshot(str(folder / "6-site-notebook-page.png"))
+    back = browser.find_element(By.CSS_SELECTOR, "a[href='index.html']")
+    assert back.is_displayed()
