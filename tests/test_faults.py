@@ -242,3 +242,28 @@ def test_interrupting_an_explorer_run_stops_its_world_within_seconds():
     assert seen and time.monotonic() - t0 < 60
     assert _gone(seen, within_s=5.0) is not None, "the interrupted world's ranks live on"
     assert "interrupted" in ex.status.value and "1 world(s) stopped" in ex.status.value
+
+
+def test_interrupting_a_probe_cell_in_a_real_kernel_kills_its_ranks(repo):
+    """A probe started from a cell, and the kernel's Interrupt (SIGINT to the kernel, as JupyterLab's stop square):
+    the cell ends with KeyboardInterrupt, the world's ranks are gone within seconds, the kernel lives on."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="gradkit", cwd=str(repo))
+    try:
+        cell = kc.execute("from kit.probes import zero_boundary as zb\n"
+                          "zb.run(n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=('fp32', 'bf16'))")
+        kernel = psutil.Process(km.provisioner.process.pid)
+        t0 = time.monotonic()
+        while not (ranks := _workers(kernel.pid)) and time.monotonic() - t0 < 120:
+            time.sleep(0.2)
+        assert ranks, "the cell's world never started"
+        time.sleep(1.0)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == cell
+        assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+        assert _gone(ranks, within_s=5.0) is not None, "the interrupted cell's ranks live on"
+        assert kc.execute_interactive("1 + 1", timeout=30)["content"]["status"] == "ok"  # the kernel lives on
+    finally:
+        km.shutdown_kernel(now=True)
