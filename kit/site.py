@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import copy
+import html
 import json
 import re
 import shutil
@@ -63,6 +64,14 @@ def headings(nb, depth: int = CONTENTS_DEPTH) -> list[tuple[int, str, str]]:
     return out
 
 
+def _inline(markdown: str) -> str:
+    """A heading's text as inline HTML (its `code` kept), through nbconvert's markdown filter."""
+    from nbconvert.filters.markdown import markdown2html
+
+    out = markdown2html(markdown).strip()
+    return out[3:-4] if out.startswith("<p>") and out.endswith("</p>") else html.escape(markdown)
+
+
 def title(nb, fallback: str) -> str:
     first = headings(nb, 1)
     return first[0][1] if first else fallback
@@ -75,7 +84,11 @@ def _page(nb, entry: dict | None) -> nbformat.NotebookNode:
         lines += [f"**This notebook did not finish ({entry.get('status')}):** `{entry.get('error', '')}`", ""]
     items = headings(nb)
     if items:
-        lines += ["**Contents**", ""] + [f"{'  ' * (level - 1)}- [{text}](#{a})" for level, text, a in items[1:]]
+        # an HTML block, not markdown links: mistune would percent-encode an apostrophe in the anchor, which then
+        # matches no id (nbconvert keeps it as it is in the heading's id)
+        entries = "".join(f'<li class="toc-{level}"><a href="#{html.escape(a)}">{_inline(text)}</a></li>'
+                          for level, text, a in items[1:])
+        lines += ["**Contents**", "", f"<ul>{entries}</ul>"]
     page = copy.deepcopy(nb)
     page.cells.insert(0, nbformat.v4.new_markdown_cell("\n".join(lines)))
     return page

@@ -125,6 +125,8 @@ def test_the_run_renders_a_site_to_read_without_running(quick_run):
         page = Page((site / f"{nb}.html").read_text())
         toc = [h[1:] for h in page.hrefs if h.startswith("#") and len(h) > 1]
         lost = [t for t in toc if t not in page.ids and unquote(t) not in page.ids]  # as a browser looks a fragment up
+        assert "1-%C2%B7-The-report's-symptom:-the-gradient-with-DeepSpeed-over-the-one-without" in toc \
+            or nb != "01_trainer_loss_kwargs"  # an apostrophe in a heading (once lost to percent-encoding)
         assert len(toc) >= 3 and not lost, (nb, lost)
         assert "index.html" in page.hrefs
         stored = json.loads((repo_path_of(nb)).read_text())
