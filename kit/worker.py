@@ -102,7 +102,17 @@ def resolve(target: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _started_at() -> float:
+    """When this process started (the interpreter's own start-up and ``import kit`` come before ``main``)."""
+    try:
+        import psutil
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a profile is for the eye: never fail a rank over it
+        return time.time()
+
+
 def main(job: Path) -> int:
+    t_main = time.time()
     rank = int(os.environ["RANK"])
     watch_parent()
     spec = json.loads((job / "spec.json").read_text())
@@ -116,9 +126,13 @@ def main(job: Path) -> int:
     try:
         check_stack(spec.get("expect") or {})
         fn = resolve(spec["target"])
+        t_imported = time.time()
         init_process_group(spec["device"], spec["init"], spec["timeout_s"], spec.get("init_method", "env://"))
+        t_joined = time.time()
         result = fn(spec["payload"])
-        text = json.dumps({"rank": rank, "result": result})
+        timing = {"process_start_s": round(t_main - _started_at(), 3), "imports_s": round(t_imported - t_main, 3),
+                  "init_distributed_s": round(t_joined - t_imported, 3), "work_s": round(time.time() - t_joined, 3)}
+        text = json.dumps({"rank": rank, "result": result, "timing": timing})
     except BaseException as e:  # noqa: BLE001 - everything a rank does wrong must reach the caller
         (job / f"rank{rank}.error.json").write_text(json.dumps({
             "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))

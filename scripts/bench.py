@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench.py [--skip-runall] [--json runs/bench.json]
     .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
+    .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
 
 Measures, side by side in one run, on this machine:
 - cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
@@ -71,6 +72,42 @@ def noise(json_path: str) -> int:
     return 0
 
 
+def profile(json_path: str) -> int:
+    """Where the explorer's warm B3 Run goes: the caller, each rank's start-up (interpreter and ``import kit``,
+    the imports of the stack, ``init_distributed``), and per configuration (``kit.probes.common.phase``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+
+    from kit import explore, launch
+    from kit.probes import zero_boundary as zb
+
+    _, kw = explore.probe_call(explore.default_selection("B3"))
+    cases = zb.plan(kw["n_values"], kw["stages"], kw["dtypes"], kw["fixes"], kw["fix_n_values"])
+    world = launch.World(world_size=2, timeout_s=600)
+    launch.run_world("kit.selftest:ping", {}, world)  # warm: comm op built, page cache
+    ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
+    explorer_s, _ = timed(ex.run)
+    with tempfile.TemporaryDirectory(prefix="gradkit-bench-profile-") as job:
+        world_s, results = timed(lambda: launch.run_world(zb.PROBE.target, {"cases": cases}, world, keep_dir=job))
+        startup = json.loads((Path(job) / "rank0.json").read_text())["timing"]
+    phases: dict = {}
+    for res in results[0]:
+        for name, s in (res.get("phases") or {}).items():
+            phases[name] = phases.get(name, 0.0) + s
+    per_config = {k: round(v / len(cases), 4) for k, v in phases.items()}
+    ranks_s = sum(startup.values())
+    out = {"cpus": os.cpu_count(), "selection": "B3 explorer default (W 2, N 4, ZeRO-2, fp32)", "configs": len(cases),
+           "explorer_run_s": round(explorer_s, 2), "world_s": round(world_s, 2),
+           "rank0_startup_s": {k: v for k, v in startup.items() if k != "work_s"}, "rank0_work_s": startup["work_s"],
+           "launch_and_teardown_s": round(world_s - ranks_s, 2),
+           "caller_outside_the_world_s": round(explorer_s - world_s, 2), "per_config_s": per_config}
+    print(json.dumps(out, indent=1))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(out, indent=1))
+    print(f"written to {json_path}")
+    return 0
+
+
 SWEEP_TARGETS = {"check_warm_s": 15.0, "sweep_configs_min": 200, "sweep_s": 300.0, "speedup_min": 20.0}
 
 
@@ -131,7 +168,10 @@ def main() -> int:
                     help="only measure the noise of correct engines that the oracle's tolerances are set against")
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
     ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
+    ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
     a = ap.parse_args()
+    if a.profile:
+        return profile(a.json or str(REPO / "runs" / "profile.json"))
     if a.sweep:
         return sweep_bench(a.json or str(REPO / "runs" / "bench_sweep.json"))
     if a.noise:

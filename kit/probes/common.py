@@ -5,6 +5,7 @@ oracle) can rebuild every other rank's micro-batches without communication.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -192,12 +193,16 @@ def run_cases(payload: dict, run_one) -> list[dict]:
     results = []
     for case in payload["cases"]:
         clock = Stopwatch()
+        _PHASES.clear()
         try:
             res = run_one(case)
         except Exception as e:  # noqa: BLE001 - see the docstring
             import traceback
             res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
         res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=versions())
+        if _PHASES:
+            res["phases"] = {k: round(v, 4) for k, v in _PHASES.items()}
+            res["phases"]["other"] = round(max(0.0, res["wall_s"] - sum(_PHASES.values())), 4)
         if sync is not None:
             try:
                 dist.monitored_barrier(group=sync, timeout=datetime.timedelta(seconds=wait_s),
@@ -210,6 +215,20 @@ def run_cases(payload: dict, run_one) -> list[dict]:
         worker.report_partial(res)
         results.append(res)
     return results
+
+
+_PHASES: dict = {}
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Time a part of the running case (``initialize``, ``step``, ``read masters``, ``reference`` ...): each case's
+    result carries ``phases`` in seconds, with ``other`` for the rest (``scripts/bench.py --profile`` reads them)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - t0
 
 
 class Stopwatch:

@@ -121,20 +121,26 @@ def run_case(case: dict) -> dict:
     dtype = c.DTYPE[case["dtype"]]
     model = c.tiny_mlp(hidden, seed).to(dtype)  # bf16 weights rounded once; the reference starts from them
     start = copy.deepcopy(model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
+    with c.phase("initialize"):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
     dev = c.device()
     knows_unmanaged = hasattr(engine, "managed_gradient_accumulation")
-    before = c.full_fp32_params(engine.module, engine.optimizer)
+    with c.phase("read masters"):
+        before = c.full_fp32_params(engine.module, engine.optimizer)
     batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, r, n, mb, hidden)]
-    LOOPS[case["loop"]](engine, batches, c.mse)
-    effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
+    with c.phase("forward, backward, step"):
+        LOOPS[case["loop"]](engine, batches, c.mse)
+    with c.phase("read masters"):
+        effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
     out = {"optimizer": type(engine.optimizer).__name__, "knows_unmanaged": knows_unmanaged,
            "engine_ga": engine.gradient_accumulation_steps()}
-    judged, basis, _, reference = c.judge(effective, start, seed, n, mb, hidden)
-    out.update(judged)
-    if r == 0:
-        out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
-    c.release(engine)
+    with c.phase("reference and oracle"):
+        judged, basis, _, reference = c.judge(effective, start, seed, n, mb, hidden)
+        out.update(judged)
+        if r == 0:
+            out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
+    with c.phase("release"):
+        c.release(engine)
     return out
 
 
