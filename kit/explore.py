@@ -1,6 +1,7 @@
 """Interactive views over records, for JupyterLab (``INTERACTIVE = True``); papermill never calls them."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 
@@ -222,10 +223,26 @@ class ProbeExplorer:
     def widget(self):
         import ipywidgets as widgets
 
+        threading.Thread(target=self.prewarm, daemon=True, name="gradkit-explorer-prewarm").start()
         return widgets.VBox([widgets.HBox([self.bug, self.knobs["version"]]),
                              widgets.HBox([self.knobs["world_size"], self.knobs["ga"]]),
                              widgets.HBox([self.knobs["zero_stage"], self.knobs["dtype"]]),
                              widgets.HBox([self.button, self.stop_button, self.progress]), self.status, self.output])
+
+    def prewarm(self) -> bool:
+        """Start the warm world the current selection will run in (``kit.launch.prewarm``), so that even the first
+        Run finds its ranks up and their imports paid; False (and nothing said) when it cannot: Run will say why."""
+        from kit import launch, probes, runner
+
+        sel = self.selection()
+        try:
+            probe = probes.get(sel["bug"])
+            stack = runner.stacks_of([sel["version"]])[0] if "deepspeed" in probe.packages else {}
+            world, _ = runner.world_for(probe, stack, sel["world_size"], self.device, self.timeout_s)
+            launch.prewarm(world)
+            return True
+        except Exception:  # noqa: BLE001 - an optimisation only
+            return False
 
     def start(self) -> threading.Thread | None:
         """The Run button: ``run()`` in a thread of its own, with Stop and the kernel's Interrupt armed."""
@@ -268,10 +285,11 @@ class ProbeExplorer:
                 heard["done"] = heard.get("base", 0) + event["done"]
 
         def work():
-            from kit import runner
+            from kit import launch, runner
 
+            warm = launch.warm_worlds() if self.interactive else contextlib.nullcontext()
             try:
-                with runner.listen(hear):
+                with runner.listen(hear), warm:  # in JupyterLab the ranks stay up between Runs
                     result["records"] = self.runner(probe_id, kwargs)
             except Exception as e:  # noqa: BLE001 - shown in the status line, never swallowed silently
                 result["error"] = e

@@ -19,6 +19,8 @@ version pays for the build.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import shlex
@@ -28,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,8 +365,11 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     world.validate()
     if ":" not in target:
         raise kconfig.ConfigError(f"target must look like 'package.module:function', got {target!r}")
+    warm = keep_dir is None and _warm_wanted(world)
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
+            if warm:
+                return _run_warm(target, payload, world, on_partial)
             return _run_world_once(target, payload, world, keep_dir, on_partial)
         except RankFailed as e:
             # judged on the blamed rank's own error only: its peers' errors ("Then: ...") often read "Connection
@@ -405,14 +411,12 @@ def remove_stale_worlds() -> list[Path]:
     return removed
 
 
-def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None) -> list:
+def _start_ranks(world: World, job: Path, task: dict):
+    """Write the world's spec into ``job`` and start its processes: ``(procs, logs, holder)``; ``task`` is the
+    spec's target and payload (a one-shot world) or ``{"serve": True, ...}`` (a warm world)."""
     import psutil
 
-    remove_stale_worlds()
-    job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
-    job.mkdir(parents=True, exist_ok=True)
-    if keep_dir is None:
-        (job / OWNER_FILE).write_text(f"{os.getpid()} {psutil.Process().create_time()}")
+    (job / OWNER_FILE).write_text(f"{os.getpid()} {psutil.Process().create_time()}")
     # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
     # races for a port; the port is held (bound, never listened on) for the world's life so that no other world
     # of this machine gets the same number, since MASTER_PORT still names the world (DeepSpeed's shm comm op).
@@ -423,8 +427,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     repair_extensions(Path(env0["TORCH_EXTENSIONS_DIR"]))
     # What every rank needs, whoever starts it (a launcher may not pass the kit's variables on to other nodes):
     (job / "spec.json").write_text(json.dumps({
-        "target": target, "payload": payload, "device": world.device, "init": world.init, "timeout_s": world.timeout_s,
-        "expect": world.expect,
+        **task, "device": world.device, "init": world.init, "timeout_s": world.timeout_s, "expect": world.expect,
         "init_method": f"file://{job / 'rendezvous'}" if world.launcher == "local" else "env://",
         "pythonpath": [*world.pythonpath, str(REPO_ROOT)],
         "env": {k: env0[k] for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env0}}))
@@ -433,13 +436,29 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     procs: list[subprocess.Popen] = []
     commands = launch_commands(world, job, port)
     logs = [job / (f"rank{r}.log" if world.launcher == "local" else f"launcher{r}.log") for r in range(len(commands))]
-    _LIVE[id(procs)] = procs
     try:
         for r, cmd in enumerate(commands):
             env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
             with open(logs[r], "wb") as log:
                 procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
                                               preexec_fn=_session_dying_with_parent))
+    except BaseException:
+        _kill(procs)
+        holder.close()
+        raise
+    return procs, logs, holder
+
+
+def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None) -> list:
+    remove_stale_worlds()
+    job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
+    job.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    _LIVE[id(procs)] = procs
+    holder = None
+    try:
+        started, logs, holder = _start_ranks(world, job, {"target": target, "payload": payload})
+        procs += started
         try:
             _wait(procs, world, job, logs, on_partial)
             if not (job / "rank0.json").exists():
@@ -456,9 +475,143 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     finally:
         _LIVE.pop(id(procs), None)
         _kill(procs)
-        holder.close()
+        if holder is not None:
+            holder.close()
         if keep_dir is None:
             shutil.rmtree(job, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- warm worlds
+#
+# A warm world keeps its ranks between calls: they joined the process group and paid their imports once
+# (``kit.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
+# the same stack is asked again and again by a person waiting (the explorer's Run); one-shot worlds stay the
+# default. A job that fails in any way takes its warm world down with it (the next call starts a fresh one);
+# the ranks die with their caller (parent-death signal), on ``stop_warm_worlds()`` and after ``WARM_IDLE_S``.
+
+WARM_IDLE_S = 600.0
+_WARM_FLAG = threading.local()
+
+
+@dataclass
+class _Warm:
+    procs: list
+    logs: list
+    holder: object
+    job: Path
+    jobs: int = 0
+
+
+_WARM: dict[str, _Warm] = {}
+_WARM_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_worlds():
+    """While the block runs (in this thread), ``run_world`` runs each local world as a job of a warm world of the
+    same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``."""
+    before = getattr(_WARM_FLAG, "on", False)
+    _WARM_FLAG.on = True
+    try:
+        yield
+    finally:
+        _WARM_FLAG.on = before
+
+
+def _warm_wanted(world: World) -> bool:
+    return getattr(_WARM_FLAG, "on", False) and world.launcher == "local" and world.nnodes == 1
+
+
+def _warm_key(world: World) -> str:
+    return json.dumps([world.world_size, world.device, world.pythonpath, world.env, world.init, world.extensions_key,
+                       world.expect], sort_keys=True, default=str)
+
+
+_SPAWNER = None  # the one thread that starts warm worlds (see _start_warm)
+
+
+def _start_warm(world: World) -> _Warm:
+    """Started from a thread that lives as long as this process: the parent-death signal fires when the *thread*
+    that started a process ends, and a warm world outlives the explorer thread that first asked for it."""
+    global _SPAWNER
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _SPAWNER is None:
+        _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradkit-warm-spawner")
+    return _SPAWNER.submit(_start_warm_here, world).result()
+
+
+def _start_warm_here(world: World) -> _Warm:
+    remove_stale_worlds()
+    job = Path(tempfile.mkdtemp(prefix="gradkit-world-"))
+    try:
+        procs, logs, holder = _start_ranks(world, job, {"serve": True, "idle_s": WARM_IDLE_S})
+    except BaseException:
+        shutil.rmtree(job, ignore_errors=True)
+        raise
+    return _Warm(procs, logs, holder, job)
+
+
+def prewarm(world: World) -> None:
+    """Start the warm world of ``world``'s stack now, if there is none (a person is about to ask for it)."""
+    world.validate()
+    with _WARM_LOCK:
+        key = _warm_key(world)
+        if key in _WARM and any(p.poll() is not None for p in _WARM[key].procs):
+            _discard(key)
+        if key not in _WARM:
+            _WARM[key] = _start_warm(world)
+
+
+def _discard(key: str) -> None:
+    w = _WARM.pop(key, None)
+    if w is not None:
+        _kill(w.procs)
+        w.holder.close()
+        shutil.rmtree(w.job, ignore_errors=True)
+
+
+def stop_warm_worlds() -> int:
+    """Kill every warm world of this process; how many there were."""
+    with _WARM_LOCK:
+        keys = list(_WARM)
+        for key in keys:
+            _discard(key)
+    return len(keys)
+
+
+atexit.register(stop_warm_worlds)
+
+
+def _run_warm(target: str, payload: dict, world: World, on_partial=None) -> list:
+    prewarm(world)
+    key = _warm_key(world)
+    w = _WARM[key]
+    w.jobs += 1
+    folder = w.job / f"job-{w.jobs}"
+    folder.mkdir()
+    tmp = folder / "spec.json.tmp"
+    tmp.write_text(json.dumps({"target": target, "payload": payload}))
+    os.replace(tmp, folder / "spec.json")  # the ranks see the job whole or not at all
+    _LIVE[id(w.procs)] = w.procs
+    ok = False
+    try:
+        try:
+            _wait(w.procs, world, folder, w.logs, on_partial, serving=True)
+        except LaunchError as e:
+            e.partial = _partials(folder, world.world_size)
+            raise
+        results = [json.loads((folder / f"rank{r}.json").read_text())["result"] for r in range(world.world_size)]
+        ok = True
+        return results
+    finally:
+        _LIVE.pop(id(w.procs), None)
+        if ok:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            with _WARM_LOCK:
+                if _WARM.get(key) is w:
+                    _discard(key)
 
 
 def _complete(path: Path) -> bool:
@@ -489,7 +642,10 @@ class _PartialReader:
                 self.on_partial(json.loads(line))
 
 
-def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path], on_partial=None) -> None:
+def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path], on_partial=None,
+          serving: bool = False) -> None:
+    """Until every rank's result is in ``job``: a one-shot world's ranks exit 0; a warm world's (``serving``) write
+    their job's results and stay, and any of them exiting is a failure."""
     deadline = time.monotonic() + world.timeout_s
     failed_at = None
     exited: dict[int, float] = {}  # rank -> when it was first seen gone: the first to go is the one to blame
@@ -501,12 +657,15 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
         for r, c in enumerate(codes):
             if c is not None and r not in exited:
                 exited[r] = now
-        if all(c == 0 for c in codes):
+        if serving and all(_complete(job / f"rank{r}.json") for r in range(len(procs))):
+            partial()
+            return
+        if not serving and all(c == 0 for c in codes):
             partial()
             return
         # A local rank that wrote its result and then died in tear-down (seen once in CI: a SIGABRT, "terminate
         # called without an active exception", in a C++ destructor after a freshly built comm op) finished its work.
-        if world.launcher == "local" and all(c == 0 or (c is not None and _complete(job / f"rank{r}.json"))
+        if not serving and world.launcher == "local" and all(c == 0 or (c is not None and _complete(job / f"rank{r}.json"))
                                              for r, c in enumerate(codes)):
             for r, c in enumerate(codes):
                 if c != 0:
@@ -514,7 +673,7 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
                           "its result is kept", file=sys.stderr)
             partial()
             return
-        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        bad = [r for r, c in enumerate(codes) if c is not None and (serving or c != 0)]
         if bad and failed_at is None:
             failed_at = time.monotonic()
         if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_AFTER_FAILURE_S):

@@ -112,6 +112,8 @@ def _started_at() -> float:
 
 
 def main(job: Path) -> int:
+    """One world's life: check the stack, join the process group, run the spec's target once and write the result.
+    A warm world's spec (``"serve"``) has no target: its ranks run every job the caller adds as ``job-<k>/``."""
     t_main = time.time()
     rank = int(os.environ["RANK"])
     watch_parent()
@@ -125,22 +127,20 @@ def main(job: Path) -> int:
     os.environ[PARTIAL_ENV] = str(job / f"rank{rank}.partial.jsonl")
     try:
         check_stack(spec.get("expect") or {})
-        fn = resolve(spec["target"])
+        fn = None if spec.get("serve") else resolve(spec["target"])
         t_imported = time.time()
         init_process_group(spec["device"], spec["init"], spec["timeout_s"], spec.get("init_method", "env://"))
         t_joined = time.time()
-        result = fn(spec["payload"])
         timing = {"process_start_s": round(t_main - _started_at(), 3), "imports_s": round(t_imported - t_main, 3),
-                  "init_distributed_s": round(t_joined - t_imported, 3), "work_s": round(time.time() - t_joined, 3)}
-        text = json.dumps({"rank": rank, "result": result, "timing": timing})
+                  "init_distributed_s": round(t_joined - t_imported, 3)}
+        if spec.get("serve"):
+            return serve(job, rank, spec, timing)
+        result = fn(spec["payload"])
+        timing["work_s"] = round(time.time() - t_joined, 3)
     except BaseException as e:  # noqa: BLE001 - everything a rank does wrong must reach the caller
-        (job / f"rank{rank}.error.json").write_text(json.dumps({
-            "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000], "traceback": traceback.format_exc()}))
-        traceback.print_exc()
+        _write_error(job, rank, e)
         return 1
-    tmp = job / f"rank{rank}.json.tmp"  # written whole, then renamed: rank<R>.json exists only when complete
-    tmp.write_text(text)
-    os.replace(tmp, job / f"rank{rank}.json")
+    _write_result(job, rank, result, timing)
     try:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -148,6 +148,64 @@ def main(job: Path) -> int:
     except Exception:  # noqa: BLE001 - tear-down problems do not change the result already written
         pass
     return 0
+
+
+def _write_error(folder: Path, rank: int, e: BaseException) -> None:
+    (folder / f"rank{rank}.error.json").write_text(json.dumps({
+        "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000],
+        "traceback": traceback.format_exc()}))
+    traceback.print_exc()
+
+
+def _write_result(folder: Path, rank: int, result, timing: dict) -> None:
+    tmp = folder / f"rank{rank}.json.tmp"  # written whole, then renamed: rank<R>.json exists only when complete
+    tmp.write_text(json.dumps({"rank": rank, "result": result, "timing": timing}))
+    os.replace(tmp, folder / f"rank{rank}.json")
+
+
+def warm_up(init: str) -> None:
+    """What every world pays once, paid while a warm world waits for its first job: the first torch optimizer
+    imports torch._dynamo (~2.5 s on 2 cores), DeepSpeed's first ``initialize`` its engine and ZeRO modules."""
+    import torch
+
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if init == "deepspeed":
+        import deepspeed.runtime.engine  # noqa: F401
+        from deepspeed.runtime.zero import utils as zero_utils
+
+        try:  # imports the optimizers ZeRO knows (in 0.19: the Muon module, which torch.compiles at import)
+            zero_utils.is_zero_supported_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+        except Exception:  # noqa: BLE001 - a release without it: nothing to warm
+            pass
+
+
+SERVE_POLL_S = 0.02
+
+
+def serve(job: Path, rank: int, spec: dict, timing: dict) -> int:
+    """A warm world's rank: after ``warm_up``, run each ``job-<k>/spec.json`` the caller writes (k = 1, 2, ...)
+    into ``job-<k>/`` (result, error, partials), until ``stop`` appears or no job comes for ``idle_s``.
+    A job that raises ends the rank (exit 1), as in a one-shot world: its peers may be inside a collective."""
+    warm_up(spec["init"])
+    k, idle_since = 1, time.monotonic()
+    while True:
+        folder = job / f"job-{k}"
+        if (folder / "spec.json").exists():
+            task = json.loads((folder / "spec.json").read_text())
+            os.environ[PARTIAL_ENV] = str(folder / f"rank{rank}.partial.jsonl")
+            t0 = time.time()
+            try:
+                result = resolve(task["target"])(task["payload"])
+            except BaseException as e:  # noqa: BLE001 - see the docstring
+                _write_error(folder, rank, e)
+                return 1
+            _write_result(folder, rank, result, {**timing, "work_s": round(time.time() - t0, 3), "job": k})
+            timing = {"process_start_s": 0.0, "imports_s": 0.0, "init_distributed_s": 0.0}  # paid by the first job
+            k, idle_since = k + 1, time.monotonic()
+        elif (job / "stop").exists() or time.monotonic() - idle_since > spec.get("idle_s", 600):
+            return 0
+        else:
+            time.sleep(SERVE_POLL_S)
 
 
 if __name__ == "__main__":
