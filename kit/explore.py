@@ -239,7 +239,7 @@ class ProbeExplorer:
             probe = probes.get(sel["bug"])
             stack = runner.stacks_of([sel["version"]])[0] if "deepspeed" in probe.packages else {}
             world, _ = runner.world_for(probe, stack, sel["world_size"], self.device, self.timeout_s)
-            launch.prewarm(world)
+            launch.prewarm(world, probe.target)
             return True
         except Exception:  # noqa: BLE001 - an optimisation only
             return False

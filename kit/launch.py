@@ -485,11 +485,15 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
 #
 # A warm world keeps its ranks between calls: they joined the process group and paid their imports once
 # (``kit.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
-# the same stack is asked again and again by a person waiting (the explorer's Run); one-shot worlds stay the
-# default. A job that fails in any way takes its warm world down with it (the next call starts a fresh one);
-# the ranks die with their caller (parent-death signal), on ``stop_warm_worlds()`` and after ``WARM_IDLE_S``.
+# the same probe is asked again and again by a person waiting (the explorer's Run); one-shot worlds stay the
+# default. A warm world serves one target only (one probe): jobs of the same target are what the cases of one
+# world already are, while another probe's job could inherit global state (B2's pipeline topology broke a B4 job
+# that followed it in the same ranks). At most ``WARM_MAX`` are kept (the least recently used is stopped). A job
+# that fails in any way takes its warm world down with it (the next call starts a fresh one); the ranks die with
+# their caller (parent-death signal), on ``stop_warm_worlds()`` and after ``WARM_IDLE_S``.
 
 WARM_IDLE_S = 600.0
+WARM_MAX = 2
 _WARM_FLAG = threading.local()
 
 
@@ -500,6 +504,7 @@ class _Warm:
     holder: object
     job: Path
     jobs: int = 0
+    used: float = 0.0
 
 
 _WARM: dict[str, _Warm] = {}
@@ -522,9 +527,9 @@ def _warm_wanted(world: World) -> bool:
     return getattr(_WARM_FLAG, "on", False) and world.launcher == "local" and world.nnodes == 1
 
 
-def _warm_key(world: World) -> str:
-    return json.dumps([world.world_size, world.device, world.pythonpath, world.env, world.init, world.extensions_key,
-                       world.expect], sort_keys=True, default=str)
+def _warm_key(world: World, target: str) -> str:
+    return json.dumps([target, world.world_size, world.device, world.pythonpath, world.env, world.init,
+                       world.extensions_key, world.expect], sort_keys=True, default=str)
 
 
 _SPAWNER = None  # the one thread that starts warm worlds (see _start_warm)
@@ -552,15 +557,20 @@ def _start_warm_here(world: World) -> _Warm:
     return _Warm(procs, logs, holder, job)
 
 
-def prewarm(world: World) -> None:
-    """Start the warm world of ``world``'s stack now, if there is none (a person is about to ask for it)."""
+def prewarm(world: World, target: str) -> _Warm:
+    """Start the warm world that serves ``target`` on ``world``'s stack now, if there is none (a person is about
+    to ask for it); the least recently used one goes if ``WARM_MAX`` would be passed."""
     world.validate()
     with _WARM_LOCK:
-        key = _warm_key(world)
+        key = _warm_key(world, target)
         if key in _WARM and any(p.poll() is not None for p in _WARM[key].procs):
             _discard(key)
         if key not in _WARM:
+            for old in sorted(_WARM, key=lambda k: _WARM[k].used)[:max(0, len(_WARM) - WARM_MAX + 1)]:
+                _discard(old)
             _WARM[key] = _start_warm(world)
+        _WARM[key].used = time.monotonic()
+        return _WARM[key]
 
 
 def _discard(key: str) -> None:
@@ -584,9 +594,8 @@ atexit.register(stop_warm_worlds)
 
 
 def _run_warm(target: str, payload: dict, world: World, on_partial=None) -> list:
-    prewarm(world)
-    key = _warm_key(world)
-    w = _WARM[key]
+    w = prewarm(world, target)
+    key = _warm_key(world, target)
     w.jobs += 1
     folder = w.job / f"job-{w.jobs}"
     folder.mkdir()

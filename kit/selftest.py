@@ -26,7 +26,7 @@ def fail_on_rank(payload: dict) -> dict:
     if dist.get_rank() == payload["rank"]:
         raise ValueError(f"deliberate failure on rank {payload['rank']}: {payload.get('message', '')}")
     dist.barrier()
-    return {"rank": dist.get_rank()}
+    return {"rank": dist.get_rank(), "pid": os.getpid()}
 
 
 def hang_on_rank(payload: dict) -> dict:
@@ -35,7 +35,7 @@ def hang_on_rank(payload: dict) -> dict:
 
     if dist.get_rank() == payload["rank"]:
         time.sleep(payload.get("seconds", 3600))
-    return {"rank": dist.get_rank()}
+    return {"rank": dist.get_rank(), "pid": os.getpid()}
 
 
 if __name__ == "__main__":

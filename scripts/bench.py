@@ -93,6 +93,12 @@ def profile(json_path: str) -> int:
     warm = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
     warm.run()
     warm_s, _ = timed(warm.run)  # the same Run in the warm world the first started
+    by_bug = {}
+    for bug in ("B1", "B2", "B4"):  # each probe's default explorer selection, first and warm
+        ex = explore.ProbeExplorer(explore.default_selection(bug), interactive=True)
+        first, _ = timed(ex.run)
+        again, _ = timed(ex.run)
+        by_bug[bug] = {"first_s": round(first, 2), "warm_s": round(again, 2), "status": ex.status.value[:200]}
     launch.stop_warm_worlds()
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-profile-") as job:
         world_s, results = timed(lambda: launch.run_world(zb.PROBE.target, {"cases": cases}, world, keep_dir=job))
@@ -106,7 +112,9 @@ def profile(json_path: str) -> int:
     inits = [i for i in inits if i is not None]  # the controls build no engine
     ranks_s = sum(startup.values())
     out = {"cpus": os.cpu_count(), "selection": "B3 explorer default (W 2, N 4, ZeRO-2, fp32)", "configs": len(cases),
-           "explorer_run_s": round(explorer_s, 2), "explorer_run_warm_s": round(warm_s, 2), "world_s": round(world_s, 2),
+           "explorer_run_s": round(explorer_s, 2), "explorer_run_warm_s": round(warm_s, 2),
+           **{f"explorer_run_warm_{bug}_s": v["warm_s"] for bug, v in by_bug.items()}, "explorer_other_probes": by_bug,
+           "world_s": round(world_s, 2),
            "rank0_startup_s": {k: v for k, v in startup.items() if k != "work_s"}, "rank0_work_s": startup["work_s"],
            "launch_and_teardown_s": round(world_s - ranks_s, 2),
            "caller_outside_the_world_s": round(explorer_s - world_s, 2), "per_config_s": per_config,
@@ -176,6 +184,9 @@ def sweep_bench(json_path: str) -> int:
 PERF_ROWS = [
     ("profile.json", "explorer_run_warm_s", "explorer Run (B3, {configs} configurations), warm world", "≤ 5 s", "s"),
     ("profile.json", "explorer_run_s", "the same Run in a one-shot world (start-up included)", "", "s"),
+    ("profile.json", "explorer_run_warm_B4_s", "explorer Run (B4, default selection), warm world", "≤ 5 s", "s"),
+    ("profile.json", "explorer_run_warm_B2_s", "explorer Run (B2, default selection), warm world", "≤ 5 s", "s"),
+    ("profile.json", "explorer_run_warm_B1_s", "explorer Run (B1, a real Trainer), warm world", "≤ 10 s", "s"),
     ("bench.json", "explorer_run_button_warm_s", "explorer Run-button press, second (warm)", "≤ 5 s", "s"),
     ("bench.json", "cold_launch_s", "2-rank DeepSpeed launch, empty cache (comm op built)", "", "s"),
     ("bench.json", "warm_launch_s", "2-rank DeepSpeed launch, cached comm op", "", "s"),

@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from kit import explore, launch, runner
+from kit import explore, launch, probes, runner
 from kit.probes import bf16_leak, zero_boundary as zb
 
 pytestmark = pytest.mark.world
@@ -27,34 +27,48 @@ def _metrics(recs):
 
 
 def test_job_after_job_in_one_warm_world_gives_the_answers_of_fresh_worlds():
-    """B3 then B4 then B3 again in the same two ranks (one installed stack): every record as a fresh world's, and
-    the later jobs skip the start-up (the ranks' imports, init_distributed and torch._dynamo's import)."""
-    _, b3 = explore.probe_call(explore.default_selection("B3"))
-    b4 = dict(world_size=2, ga_values=(4,), cases=("leak", "workaround", "control"))
-    fresh = _metrics(zb.run(**b3)), _metrics(bf16_leak.run(**b4))
-    world, _ = runner.world_for(zb.PROBE, {}, 2, "cpu", 300)  # the world the probes' runs ask for
+    """B3 twice in the same two ranks, and B2 then B4 each in a warm world of its own (a warm world serves one probe:
+    B2's pipeline topology, left in ranks that then ran B4, broke it): every record as a fresh world's, and a later
+    job skips the start-up (the ranks' imports, init_distributed and torch._dynamo's import)."""
+    runs = {bug: explore.probe_call(explore.default_selection(bug))[1] for bug in ("B2", "B3", "B4")}
+    fresh = {bug: _metrics(probes.get(bug).run(**kw)) for bug, kw in runs.items()}
+    world, _ = runner.world_for(zb.PROBE, {}, 2, "cpu", 300)  # the world the B3 runs ask for
     with launch.warm_worlds():
-        before = _pids(launch.run_world("kit.selftest:ping", {}, world))  # starts it
+        first = _metrics(zb.run(**runs["B3"]))
         t0 = time.monotonic()
-        warm_b3 = _metrics(zb.run(**b3))
-        warm_b3_s = time.monotonic() - t0
-        warm_b4 = _metrics(bf16_leak.run(**b4))
-        again = _metrics(zb.run(**b3))
-        after = _pids(launch.run_world("kit.selftest:ping", {}, world))
-    assert (warm_b3, warm_b4) == fresh and again == fresh[0]
-    assert before == after  # the same two processes ran every job
-    assert warm_b3_s < 3.0, f"a warm B3 run took {warm_b3_s:.1f} s"  # fresh: ~7 s on 2 cores
+        again = _metrics(zb.run(**runs["B3"]))
+        again_s = time.monotonic() - t0
+        b2, b4 = (_metrics(probes.get(bug).run(**runs[bug])) for bug in ("B2", "B4"))
+        assert len(launch._WARM) == launch.WARM_MAX  # B3's went when B4's came (least recently used)
+    assert first == again == fresh["B3"] and b2 == fresh["B2"] and b4 == fresh["B4"]
+    assert all(r[3] != "cannot-run" for r in b2 + b4)
+    assert again_s < 3.0, f"a warm B3 run took {again_s:.1f} s"  # fresh: ~7 s on 2 cores
+    assert world.world_size == 2
+
+
+def test_one_warm_world_per_target_and_never_more_than_warm_max():
+    w = launch.World(world_size=2, init="torch", timeout_s=60)
+    with launch.warm_worlds():
+        a1 = _pids(launch.run_world("kit.selftest:ping", {}, w))
+        a2 = _pids(launch.run_world("kit.selftest:ping", {"echo": 1}, w))
+        b = _pids(launch.run_world("kit.selftest:hang_on_rank", {"rank": -1}, w))  # nobody hangs
+        assert a1 == a2 and not set(a1) & set(b)  # same target: same ranks; another target: its own
+        c = _pids(launch.run_world("kit.selftest:ping", {}, launch.World(world_size=1, init="torch", timeout_s=60)))
+    assert len(launch._WARM) == launch.WARM_MAX == 2
+    assert not [p for p in a1 if psutil.pid_exists(p)]  # the least recently used went
+    assert all(psutil.pid_exists(p) for p in b + c)
 
 
 def test_a_failing_job_takes_its_warm_world_down_and_the_next_call_starts_a_new_one():
     with launch.warm_worlds():
-        first = _pids(launch.run_world("kit.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
+        ok = {"rank": -1}  # nobody fails
+        first = _pids(launch.run_world("kit.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
         with pytest.raises(launch.RankFailed, match="needle-7") as e:
             launch.run_world("kit.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"}, world_size=2,
                              init="torch", timeout_s=60)
         assert e.value.rank == 1
         assert not [p for p in first if psutil.pid_exists(p)], "the failed warm world's ranks live on"
-        second = _pids(launch.run_world("kit.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
+        second = _pids(launch.run_world("kit.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
     assert not set(first) & set(second)
 
 
