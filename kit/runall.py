@@ -268,11 +268,20 @@ class Live:
     papermill saves after every cell, cases from the events its runner appends (``kit.runner.PROGRESS_ENV``)."""
 
     def __init__(self, executed: Path, events: Path):
-        self.executed, self.events = executed, events
-        self.cells, self.total, self.offset = 0, None, 0
+        from kit import launch
+
+        self.executed = executed
+        self.cells, self.total = 0, None
         self.since = time.time()  # an executed notebook older than this is a previous run's, not yet overwritten
         self.world: dict = {}
         self.done = 0
+        self.read_events = launch._PartialReader(events, self._hear)  # whole lines only, each once
+
+    def _hear(self, event: dict) -> None:
+        if event.get("kind") == "world":
+            self.world, self.done = event, 0
+        elif event.get("kind") == "case":
+            self.done = event.get("done", self.done + 1)
 
     def poll(self) -> None:
         try:
@@ -283,23 +292,7 @@ class Live:
             self.cells, self.total = states.count("completed"), len(states)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        try:
-            with open(self.events) as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except OSError:
-            return
-        whole = chunk[:chunk.rfind("\n") + 1]  # a line still being written waits for the next poll
-        self.offset += len(whole.encode())
-        for line in whole.splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("kind") == "world":
-                self.world, self.done = event, 0
-            elif event.get("kind") == "case":
-                self.done = event.get("done", self.done + 1)
+        self.read_events()
 
     def say(self, name: str) -> str:
         bits = [f"{Path(name).stem} cell {self.cells}/{self.total or '?'}"]

@@ -168,13 +168,13 @@ def warm_up(init: str) -> None:
     imports torch._dynamo (~2.5 s on 2 cores), DeepSpeed's first ``initialize`` its engine and ZeRO modules."""
     import torch
 
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     if init == "deepspeed":
         import deepspeed.runtime.engine  # noqa: F401
         from deepspeed.runtime.zero import utils as zero_utils
 
         try:  # imports the optimizers ZeRO knows (in 0.19: the Muon module, which torch.compiles at import)
-            zero_utils.is_zero_supported_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+            zero_utils.is_zero_supported_optimizer(optimizer)
         except Exception:  # noqa: BLE001 - a release without it: nothing to warm
             pass
 
@@ -184,7 +184,7 @@ SERVE_POLL_S = 0.02
 
 def serve(job: Path, rank: int, spec: dict, timing: dict) -> int:
     """A warm world's rank: after ``warm_up``, run each ``job-<k>/spec.json`` the caller writes (k = 1, 2, ...)
-    into ``job-<k>/`` (result, error, partials), until ``stop`` appears or no job comes for ``idle_s``.
+    into ``job-<k>/`` (result, error, partials), until no job comes for ``idle_s`` (or the caller kills it).
     A job that raises ends the rank (exit 1), as in a one-shot world: its peers may be inside a collective."""
     warm_up(spec["init"])
     k, idle_since = 1, time.monotonic()
@@ -202,7 +202,7 @@ def serve(job: Path, rank: int, spec: dict, timing: dict) -> int:
             _write_result(folder, rank, result, {**timing, "work_s": round(time.time() - t0, 3), "job": k})
             timing = {"process_start_s": 0.0, "imports_s": 0.0, "init_distributed_s": 0.0}  # paid by the first job
             k, idle_since = k + 1, time.monotonic()
-        elif (job / "stop").exists() or time.monotonic() - idle_since > spec.get("idle_s", 600):
+        elif time.monotonic() - idle_since > spec.get("idle_s", 600):
             return 0
         else:
             time.sleep(SERVE_POLL_S)
