@@ -115,13 +115,16 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
     return probe.id, probe.explorer_kwargs(sel, device, timeout_s)
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     from kit import config as kconfig
+    from kit import probes, runner
 
     kconfig.check_timeout(p["TIMEOUT_S"])
-    probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
+    bug, kwargs = probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
                 "dtype": p["DTYPE"], "version": p["VERSION"]}, p["DEVICE"], p["TIMEOUT_S"])
+    return [(probes.get(bug), stack) for stack in runner.stacks_in(kwargs)]
 
 
 def run_probe(probe_id: str, kwargs: dict) -> list[dict]:
@@ -236,8 +239,8 @@ class ProbeExplorer:
 
         sel = self.selection()
         try:
-            probe = probes.get(sel["bug"])
-            stack = runner.stacks_of([sel["version"]])[0] if "deepspeed" in probe.packages else {}
+            bug, kwargs = probe_call(sel, self.device, self.timeout_s)
+            probe, stack = probes.get(bug), runner.stacks_in(kwargs)[0]
             world, _ = runner.world_for(probe, stack, sel["world_size"], self.device, self.timeout_s)
             launch.prewarm(world, probe.target)
             return True

@@ -329,6 +329,33 @@ def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
     return [p.pid for p in procs]
 
 
+def ranks_below(pid: int) -> list[tuple[int, "psutil.Process"]]:
+    """``(rank, process)`` of the kit's ranks among the processes below ``pid`` (a caller, a kernel, a run-all).
+    A rank names itself ``gradkit-rank<R>`` (``kit.worker``); one still starting is found by its command line
+    (``kit.worker``), or as a fork of a fork server, with rank -1 until it has named itself."""
+    import psutil
+
+    from kit.worker import RANK_NAME
+
+    out = []
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    for p in below:
+        try:
+            name, cmd = p.name(), " ".join(p.cmdline())
+            if name.startswith(RANK_NAME):
+                out.append((int(name[len(RANK_NAME):]), p))
+            elif "kit.worker" in cmd:
+                out.append((int(p.environ().get("RANK", -1)), p))
+            elif "kit.forkserver" in cmd and "kit.forkserver" in " ".join(p.parent().cmdline()):
+                out.append((-1, p))
+        except (psutil.Error, ValueError):
+            pass  # gone while being looked at
+    return out
+
+
 def _tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -411,9 +438,10 @@ def remove_stale_worlds() -> list[Path]:
     return removed
 
 
-def _start_ranks(world: World, job: Path, task: dict):
+def _start_ranks(world: World, job: Path, task: dict, server: "_Server | None" = None):
     """Write the world's spec into ``job`` and start its processes: ``(procs, logs, holder)``; ``task`` is the
-    spec's target and payload (a one-shot world) or ``{"serve": True, ...}`` (a warm world)."""
+    spec's target and payload (a one-shot world) or ``{"serve": True, ...}`` (a warm world). With ``server`` (a
+    fork server of the world's stack, ``kit.forkserver``) the ranks are forked from it, imports paid."""
     import psutil
 
     (job / OWNER_FILE).write_text(f"{os.getpid()} {psutil.Process().create_time()}")
@@ -436,6 +464,15 @@ def _start_ranks(world: World, job: Path, task: dict):
     procs: list[subprocess.Popen] = []
     commands = launch_commands(world, job, port)
     logs = [job / (f"rank{r}.log" if world.launcher == "local" else f"launcher{r}.log") for r in range(len(commands))]
+    if server is not None:
+        try:
+            for r in range(world.world_size):
+                procs.append(server.fork(job, rank_env(world, r, port), logs[r], job / f"rank{r}.exit"))
+            return procs, logs, holder
+        except (OSError, ValueError, KeyError) as e:  # the server went away: start the ranks the usual way
+            _kill(procs)
+            procs = []
+            print(f"gradkit: the fork server of this stack failed ({e}); starting the ranks afresh", file=sys.stderr)
     try:
         for r, cmd in enumerate(commands):
             env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
@@ -505,6 +542,7 @@ class _Warm:
     job: Path
     jobs: int = 0
     used: float = 0.0
+    server_key: str = ""  # the fork server its ranks came from ("" none)
 
 
 _WARM: dict[str, _Warm] = {}
@@ -512,15 +550,26 @@ _WARM_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def warm_worlds():
+def warm_worlds(keep: bool = True):
     """While the block runs (in this thread), ``run_world`` runs each local world as a job of a warm world of the
-    same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``."""
+    same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``.
+
+    ``keep=False``: the warm worlds the block started are stopped when it ends, unless an enclosing block keeps
+    them (``kit.runner.run`` reuses the ranks of one stack between its own worlds, and leaves nothing behind)."""
     before = getattr(_WARM_FLAG, "on", False)
+    with _WARM_LOCK:
+        had, had_servers = set(_WARM), set(_SERVERS)
     _WARM_FLAG.on = True
     try:
         yield
     finally:
         _WARM_FLAG.on = before
+        if not keep and not before:
+            with _WARM_LOCK:
+                for key in set(_WARM) - had:
+                    _discard(key)
+                for key in set(_SERVERS) - had_servers:
+                    _stop_server(key)
 
 
 def _warm_wanted(world: World) -> bool:
@@ -549,12 +598,14 @@ def _start_warm(world: World) -> _Warm:
 def _start_warm_here(world: World) -> _Warm:
     remove_stale_worlds()
     job = Path(tempfile.mkdtemp(prefix="gradkit-world-"))
+    server = _server_for(world)
     try:
-        procs, logs, holder = _start_ranks(world, job, {"serve": True, "idle_s": WARM_IDLE_S})
+        procs, logs, holder = _start_ranks(world, job, {"serve": True, "idle_s": WARM_IDLE_S}, server)
     except BaseException:
         shutil.rmtree(job, ignore_errors=True)
         raise
-    return _Warm(procs, logs, holder, job)
+    forked = server is not None and any(isinstance(p, _Forked) for p in procs)
+    return _Warm(procs, logs, holder, job, server_key=_server_key(world) if forked else "")
 
 
 def prewarm(world: World, target: str) -> _Warm:
@@ -579,15 +630,136 @@ def _discard(key: str) -> None:
         _kill(w.procs)
         w.holder.close()
         shutil.rmtree(w.job, ignore_errors=True)
+        if w.server_key and not any(o.server_key == w.server_key for o in _WARM.values()):
+            _stop_server(w.server_key)  # its last world went: a server holds a whole stack in memory
 
 
 def stop_warm_worlds() -> int:
-    """Kill every warm world of this process; how many there were."""
+    """Kill every warm world of this process, and its fork servers; how many worlds there were."""
     with _WARM_LOCK:
         keys = list(_WARM)
         for key in keys:
             _discard(key)
+        for key in list(_SERVERS):
+            _stop_server(key)
     return len(keys)
+
+
+# ---------------------------------------------------------------------------------------------- fork servers
+#
+# Inside a warm_worlds block, the ranks of a stack's warm worlds are forked from one process that imported the
+# stack once (``kit.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
+# several worlds, pays DeepSpeed's import once (0.18.x: ~7 s of a core per rank). CPU worlds only (a fork after
+# CUDA is initialised is not safe); a server that cannot start (its stack does not import) means ranks started
+# the usual way, which then say why themselves. Servers end with the block that started them, with
+# ``stop_warm_worlds()``, and with this process (parent-death signal).
+
+NO_FORK_ENV = "GRADKIT_NO_FORK_SERVER"  # set (to anything): every rank is a process of its own, as before
+
+
+class _Forked:
+    """A rank forked by a fork server, read like a ``subprocess.Popen``: its exit status comes from the server."""
+
+    def __init__(self, pid: int, exit_file: Path, server: "_Server"):
+        self.pid, self.exit_file, self.server, self.returncode = pid, exit_file, server, None
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                self.returncode = int(self.exit_file.read_text())
+            except (OSError, ValueError):
+                if self.server.proc.poll() is not None and not _alive(self.pid):
+                    self.returncode = -signal.SIGKILL  # its server is gone, and the rank died with it
+        return self.returncode
+
+    def wait(self, timeout=None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self):
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class _Server:
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.lock = threading.Lock()
+
+    def fork(self, job: Path, env: dict, log: Path, exit_file: Path) -> _Forked:
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"job": str(job), "env": env, "log": str(log), "exit_file": str(exit_file)}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        return _Forked(int(json.loads(line)["pid"]), exit_file, self)
+
+
+_SERVERS: dict[str, "_Server | None"] = {}  # None: this stack's server could not start; its ranks start as before
+
+
+def _server_key(world: World) -> str:
+    return json.dumps([world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect],
+                      sort_keys=True, default=str)
+
+
+def _server_for(world: World) -> "_Server | None":
+    """The fork server of ``world``'s stack, started now if there is none (from the spawner thread)."""
+    if world.device != "cpu" or world.launcher != "local" or world.nnodes != 1 or os.environ.get(NO_FORK_ENV):
+        return None
+    key = _server_key(world)
+    server = _SERVERS.get(key, False)
+    if server is False or (server is not None and server.proc.poll() is not None):
+        _SERVERS[key] = server = _start_server(world)
+    return server
+
+
+def _start_server(world: World) -> "_Server | None":
+    import select
+
+    env = rank_env(world, 0, 0)
+    proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT), text=True,
+                            preexec_fn=_session_dying_with_parent)
+    proc.stdin.write(json.dumps({"pythonpath": [*world.pythonpath, str(REPO_ROOT)], "expect": world.expect,
+                                 "init": world.init}) + "\n")
+    proc.stdin.flush()
+    ready, _, _ = select.select([proc.stdout], [], [], world.timeout_s)
+    said = {}
+    if ready:
+        try:
+            said = json.loads(proc.stdout.readline() or "{}")
+        except ValueError:
+            said = {}
+    if said.get("ready"):
+        return _Server(proc)
+    _kill([proc])
+    return None
+
+
+def _stop_server(key: str) -> None:
+    server = _SERVERS.pop(key, None)
+    if server is not None:
+        _kill([server.proc])  # its ranks die with it (parent-death signal)
+        for f in (server.proc.stdin, server.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 atexit.register(stop_warm_worlds)
@@ -606,7 +778,7 @@ def _run_warm(target: str, payload: dict, world: World, on_partial=None) -> list
     ok = False
     try:
         try:
-            _wait(w.procs, world, folder, w.logs, on_partial, serving=True)
+            _wait(w.procs, world, folder, w.logs, on_partial, serving=True, started_in=w.job)
         except LaunchError as e:
             e.partial = _partials(folder, world.world_size)
             raise
@@ -652,9 +824,10 @@ class _PartialReader:
 
 
 def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Path], on_partial=None,
-          serving: bool = False) -> None:
+          serving: bool = False, started_in: Path | None = None) -> None:
     """Until every rank's result is in ``job``: a one-shot world's ranks exit 0; a warm world's (``serving``) write
-    their job's results and stay, and any of them exiting is a failure."""
+    their job's results and stay, and any of them exiting is a failure (an error raised while the warm world
+    started is in its own folder, ``started_in``)."""
     deadline = time.monotonic() + world.timeout_s
     failed_at = None
     exited: dict[int, float] = {}  # rank -> when it was first seen gone: the first to go is the one to blame
@@ -688,7 +861,8 @@ def _wait(procs: list[subprocess.Popen], world: World, job: Path, logs: list[Pat
         if failed_at is not None and (all(c is not None for c in codes) or time.monotonic() - failed_at > GRACE_AFTER_FAILURE_S):
             _kill(procs)
             partial()
-            raise _failure(sorted(bad, key=lambda r: (exited[r], codes[r] >= 0)), codes, job, logs, by_exit=world.launcher == "local")
+            raise _failure(sorted(bad, key=lambda r: (exited[r], codes[r] >= 0)), codes, job, logs,
+                           by_exit=world.launcher == "local", started_in=started_in)
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
             _kill(procs)
@@ -720,13 +894,15 @@ def how_it_ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True) -> RankFailed:
+def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True,
+             started_in: Path | None = None) -> RankFailed:
     """The rank to blame: the first to go (``bad`` is in exit order). Its own exception if it raised one;
     else how it died (a signal, an exit code) and its last output. The others' errors come after, as context:
     when one rank dies, its peers fail a moment later in their collectives. Under torchrun or the DeepSpeed
     launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
-    errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in job.glob("rank*.error.json"))}
+    found = [*(started_in.glob("rank*.error.json") if started_in else []), *job.glob("rank*.error.json")]
+    errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in found)}
     first = bad[0]
     if errors and (not by_exit or all(codes[r] >= 0 for r in bad)):
         first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise

@@ -32,8 +32,9 @@ def quick_plan(world_size: int = 2) -> dict:
     return {p.id: p.quick_plan(world_size) for p in probes.registry().values()}
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (none when it reads ``LOAD_RESULTS``)."""
     if not isinstance(p["LOAD_RESULTS"], str):
         raise kconfig.ConfigError(f"LOAD_RESULTS must be a folder name or \"\", got {p['LOAD_RESULTS']!r}")
     kconfig.check_list("VERSIONS", p["VERSIONS"])
@@ -47,6 +48,10 @@ def check_notebook(p: dict) -> None:
     kconfig.check_device(p["DEVICE"])
     kconfig.check_world_size(p["WORLD_SIZE"], p["DEVICE"])
     kconfig.check_timeout(p["TIMEOUT_S"])
+    if p["LOAD_RESULTS"]:
+        return []
+    every = probes.registry()
+    return [(every[b], s) for b in (p["BUGS"] or every) for s in runner.probe_stacks(every[b], p["VERSIONS"])]
 
 
 def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, device: str = "cpu",
@@ -73,8 +78,7 @@ def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, devi
     with bar:
         for bug in bugs:
             probe = every[bug]
-            stacks = runner.stacks_of(versions) if "deepspeed" in probe.packages else [{}]
-            out += probe.run(stacks=stacks, **probe.quick_plan(world_size), device=device, timeout_s=timeout_s)
+            out += probe.run(stacks=runner.probe_stacks(probe, versions), **probe.quick_plan(world_size), device=device, timeout_s=timeout_s)
     return out
 
 

@@ -9,7 +9,8 @@ bug or accumulation path is one module (with its ``PROBE``), one notebook and it
   imported and checked in its ranks), and for the runner ``control_key``, ``world_key``, ``annotate``;
 - how it is judged and read: ``measured_case`` and ``verdict_key`` (the cell of the matrix),
   ``ratio_meaning``, ``advice`` (what to do when affected), ``violations`` (what its notebook asserts);
-- how it is asked: ``check_notebook(params)`` (its notebook's parameters, before any kernel),
+- how it is asked: ``check_notebook(params)`` (its notebook's parameters, before any kernel; it returns the
+  ``(probe, stack)`` pairs the notebook's worlds will run, which ``kit.prefetch`` prepares up front),
   ``quick_plan(world_size)`` (the overview's small run: ``run`` keyword arguments), ``knobs`` and
   ``explorer_kwargs(selection, device, timeout_s)`` (the explorer's choices, first value the default).
 """

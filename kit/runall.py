@@ -11,6 +11,10 @@
   ``--timeout``); at the limit the process group, kernel included, is killed. ``--jobs`` notebooks run
   at a time (each launches its own ranks). A failed or timed-out notebook is reported with its failing
   cell and does not stop the others.
+- **Prefetch** (``kit.prefetch``; ``--no-prefetch``: none): before any notebook starts, every overlay the
+  notebooks' stacks need is installed and every DeepSpeed comm op their worlds load is built, in parallel and
+  with a progress bar of its own, so that no notebook cell waits on pip or a compiler. A release the package
+  index does not have is bad input (exit 2, no notebook started).
 - **Aggregating notebooks** (those with a ``LOAD_RESULTS`` parameter, i.e. the overview) run after the
   bug notebooks and read the records those just wrote.
 - **The summary** (``summary.md``, ``summary.json``, ``verdict_matrix.png`` / ``.json``) links to every
@@ -110,25 +114,26 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore", "06_sweep.ipynb": "kit.sweep"}
 
 
-def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> None:
+def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> list:
     """Every value a kit notebook will run with (its defaults, then ``params``), checked by the notebook's own
     ``check_notebook`` -- before any kernel starts. ``ConfigError`` names the notebook and where the values
-    came from; notebooks outside notebooks/ (a user's, a test's) have no such check."""
+    came from; notebooks outside notebooks/ (a user's, a test's) have no such check. Returns the ``(probe,
+    stack)`` pairs the notebook's worlds will run (what ``kit.prefetch`` prepares), [] when it does not say."""
     import importlib
 
     from kit import probes
 
     if path.parent != NOTEBOOKS.resolve():
-        return
+        return []
     checks = {name: probe.check_notebook for name, probe in probes.by_notebook().items()}
     checks.update({name: importlib.import_module(module).check_notebook for name, module in TOOL_NOTEBOOKS.items()})
     if path.name not in checks:
-        return
+        return []
     try:
         values = {**notebook_defaults(path, known), **params}
         if "INTERACTIVE" in values:
             kconfig.interactive(values["INTERACTIVE"])
-        checks[path.name](values)
+        return list(checks[path.name](values) or [])
     except kconfig.ConfigError as e:
         raise kconfig.ConfigError(f"{path.name}{f' ({source})' if source else ''}: {e}") from None
 
@@ -314,7 +319,8 @@ def _cells(path: Path) -> int:
 def _watch(bar, paths: list[Path], entries: dict, stop: threading.Event, every_s: float = 1.0) -> None:
     """Until ``stop``: the bar counts the cells run in every notebook and names what each running one is doing."""
     planned = {p.name: _cells(p) for p in paths}
-    while not stop.wait(every_s):
+    while True:
+        stopped = stop.wait(every_s)  # once more after the stop: the bar ends on what really finished
         live = dict(LIVE)
         for name, lv in live.items():
             lv.poll()
@@ -325,6 +331,8 @@ def _watch(bar, paths: list[Path], entries: dict, stop: threading.Event, every_s
         bar.n = finished + sum(lv.cells for lv in live.values())
         bar.set_postfix_str("; ".join(lv.say(name) for name, lv in sorted(live.items())), refresh=False)
         bar.refresh()
+        if stopped:
+            return
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -344,7 +352,7 @@ def previous_summary(js: Path) -> dict:
 
 
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
-              stopped: str | None = None) -> tuple[Path, Path]:
+              stopped: str | None = None, prefetch: dict | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
     from kit import overview, probes, records, report
 
@@ -373,11 +381,14 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
         overview.save_matrix(cells, out)
     summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
                "matrix": cells, "changed_since_previous": changed, "run_id": run_id, "params_file": params_file,
-               "stopped": stopped}
+               "stopped": stopped, "prefetch": prefetch}
     js.write_text(json.dumps(summary, indent=1, default=str))
     ok = sum(e["status"] == "ok" for e in entries)
     lines = ["# gradkit run-all summary", "",
              f"{ok} of {len(entries)} notebooks ran to the end (their last cells assert what they found).", ""]
+    if prefetch and (prefetch["wall_s"] or prefetch["problems"]):
+        lines += [f"Prefetch ({prefetch['wall_s']} s before the notebooks): " + "; ".join(prefetch["done"] + [
+            f"**not ready:** {p}" for p in prefetch["problems"]]) + ".", ""]
     if stopped:
         lines += [f"**The run was stopped ({stopped})**: the notebooks marked `stopped` were killed with their "
                   "kernels and ranks, or never started; what finished before is below.", ""]
@@ -476,10 +487,50 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
 
+def prefetch(needs: list, jobs: int, progress: bool) -> dict:
+    """``kit.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs and
+    one-rank worlds with it): ``{"status", "wall_s", "done", "problems"}``. A release the package index does not
+    have is bad input (``ConfigError``): no notebook starts."""
+    from kit import launch
+    from kit import prefetch as kprefetch
+
+    needs = kprefetch.needs_of(needs)
+    if not kprefetch.pending(needs):
+        return {"status": "ok", "wall_s": 0.0, "done": [], "problems": [], "stacks": len(needs)}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="gradkit-prefetch-") as tmp:
+        (Path(tmp) / "needs.json").write_text(json.dumps([n.as_json() for n in needs]))
+        cmd = [sys.executable, "-m", "kit.prefetch", "--needs", str(Path(tmp) / "needs.json"), "--jobs", str(jobs),
+               "--result", str(Path(tmp) / "result.json")] + ([] if progress else ["--no-progress"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        with STOP.lock:
+            if STOP.signal:
+                return {"status": "stopped", "wall_s": 0.0, "done": [], "problems": [], "stacks": len(needs)}
+            proc = subprocess.Popen(cmd, env=env, preexec_fn=launch._session_dying_with_parent)
+            STOP.running[proc.pid] = proc
+        try:
+            code = proc.wait()
+        finally:
+            STOP.running.pop(proc.pid, None)
+        try:
+            said = json.loads((Path(tmp) / "result.json").read_text())
+        except (OSError, ValueError):
+            said = {"done": [], "problems": [f"kit.prefetch ended with status {code} before saying what it did"]}
+    if STOP.signal:
+        return {"status": "stopped", "wall_s": round(time.time() - t0, 1), "done": [], "problems": [],
+                "stacks": len(needs)}
+    if said.get("unknown"):
+        raise kconfig.ConfigError(said["unknown"])
+    return {"status": "ok" if code == 0 else "incomplete", "wall_s": round(time.time() - t0, 1),
+            "done": said.get("done", []), "problems": said.get("problems", []), "stacks": len(needs)}
+
+
 def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, progress: bool = True,
-        run_id: str = "") -> list[dict]:
+        run_id: str = "", prefetch_jobs: int = 0, report: dict | None = None) -> list[dict]:
     """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote
-    (``run.json`` says which notebooks of this run finished: only their records reach the overview)."""
+    (``run.json`` says which notebooks of this run finished: only their records reach the overview).
+    ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name (``kit.prefetch``,
+    that many builds at a time); what it did goes into ``report["prefetch"]``."""
     from kit import probes
 
     known = {p: notebook_parameters(p) for p in paths}
@@ -488,8 +539,15 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     bug_notebooks = set(probes.by_notebook())
     source = out if any(p.name in bug_notebooks for p in first) else None  # else the overview runs the probes itself
     plan = {p: params_for(p, spec, out, source if p in aggregating else None, known[p]) for p in paths}  # all checked first
-    for p in paths:
-        check_notebook_values(p, plan[p], known[p], spec.get("file", ""))
+    needs = [need for p in paths for need in check_notebook_values(p, plan[p], known[p], spec.get("file", ""))]
+    if prefetch_jobs:
+        got = prefetch(needs, prefetch_jobs, progress)
+        if report is not None:
+            report["prefetch"] = got
+        for line in got["problems"]:
+            print(f"prefetch: not ready: {line} (its notebooks will record it as cannot-run)", file=sys.stderr)
+        if got["wall_s"] and got["status"] != "stopped":
+            print(f"prefetch: {len(got['done'])} stack(s) made ready in {got['wall_s']} s", file=sys.stderr)
     entries: dict[Path, dict] = {}
     bar = _bar(sum(_cells(p) for p in paths), progress)
     stop = threading.Event()
@@ -533,6 +591,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=kconfig.DEVICES, help="DEVICE for every notebook (overrides the params file)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-site", action="store_true", help="no HTML site of the executed notebooks (OUT/site)")
+    ap.add_argument("--no-prefetch", action="store_true",
+                    help="no prefetch step: each notebook installs its overlays and builds its comm ops itself")
     a = ap.parse_args(argv)
     kconfig.check_timeout(a.timeout)
     kconfig.check_positive_int("jobs", a.jobs)
@@ -562,12 +622,16 @@ def main(argv=None) -> int:
     run_id = new_run_id()
     previous = STOP.install()
     try:
-        entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id)
+        from kit import prefetch as kprefetch
+
+        report: dict = {}
+        entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id,
+                      prefetch_jobs=0 if a.no_prefetch else kprefetch.default_jobs(), report=report)
         params_file = None
         if a.params:
             pf = Path(a.params).resolve()
             params_file = str(pf.relative_to(REPO)) if pf.is_relative_to(REPO) else str(pf)
-        md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal)
+        md, js = summarise(entries, out, run_id, params_file, stopped=STOP.signal, prefetch=report.get("prefetch"))
         index = None if a.no_site or STOP.signal else build_site(out)
     finally:
         for sig, handler in previous.items():  # a caller in the same process (a test, a kernel) gets its own back

@@ -4,7 +4,8 @@
 
 For every stack (``{package: version}``, ``{}`` = what is installed) and world size, the cases run in
 one world (or one per ``probe.world_key`` value, so that a case that breaks an engine cannot take the
-others down). Each record is judged against the ``control`` case of the same world with the same
+others down: the groups are jobs of one warm world, ``kit.launch.warm_worlds``, whose ranks a failed job
+takes down and the next group starts afresh). Each record is judged against the ``control`` case of the same world with the same
 ``probe.control_key``; then ``probe.annotate`` adds what only the probe knows (hypotheses, worst
 stage, per-configuration verdicts). A stack that cannot be installed, or a world that fails, gives
 ``cannot-run`` records: never ``not-affected``.
@@ -115,6 +116,19 @@ def stacks_of(versions) -> list[dict]:
     return [{} if v == kconfig.INSTALLED else {"deepspeed": v} for v in versions]
 
 
+def probe_stacks(probe: Probe, versions) -> list[dict]:
+    """The stacks ``probe`` runs on for these DeepSpeed ``versions``: one each when its stack names DeepSpeed,
+    else only the installed stack (the overview's rows, the notebooks' prefetch)."""
+    return stacks_of(versions) if "deepspeed" in probe.packages else [{}]
+
+
+def stacks_in(kwargs: dict) -> list[dict]:
+    """The stacks a probe's ``run(**kwargs)`` launches: its ``stacks``, else its ``versions`` as stacks."""
+    if kwargs.get("stacks") is not None:
+        return [dict(s) for s in kwargs["stacks"]]
+    return stacks_of(kwargs.get("versions") or [kconfig.INSTALLED])
+
+
 def versions_of(stacks) -> list[str]:
     """The DeepSpeed release each stack asks for ("installed" where it names none)."""
     return [s.get("deepspeed", kconfig.INSTALLED) for s in stacks]
@@ -127,6 +141,11 @@ def run(probe: Probe, cases: list[dict], stacks=({},), world_sizes=(2,), device:
     ``meta`` goes into every record (with ``bug``, ``probe``, ``world_size``, ``device``, ``stack``);
     ``predicted(case, world_size)``, if given, is stored as ``predicted_misplaced_weight``.
     """
+    with launch.warm_worlds(keep=False):  # the groups of one (stack, world size) share their ranks, if they stay well
+        return _run(probe, cases, stacks, world_sizes, device, timeout_s, meta, predicted, label)
+
+
+def _run(probe, cases, stacks, world_sizes, device, timeout_s, meta, predicted, label) -> list[dict]:
     out = []
     for stack in stacks:
         for w in world_sizes:

@@ -390,14 +390,15 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
 NOTEBOOK_PARAMETERS = ("SPEC", "SWEEP_DIR", "STACKS", "RESULTS_DIR", "INTERACTIVE")
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     if not isinstance(p["SWEEP_DIR"], str):
         raise kconfig.ConfigError(f"SWEEP_DIR must be a folder name or \"\", got {p['SWEEP_DIR']!r}")
     if not isinstance(p["STACKS"], list) or not all(isinstance(s, dict) for s in p["STACKS"]):
         raise kconfig.ConfigError(f"STACKS must be a list of mappings like {{\"deepspeed\": \"0.18.8\"}} (empty: the "
                                   f"spec's), got {p['STACKS']!r}")
-    notebook_spec(p)
+    return [(ds_config.CHECK, stack) for stack in notebook_spec(p)["stacks"]]
 
 
 def notebook_spec(p: dict) -> dict:

@@ -97,6 +97,21 @@ def check_stack(expect: dict) -> dict:
     return found
 
 
+RANK_NAME = "gradkit-rank"  # a rank's process name (what ps -e and psutil's name() show): gradkit-rank<R>
+
+
+def name_process(name: str) -> None:
+    """Set this process's name (Linux; 15 characters): a forked rank's command line is its fork server's."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
 def resolve(target: str):
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -116,6 +131,7 @@ def main(job: Path) -> int:
     A warm world's spec (``"serve"``) has no target: its ranks run every job the caller adds as ``job-<k>/``."""
     t_main = time.time()
     rank = int(os.environ["RANK"])
+    name_process(f"{RANK_NAME}{rank}")
     watch_parent()
     spec = json.loads((job / "spec.json").read_text())
     # torchrun / the DeepSpeed launcher on another node may not pass the kit's variables on: the spec carries them

@@ -1,6 +1,7 @@
 """Benchmark the kit's launch path and probes (numbers for the notes, never a timed test).
 
-    .venv/bin/python scripts/bench.py [--skip-runall] [--json runs/bench.json]
+    .venv/bin/python scripts/bench.py [--json runs/bench.json]
+    .venv/bin/python scripts/bench.py --runall [--cold]   # the default run-all, warm (and from an empty kit cache)
     .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
@@ -16,8 +17,9 @@ Measures, side by side in one run, on this machine:
 - launchers: the same warm 2-rank world started by the kit itself, by torchrun and by the DeepSpeed launcher;
 - the explorer: a first and a second Run-button press (B3 default selection), widgets to redrawn figure (the second
   in the warm world the first started);
-- run-all: the notebooks with scripts/params/quick.yaml, one at a time (--jobs 1) and two at a time (--jobs 2),
-  twice into the same folder (the second run must report identical verdicts).
+- with --runall (runs/bench_runall.json): the default run-all (scripts/params/default.yaml, every notebook, its
+  site) with the kit's cache as it is, and with --cold also from an empty kit cache (its prefetch step installs
+  every overlay and builds every comm op the notebooks need), each notebook's wall time, the prefetch's.
 """
 from __future__ import annotations
 
@@ -198,12 +200,52 @@ PERF_ROWS = [
      "≥ 20×", "×"),
     ("bench.json", "b4_speedup_warm", "the same configurations as a job of a warm world / one launch each", "≥ 20×",
      "×"),
-    ("bench.json", "runall_quick_jobs2_s", "run-all, scripts/params/quick.yaml, 2 at a time", "", "s"),
+    ("bench_runall.json", "runall_default_warm_s", "default run-all (every notebook, scripts/params/default.yaml), "
+     "cache warm", "≤ 300 s", "s"),
+    ("bench_runall.json", "runall_default_cold_s", "the same from an empty kit cache (prefetch included)", "≤ 720 s", "s"),
+    ("bench_runall.json", "prefetch_cold_s", "its prefetch: {prefetch_cold_stacks} stacks' overlays and comm ops", "",
+     "s"),
     ("bench_sweep.json", "check_warm_s", "`gradkit check`, a B3-pattern config, every loop style", "≤ 15 s", "s"),
     ("bench_sweep.json", "sweep_s", "default sweep ({sweep_configs} configurations), one world", "≤ 300 s", "s"),
     ("bench_sweep.json", "speedup", "configurations per minute, the sweep: one world / one launch each", "≥ 20×", "×"),
 ]
-PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep"}
+PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
+                 "bench_runall.json": "--runall --cold"}
+
+
+def runall_bench(json_path: str, cold: bool) -> int:
+    """The default run-all into a temporary folder, warm, then (``cold``) from an empty kit cache."""
+    from kit import runall
+
+    path = Path(json_path)
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError):
+        res = {}
+    res["cpus"] = os.cpu_count()
+    args = ["--params", str(REPO / "scripts" / "params" / "default.yaml"), "--no-progress"]
+    for kind in ("warm", "cold") if cold else ("warm",):
+        with tempfile.TemporaryDirectory(prefix="gradkit-bench-runall-") as out, \
+                tempfile.TemporaryDirectory(prefix="gradkit-bench-cache-") as cache:
+            saved = os.environ.get("GRADKIT_CACHE")
+            if kind == "cold":
+                os.environ["GRADKIT_CACHE"] = cache
+            try:
+                res[f"runall_default_{kind}_s"], code = timed(lambda: runall.main(args + ["--out", out]))
+            finally:
+                if kind == "cold":
+                    os.environ.pop("GRADKIT_CACHE") if saved is None else os.environ.__setitem__("GRADKIT_CACHE", saved)
+            summary = json.loads((Path(out) / "summary.json").read_text())
+        res[f"runall_default_{kind}_ok"] = code == 0
+        res[f"runall_default_{kind}_notebooks_s"] = {e["notebook"]: e["wall_s"] for e in summary["notebooks"]}
+        res[f"prefetch_{kind}_s"] = (summary.get("prefetch") or {}).get("wall_s")
+        res[f"prefetch_{kind}_stacks"] = (summary.get("prefetch") or {}).get("stacks")
+        print(f"run-all ({kind}): {res[f'runall_default_{kind}_s']:.1f} s, exit {code}; prefetch "
+              f"{res[f'prefetch_{kind}_s']} s; " + ", ".join(f"{k} {v} s" for k, v in res[f'runall_default_{kind}_notebooks_s'].items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"written to {path}")
+    return 0 if all(res.get(f"runall_default_{k}_ok", True) for k in ("warm", "cold")) else 1
 
 
 def perf_table(folder: Path) -> str:
@@ -245,7 +287,8 @@ def write_readme(readme: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--skip-runall", action="store_true")
+    ap.add_argument("--runall", action="store_true", help="only time the default run-all (runs/bench_runall.json)")
+    ap.add_argument("--cold", action="store_true", help="with --runall: also from an empty kit cache")
     ap.add_argument("--noise", action="store_true",
                     help="only measure the noise of correct engines that the oracle's tolerances are set against")
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
@@ -261,6 +304,8 @@ def main() -> int:
         return sweep_bench(a.json or str(REPO / "runs" / "bench_sweep.json"))
     if a.noise:
         return noise(a.json or str(REPO / "runs" / "noise.json"))
+    if a.runall:
+        return runall_bench(a.json or str(REPO / "runs" / "bench_runall.json"), a.cold)
     a.json = a.json or str(REPO / "runs" / "bench.json")
 
     from kit import launch
@@ -312,15 +357,6 @@ def main() -> int:
     res["explorer_run_button_warm_s"], _ = timed(ex.run)  # its ranks stayed up (kit.launch.warm_worlds)
     launch.stop_warm_worlds()
 
-    if not a.skip_runall:
-        from kit import runall
-        quick = ["--params", str(REPO / "scripts" / "params" / "quick.yaml"), "--no-progress"]
-        with tempfile.TemporaryDirectory(prefix="gradkit-bench-runall-") as out:
-            res["runall_quick_jobs1_s"], code1 = timed(lambda: runall.main(quick + ["--out", out, "--jobs", "1"]))
-            res["runall_quick_jobs2_s"], code2 = timed(lambda: runall.main(quick + ["--out", out, "--jobs", "2"]))
-            summary = json.loads((Path(out) / "summary.json").read_text())
-            res["runall_ok"] = code1 == 0 and code2 == 0
-            res["runall_rerun_same_verdicts"] = summary["changed_since_previous"] == []
 
     print("\n".join(f"{k:40s} {v:.2f}" if isinstance(v, float) else f"{k:40s} {v}" for k, v in res.items()))
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

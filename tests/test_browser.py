@@ -102,18 +102,9 @@ def browser(tmp_path_factory):
 
 def _ranks(server_pid: int) -> list:
     """The rank processes below the JupyterLab server (its kernel's worlds)."""
-    try:
-        below = psutil.Process(server_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    out = []
-    for p in below:
-        try:
-            if "kit.worker" in " ".join(p.cmdline()):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+    from kit import launch
+
+    return [p for _, p in launch.ranks_below(server_pid)]
 
 
 def _all_gone(procs, within_s: float) -> bool:

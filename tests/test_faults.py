@@ -20,26 +20,13 @@ pytestmark = pytest.mark.world
 
 
 def _workers(pid: int) -> list[psutil.Process]:
-    """The kit.worker processes below ``pid`` now (one that exits while being looked at is skipped)."""
-    out = []
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "kit.worker" in " ".join(p.cmdline()):
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
+    """The rank processes below ``pid`` now, started or forked (``kit.launch.ranks_below``)."""
+    return [p for _, p in launch.ranks_below(pid)]
 
 
 def _ranks_of(pid: int) -> dict[int, psutil.Process]:
-    """``{rank: process}`` of the kit.worker processes started by ``pid``."""
-    out = {}
-    for p in _workers(pid):
-        try:
-            out[int(p.environ().get("RANK", -1))] = p
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return out
+    """``{rank: process}`` of the ranks below ``pid``."""
+    return dict(launch.ranks_below(pid))
 
 
 def _gone(procs, within_s: float) -> float | None:
@@ -59,20 +46,22 @@ def _gone(procs, within_s: float) -> float | None:
 
 
 def test_a_rank_killed_mid_run_is_named_and_the_finished_cases_are_kept():
-    out = {}
-    todo = threading.Thread(target=lambda: out.setdefault("recs", zb.run(
-        world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 3), dtypes=("fp32", "bf16"), timeout_s=300)))
+    from kit import runner
+
+    out, cases = {}, []
+
+    def run():
+        with runner.listen(lambda event: cases.append(event) if event["kind"] == "case" else None):
+            out["recs"] = zb.run(world_sizes=(2,), n_values=(1, 2, 4, 8), stages=(0, 3), dtypes=("fp32", "bf16"),
+                                 timeout_s=300)
+
+    todo = threading.Thread(target=run)
     todo.start()
     deadline = time.monotonic() + 120
     victim = None
     while victim is None and time.monotonic() < deadline:
         ranks = _ranks_of(os.getpid())
-        try:
-            job = next((a for p in ranks.values() for a in p.cmdline() if "gradkit-world-" in a), None)
-        except psutil.Error:  # a rank between two cases of the world's start-up
-            job = None
-        if 1 in ranks and job and os.path.exists(f"{job}/rank0.partial.jsonl") and \
-                len(open(f"{job}/rank0.partial.jsonl").read().splitlines()) >= 3:
+        if 1 in ranks and len(cases) >= 3:  # rank 0 has reported three finished cases
             victim = ranks[1]
         time.sleep(0.05)
     assert victim is not None, "the world never got three cases in"

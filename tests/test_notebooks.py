@@ -23,6 +23,9 @@ def test_every_notebook_ran_and_is_summarised(quick_run):
     code, out = quick_run
     summary = json.loads((out / "summary.json").read_text())
     assert code == 0, [(e["notebook"], e.get("error")) for e in summary["notebooks"] if e["status"] != "ok"]
+    # every stack the notebooks name was ready before they started (a fresh clone: installed and built here)
+    assert summary["prefetch"]["status"] == "ok" and not summary["prefetch"]["problems"], summary["prefetch"]
+    assert summary["prefetch"]["stacks"] >= 5  # B1's two, 0.18.2, 0.18.9 and the installed one for DeepSpeed and torch
     md = (out / "summary.md").read_text()
     for nb in NOTEBOOKS:
         assert f"{nb}.ipynb" in md

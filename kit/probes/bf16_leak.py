@@ -245,8 +245,9 @@ def validate(world_size: int, ga_values, versions, device: str, timeout_s: float
         plan_symptom(splits, steps=1, lr=0.1)
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 04, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 04, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     for name in ("GA_VALUES", "VERSIONS", "GRID_WORLD_SIZES", "SYMPTOM_SPLITS"):
         kconfig.check_list(name, p[name])
     kconfig.check_timeout(p["TIMEOUT_S"])
@@ -255,6 +256,7 @@ def check_notebook(p: dict) -> None:
     kconfig.check_positive_int("SYMPTOM_STEPS", p["SYMPTOM_STEPS"])
     if not isinstance(p["SYMPTOM_LR"], (int, float)) or isinstance(p["SYMPTOM_LR"], bool) or p["SYMPTOM_LR"] <= 0:
         raise kconfig.ConfigError(f"SYMPTOM_LR must be a number > 0, got {p['SYMPTOM_LR']!r}")
+    return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]
 
 
 def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), micro_batch: int = 4, hidden: int = 32,

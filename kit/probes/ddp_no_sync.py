@@ -79,8 +79,10 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float) -> None:
     kconfig.check_timeout(timeout_s)
 
 
-def check_notebook(p: dict) -> None:
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 07; returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"])
+    return [(PROBE, {})]
 
 
 def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,

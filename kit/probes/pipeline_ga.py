@@ -252,10 +252,12 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
     plan(splits)
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     validate(p["WORLD_SIZES"], p["SPLITS"], p["DTYPES"], p["ZERO_STAGES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["HIDDEN"])
+    return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]
 
 
 def _annotate(rec: dict, control: dict | None) -> dict:

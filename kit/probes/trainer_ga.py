@@ -333,10 +333,12 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
     plan(paths, gas_values, cases, global_batch)
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 01, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 01, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     validate(p["STACKS"], p["PATHS"], p["GAS_VALUES"], p["CASES"], p["WORLD_SIZE"], p["GLOBAL_BATCH"], p["DEVICE"],
              p["TIMEOUT_S"])
+    return [(PROBE, stack) for stack in p["STACKS"]]
 
 
 def violations(recs: list[dict]) -> list[str]:

@@ -202,12 +202,14 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
     kconfig.check_positive_int("hidden", hidden)
 
 
-def check_notebook(p: dict) -> None:
-    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.runall`` call first)."""
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
     kconfig.check_list("FIX_N_VALUES", p["FIX_N_VALUES"])
     validate(p["WORLD_SIZES"], p["N_VALUES"], p["ZERO_STAGES"], p["DTYPES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["FIX_N_VALUES"], p["MICRO_BATCH"], p["HIDDEN"])
     plan(p["N_VALUES"], fix_n_values=p["FIX_N_VALUES"])
+    return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]
 
 
 def _annotate(rec: dict) -> dict:

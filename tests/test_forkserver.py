@@ -1,0 +1,71 @@
+"""Fork servers (``kit.forkserver``): a probe run forks the ranks of all its worlds of one stack from one process
+that imported the stack once. The same measurements as ranks started one by one, and the ranks still die with
+their caller."""
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from kit import launch, runner
+from kit.probes import zero_boundary as zb
+
+pytestmark = pytest.mark.world
+
+
+def _run_and_watch():
+    """B3 at world sizes 1 and 2 (two worlds of one stack); the ranks seen and their parents while it ran."""
+    seen = {}
+
+    def look(event):
+        if event["kind"] == "case":
+            for rank, p in launch.ranks_below(os_pid()):
+                try:
+                    seen[p.pid] = " ".join(p.parent().cmdline())
+                except psutil.Error:
+                    pass
+
+    with runner.listen(look):
+        recs = zb.run(world_sizes=(1, 2), n_values=(1, 4), stages=(2,), dtypes=("fp32",), fixes=(), timeout_s=300)
+    return recs, seen
+
+
+def os_pid():
+    import os
+
+    return os.getpid()
+
+
+def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monkeypatch):
+    before = set(launch._SERVERS)
+    recs, seen = _run_and_watch()
+    assert len(seen) == 3 and all("kit.forkserver" in parent for parent in seen.values()), seen  # 1 + 2 ranks
+    assert set(launch._SERVERS) == before, "the run's fork server outlived the run"
+    monkeypatch.setenv(launch.NO_FORK_ENV, "1")
+    started, seen = _run_and_watch()
+    assert seen and not any("kit.forkserver" in parent for parent in seen.values())
+    key = lambda r: (r["world_size"], r["case"], r["ga"])  # noqa: E731
+    assert [(key(r), r["verdict"], r["metrics"]) for r in sorted(recs, key=key)] == \
+        [(key(r), r["verdict"], r["metrics"]) for r in sorted(started, key=key)]
+    assert {r["verdict"] for r in recs} == {"affected", "not-affected"}  # ZeRO-2 at N=4 is B3; N=1 is not
+
+
+def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_killed():
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "from kit import launch\n"
+        "with launch.warm_worlds():\n"
+        "    launch.run_world('kit.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch',"
+        " timeout_s=600)\n")], cwd=str(launch.REPO_ROOT))
+    deadline, ranks = time.monotonic() + 60, []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        ranks = [p for r, p in launch.ranks_below(caller.pid) if r >= 0]
+        time.sleep(0.1)
+    assert len(ranks) == 2, "the warm world's ranks never came up"
+    tree = psutil.Process(caller.pid).children(recursive=True)
+    assert any("kit.forkserver" in " ".join(p.cmdline()) for p in tree)
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    gone, alive = psutil.wait_procs(tree, timeout=5.0)
+    assert not alive, f"outlived their caller by 5 s: {[p.pid for p in alive]}"
