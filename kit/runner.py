@@ -89,12 +89,15 @@ def case_bar(desc: str = "cases", widget: bool = False):
 
 def first_time(stack: dict, probe: Probe) -> str:
     """What makes the first launch of this stack slow, in words ("" when everything is cached)."""
-    if "deepspeed" not in probe.packages:
-        return ""
-    version = stack.get("deepspeed") or kversions.installed_version("deepspeed")
     said = []
-    if stack.get("deepspeed") and not (kversions.overlay_root() / f"deepspeed-{version}" / ".complete").exists():
-        said.append(f"installing DeepSpeed {version} into the kit's cache, once per release (~30 s)")
+    for package, wanted in sorted(stack.items()):
+        if package in probe.packages and wanted not in (kconfig.INSTALLED, kversions.installed_version(package)) \
+                and not (kversions.overlay_root() / f"{package}-{wanted}" / ".complete").exists():
+            said.append(f"installing {dict(deepspeed='DeepSpeed').get(package, package)} {wanted} into the kit's cache, "
+                        "once per release (~30 s)")
+    if "deepspeed" not in probe.packages:
+        return "; ".join(said)
+    version = stack.get("deepspeed") or kversions.installed_version("deepspeed")
     if probe.init == "deepspeed":
         built = kconfig.cache_dir() / "torch_extensions" / f"deepspeed-{version}"
         if not any(built.rglob("*.so")) if built.exists() else True:
