@@ -4,7 +4,9 @@ their caller."""
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -65,7 +67,11 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
     assert len(ranks) == 2, "the warm world's ranks never came up"
     tree = psutil.Process(caller.pid).children(recursive=True)
     assert any("kit.forkserver" in " ".join(p.cmdline()) for p in tree)
+    mine = [f for f in Path(tempfile.gettempdir()).glob("gradkit-world-*")
+            if (f / launch.OWNER_FILE).exists() and (f / launch.OWNER_FILE).read_text().split()[0] == str(caller.pid)]
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     gone, alive = psutil.wait_procs(tree, timeout=5.0)
     assert not alive, f"outlived their caller by 5 s: {[p.pid for p in alive]}"
+    # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
+    assert len(mine) == 1 and mine[0] in launch.remove_stale_worlds() and not mine[0].exists()
