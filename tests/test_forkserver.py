@@ -74,4 +74,5 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
     gone, alive = psutil.wait_procs(tree, timeout=5.0)
     assert not alive, f"outlived their caller by 5 s: {[p.pid for p in alive]}"
     # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
-    assert len(mine) == 1 and mine[0] in launch.remove_stale_worlds() and not mine[0].exists()
+    launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
+    assert len(mine) == 1 and not mine[0].exists()
