@@ -576,9 +576,13 @@ def _warm_wanted(world: World) -> bool:
     return getattr(_WARM_FLAG, "on", False) and world.launcher == "local" and world.nnodes == 1
 
 
+def _stack_fields(world: World) -> list:
+    """What a world's ranks import and how they start: the same for every world size (a fork server's key)."""
+    return [world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect]
+
+
 def _warm_key(world: World, target: str) -> str:
-    return json.dumps([target, world.world_size, world.device, world.pythonpath, world.env, world.init,
-                       world.extensions_key, world.expect], sort_keys=True, default=str)
+    return json.dumps([target, world.world_size, *_stack_fields(world)], sort_keys=True, default=str)
 
 
 _SPAWNER = None  # the one thread that starts warm worlds (see _start_warm)
@@ -713,8 +717,7 @@ _SERVERS: dict[str, "_Server | None"] = {}  # None: this stack's server could no
 
 
 def _server_key(world: World) -> str:
-    return json.dumps([world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect],
-                      sort_keys=True, default=str)
+    return json.dumps(_stack_fields(world), sort_keys=True, default=str)
 
 
 def _server_for(world: World) -> "_Server | None":

@@ -85,13 +85,9 @@ def _as_probe(need: Need):
 
 def install(need: Need):
     """The stack resolved (its overlays installed): ``(launch.World for a one-rank world, versions.Stack)``."""
-    from kit import launch
-    from kit import versions as kversions
+    from kit import runner
 
-    resolved = kversions.resolve_stack(dict(need.stack), need.packages)
-    world = launch.World(world_size=1, timeout_s=BUILD_TIMEOUT_S, pythonpath=resolved.pythonpath,
-                         extensions_key=resolved.extensions_key, expect=resolved.expect, init=need.init)
-    return world, resolved
+    return runner.world_for(_as_probe(need), dict(need.stack), 1, "cpu", BUILD_TIMEOUT_S)
 
 
 def build(world) -> None:
