@@ -897,6 +897,14 @@ def how_it_ended(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _error_record(path: Path) -> dict | None:
+    """A rank's error record, or None when it cannot be read (a rank killed mid-write by an older kit)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True,
              started_in: Path | None = None) -> RankFailed:
     """The rank to blame: the first to go (``bad`` is in exit order). Its own exception if it raised one;
@@ -905,7 +913,7 @@ def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: 
     launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
     found = [*(started_in.glob("rank*.error.json") if started_in else []), *job.glob("rank*.error.json")]
-    errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in found)}
+    errors = {e["rank"]: e for e in map(_error_record, found) if e}
     first = bad[0]
     if errors and (not by_exit or all(codes[r] >= 0 for r in bad)):
         first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise

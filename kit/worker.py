@@ -167,9 +167,13 @@ def main(job: Path) -> int:
 
 
 def _write_error(folder: Path, rank: int, e: BaseException) -> None:
-    (folder / f"rank{rank}.error.json").write_text(json.dumps({
+    # written whole, then renamed, like the result: a launcher (torchrun) may kill a rank mid-write, and the
+    # caller reads errors while other ranks are still dying (CI stop 20 read an empty rank0.error.json)
+    tmp = folder / f"rank{rank}.error.json.tmp"
+    tmp.write_text(json.dumps({
         "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000],
         "traceback": traceback.format_exc()}))
+    os.replace(tmp, folder / f"rank{rank}.error.json")
     traceback.print_exc()
 
 

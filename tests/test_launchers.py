@@ -89,6 +89,17 @@ def test_a_raising_rank_under_torchrun_is_named():
     assert time.time() - t0 < 60
 
 
+def test_a_half_written_error_file_does_not_hide_the_rank_that_raised(tmp_path):
+    # CI stop 20: torchrun killed rank 0 while it wrote its error file, and the caller crashed on the empty file
+    import json
+    (tmp_path / "rank0.error.json").write_text("")
+    (tmp_path / "rank1.error.json").write_text(json.dumps({"rank": 1, "time": 1.0, "type": "RuntimeError",
+                                                           "message": "needle-8", "traceback": "tb"}))
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    e = launch._failure([0, 1], [1, 1], tmp_path, logs, by_exit=False)
+    assert e.rank == 1 and "needle-8" in str(e)
+
+
 def test_dry_run_prints_the_command_lines(tmp_path, capsys):
     hf = _hostfile(tmp_path)
     assert launch.main(["--world-size", "16", "--device", "cuda", "--launcher", "deepspeed", "--nnodes", "2",
