@@ -171,6 +171,15 @@ def interactive(value=AUTO) -> bool:
     return bool(os.environ.get(FRONTEND_ENV))
 
 
+def in_kernel() -> bool:
+    """This process is a Jupyter kernel (JupyterLab's, or papermill's under run-all)."""
+    import sys
+
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def check_version(version) -> None:
     if version == INSTALLED:
         return

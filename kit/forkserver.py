@@ -5,9 +5,10 @@ the installed 0.19 ~2 s), and every rank of every world paid it: a probe that ru
 and 4 imported it six times. ``kit.launch`` starts one server per stack inside a ``launch.warm_worlds`` block
 (``kit.runner.run`` opens one per probe run) and forks each rank of that stack's worlds from it; the rank then
 runs ``kit.worker.main`` as a started one would (its own session, log, environment, process group). The server
-imports nothing it was not asked for, starts no thread, and leaves when its caller closes its stdin or dies.
+imports nothing it was not asked for, starts no thread, and leaves when its caller closes its stdin or dies, or
+when it has had no rank for ``idle_s`` (the caller then starts a new one when it needs one).
 
-Protocol (JSON lines): the caller writes the server's spec, ``{"pythonpath", "expect", "init"}``; the server
+Protocol (JSON lines): the caller writes the server's spec, ``{"pythonpath", "expect", "init", "idle_s"}``; the server
 answers ``{"ready": true}`` or ``{"error": ...}`` (the caller then starts its ranks the usual way, and they
 report the error themselves). Then, per rank, ``{"job", "env", "log", "exit_file"}`` -> ``{"pid"}``; when a
 rank exits, the server writes its exit status (as ``subprocess`` reports it: -9 = SIGKILL) to ``exit_file``.
@@ -19,6 +20,7 @@ import os
 import select
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -104,10 +106,15 @@ def main() -> int:
     gc.freeze()  # the imported modules stay shared with the ranks, and their collections skip them
     _say({"ready": True})
     children: dict[int, str] = {}
+    idle_since = time.monotonic()
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.05)
         _reap(children)
+        if children:
+            idle_since = time.monotonic()
         if not ready:
+            if time.monotonic() - idle_since > spec.get("idle_s", 60):
+                return 0  # no rank for that long (a kernel's warm worlds idled out): the stack's memory goes
             continue
         line = sys.stdin.readline()
         if not line:  # the caller closed the pipe (or died): the ranks go with this process

@@ -656,8 +656,9 @@ def stop_warm_worlds() -> int:
 # several worlds, pays DeepSpeed's import once (0.18.x: ~7 s of a core per rank). CPU worlds only (a fork after
 # CUDA is initialised is not safe); a server that cannot start (its stack does not import) means ranks started
 # the usual way, which then say why themselves. Servers end with the block that started them, with
-# ``stop_warm_worlds()``, and with this process (parent-death signal).
+# ``stop_warm_worlds()``, with this process (parent-death signal), and after ``SERVER_IDLE_S`` without a rank.
 
+SERVER_IDLE_S = 60.0  # a server with no rank for this long leaves (a kernel's warm worlds idled out after WARM_IDLE_S)
 NO_FORK_ENV = "GRADKIT_NO_FORK_SERVER"  # set (to anything): every rank is a process of its own, as before
 
 
@@ -739,7 +740,7 @@ def _start_server(world: World) -> "_Server | None":
                             stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT), text=True,
                             preexec_fn=_session_dying_with_parent)
     proc.stdin.write(json.dumps({"pythonpath": [*world.pythonpath, str(REPO_ROOT)], "expect": world.expect,
-                                 "init": world.init}) + "\n")
+                                 "init": world.init, "idle_s": SERVER_IDLE_S}) + "\n")
     proc.stdin.flush()
     ready, _, _ = select.select([proc.stdout], [], [], world.timeout_s)
     said = {}

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle, plots, probes, records, runner, versions
+from kit import oracle, probes, records, runner, versions
 from kit.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
 
 
@@ -186,6 +186,8 @@ def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebo
 def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
     """``verdict_matrix.json`` and ``verdict_matrix.png`` in ``folder``."""
     import matplotlib.pyplot as plt
+
+    from kit import plots  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

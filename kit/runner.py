@@ -144,7 +144,10 @@ def run(probe: Probe, cases: list[dict], stacks=({},), world_sizes=(2,), device:
     ``meta`` goes into every record (with ``bug``, ``probe``, ``world_size``, ``device``, ``stack``);
     ``predicted(case, world_size)``, if given, is stored as ``predicted_misplaced_weight``.
     """
-    with launch.warm_worlds(keep=False):  # the groups of one (stack, world size) share their ranks, if they stay well
+    # The groups of one (stack, world size) share their ranks while they stay well. In a Jupyter kernel the worlds
+    # also stay warm for the next cell (a notebook pays its imports and DeepSpeed's first initialize once per
+    # stack, not once per cell; 2-5 s a call on 2 cores); elsewhere (a script, a test) the run leaves nothing.
+    with launch.warm_worlds(keep=kconfig.in_kernel()):
         return _run(probe, cases, stacks, world_sizes, device, timeout_s, meta, predicted, label)
 
 

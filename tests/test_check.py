@@ -8,6 +8,8 @@ import pytest
 from kit import check, config, launch, oracle
 from kit.probes import ds_config
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
+
 B3_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": "auto",
              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "gradient_clipping": 1.0,
              "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "overlap_comm": True}}

@@ -5,6 +5,8 @@ from kit import explore, oracle, overview, probes, records, runall
 from kit.probe import Probe
 from kit.probes import ddp_no_sync
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
+
 
 @pytest.fixture(scope="module")
 def ddp_records():

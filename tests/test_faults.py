@@ -171,7 +171,7 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
 
     w = threading.Thread(target=watch)
     w.start()
-    code = runall.main([str(nb), "--out", str(tmp_path / "out"), "--timeout", "20", "--no-progress"])
+    code = runall.main([str(nb), "--out", str(tmp_path / "out"), "--timeout", "12", "--no-progress"])
     w.join()
     assert code == 1 and seen, "the notebook's world never came up"
     assert _gone(seen, within_s=5.0) is not None, "ranks outlived their notebook's time limit"
@@ -234,15 +234,24 @@ def test_interrupting_an_explorer_run_stops_its_world_within_seconds():
 
 
 def test_interrupting_a_probe_cell_in_a_real_kernel_kills_its_ranks(repo):
-    """A probe started from a cell, and the kernel's Interrupt (SIGINT to the kernel, as JupyterLab's stop square):
-    the cell ends with KeyboardInterrupt, the world's ranks are gone within seconds, the kernel lives on."""
+    """A probe cell that finished leaves its world warm for the next cell (the same ranks, no start-up). A probe
+    started from a cell, and the kernel's Interrupt (SIGINT to the kernel, as JupyterLab's stop square): the cell
+    ends with KeyboardInterrupt, the world's ranks are gone within seconds, the kernel lives on. A kernel shut
+    down (or restarted) takes its warm ranks with it."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="gradkit", cwd=str(repo))
     try:
-        cell = kc.execute("from kit.probes import zero_boundary as zb\n"
-                          "zb.run(n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=('fp32', 'bf16'))")
         kernel = psutil.Process(km.provisioner.process.pid)
+        small = ("from kit.probes import zero_boundary as zb\n"
+                 "recs = zb.run(n_values=(1, 4), stages=(2,), dtypes=('fp32',), fixes=())\n"
+                 "assert {r['verdict'] for r in recs} == {'affected', 'not-affected'}")
+        assert kc.execute_interactive(small, timeout=120)["content"]["status"] == "ok"
+        warm = {p.pid for p in _workers(kernel.pid)}
+        assert len(warm) == 2, "the finished cell's world did not stay warm"
+        assert kc.execute_interactive(small, timeout=120)["content"]["status"] == "ok"
+        assert {p.pid for p in _workers(kernel.pid)} == warm, "the next cell did not reuse the warm ranks"
+        cell = kc.execute("zb.run(n_values=(1, 2, 4, 8), stages=(0, 1, 2, 3), dtypes=('fp32', 'bf16'))")
         t0 = time.monotonic()
         while not (ranks := _workers(kernel.pid)) and time.monotonic() - t0 < 120:
             time.sleep(0.2)
@@ -253,6 +262,10 @@ def test_interrupting_a_probe_cell_in_a_real_kernel_kills_its_ranks(repo):
         assert reply["parent_header"]["msg_id"] == cell
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         assert _gone(ranks, within_s=5.0) is not None, "the interrupted cell's ranks live on"
-        assert kc.execute_interactive("1 + 1", timeout=30)["content"]["status"] == "ok"  # the kernel lives on
+        assert kc.execute_interactive(small, timeout=120)["content"]["status"] == "ok"  # the kernel lives on
+        warm = _workers(kernel.pid)
+        assert len(warm) == 2
+        km.shutdown_kernel(now=True)
+        assert _gone(warm, within_s=5.0) is not None, "warm ranks outlived their kernel"
     finally:
         km.shutdown_kernel(now=True)

@@ -76,3 +76,4 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
     # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
     launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
     assert len(mine) == 1 and not mine[0].exists()
+

@@ -5,6 +5,8 @@ from kit import config as kconfig
 from kit import oracle, records
 from kit.probes import pipeline_ga as pg
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
+
 OLD = "0.18.2"  # the report's release
 GA = 4
 

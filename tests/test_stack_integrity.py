@@ -11,12 +11,18 @@ pytestmark = pytest.mark.world
 OLD = "0.18.9"
 
 
+@pytest.fixture(scope="module")
+def shared_cache():
+    """The suite's cache, with the 0.18.9 overlay installed and the installed release's comm op built (once)."""
+    versions.ensure_overlay("deepspeed", OLD)
+    launch.run_world("kit.selftest:ping", {}, launch.World(world_size=1, init="deepspeed", timeout_s=300))
+    return versions.overlay_root().parent
+
+
 @pytest.fixture
-def private_cache(tmp_path, monkeypatch):
+def private_cache(shared_cache, tmp_path, monkeypatch):
     """A cache of its own (so damage never touches the suite's), seeded with copies from the shared one."""
-    versions.ensure_overlay("deepspeed", OLD)  # in the suite's cache, once
-    launch.run_world("kit.selftest:ping", {}, launch.World(world_size=1, init="deepspeed", timeout_s=300))  # comm op built
-    shared = versions.overlay_root().parent
+    shared = shared_cache
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))
     return shared, tmp_path
 

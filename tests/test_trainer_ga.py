@@ -6,6 +6,8 @@ from kit import config as kconfig
 from kit import expectations, oracle, records
 from kit.probes import trainer_ga as tg
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
+
 SEED_STACK = {"transformers": "5.3.0", "deepspeed": "0.18.9"}  # the report's versions
 GAS = 4
 W = 2

@@ -74,8 +74,10 @@ def test_a_failing_job_takes_its_warm_world_down_and_the_next_call_starts_a_new_
 
 def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit(monkeypatch):
     """The parent-death signal follows the thread that started a process: a warm world started from a Run's
-    thread must not die with it. Idle past ``WARM_IDLE_S``, its ranks leave by themselves."""
+    thread must not die with it. Idle past ``WARM_IDLE_S``, its ranks leave by themselves, and their fork server
+    (a whole stack in memory: a kernel keeps its worlds warm between cells) ``SERVER_IDLE_S`` later."""
     monkeypatch.setattr(launch, "WARM_IDLE_S", 4.0)
+    monkeypatch.setattr(launch, "SERVER_IDLE_S", 1.0)
     got = {}
 
     def run():
@@ -90,6 +92,8 @@ def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit
     assert all(p.is_running() for p in procs), "the warm world died with the thread that started it"
     gone, alive = psutil.wait_procs(procs, timeout=15)
     assert not alive, "idle ranks stayed past their limit"
+    servers = [s.proc for s in launch._SERVERS.values() if s is not None]
+    assert len(servers) == 1 and servers[0].wait(timeout=15) == 0, "the idle fork server stayed"
     with launch.warm_worlds():  # the next call notices and starts a new world
         assert not set(got["pids"]) & set(_pids(launch.run_world("kit.selftest:ping", {}, world_size=2,
                                                                   init="torch", timeout_s=60)))
