@@ -555,7 +555,8 @@ def warm_worlds(keep: bool = True):
     same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``.
 
     ``keep=False``: the warm worlds the block started are stopped when it ends, unless an enclosing block keeps
-    them (``kit.runner.run`` reuses the ranks of one stack between its own worlds, and leaves nothing behind)."""
+    them (``kit.runner.run`` reuses the ranks of one stack between its own worlds, and leaves no rank behind).
+    Their fork servers stay for the next run of their stack, until ``SERVER_IDLE_S`` without a rank."""
     before = getattr(_WARM_FLAG, "on", False)
     with _WARM_LOCK:
         had, had_servers = set(_WARM), set(_SERVERS)
@@ -569,7 +570,8 @@ def warm_worlds(keep: bool = True):
                 for key in set(_WARM) - had:
                     _discard(key)
                 for key in set(_SERVERS) - had_servers:
-                    _stop_server(key)
+                    if _SERVERS.get(key) is None:
+                        _SERVERS.pop(key, None)  # could not start: the next run tries again
 
 
 def _warm_wanted(world: World) -> bool:
@@ -578,7 +580,8 @@ def _warm_wanted(world: World) -> bool:
 
 def _stack_fields(world: World) -> list:
     """What a world's ranks import and how they start: the same for every world size (a fork server's key)."""
-    return [world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect]
+    return [world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect,
+            str(kconfig.cache_dir())]
 
 
 def _warm_key(world: World, target: str) -> str:
@@ -634,8 +637,7 @@ def _discard(key: str) -> None:
         _kill(w.procs)
         w.holder.close()
         shutil.rmtree(w.job, ignore_errors=True)
-        if w.server_key and not any(o.server_key == w.server_key for o in _WARM.values()):
-            _stop_server(w.server_key)  # its last world went: a server holds a whole stack in memory
+        # its server stays for the next world of its stack (leaving after SERVER_IDLE_S without a rank)
 
 
 def stop_warm_worlds() -> int:
@@ -655,9 +657,12 @@ def stop_warm_worlds() -> int:
 # stack once (``kit.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
 # several worlds, pays DeepSpeed's import once (0.18.x: ~7 s of a core per rank). CPU worlds only (a fork after
 # CUDA is initialised is not safe); a server that cannot start (its stack does not import) means ranks started
-# the usual way, which then say why themselves. Servers end with the block that started them, with
-# ``stop_warm_worlds()``, with this process (parent-death signal), and after ``SERVER_IDLE_S`` without a rank.
+# the usual way, which then say why themselves. A server outlives the run that started it, for the next run of
+# its stack (a test module, a script's next probe: ~5 s of a core each); it leaves after ``SERVER_IDLE_S``
+# without a rank, when ``SERVER_MAX`` others were used since, on ``stop_warm_worlds()``, and with this process
+# (parent-death signal). Its ranks never outlive their run: they are the warm worlds' (above).
 
+SERVER_MAX = 3  # servers kept at once (each holds a whole stack in memory): the least recently used goes
 SERVER_IDLE_S = 60.0  # a server with no rank for this long leaves (a kernel's warm worlds idled out after WARM_IDLE_S)
 NO_FORK_ENV = "GRADKIT_NO_FORK_SERVER"  # set (to anything): every rank is a process of its own, as before
 
@@ -705,6 +710,7 @@ class _Server:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.lock = threading.Lock()
+        self.used = time.monotonic()
 
     def fork(self, job: Path, env: dict, log: Path, exit_file: Path) -> _Forked:
         with self.lock:
@@ -728,7 +734,14 @@ def _server_for(world: World) -> "_Server | None":
     key = _server_key(world)
     server = _SERVERS.get(key, False)
     if server is False or (server is not None and server.proc.poll() is not None):
+        busy = {w.server_key for w in _WARM.values()}
+        idle = sorted((k for k, s in _SERVERS.items() if s is not None and k != key and k not in busy),
+                      key=lambda k: _SERVERS[k].used)
+        for old in idle[:max(0, sum(s is not None for s in _SERVERS.values()) + 1 - SERVER_MAX)]:
+            _stop_server(old)
         _SERVERS[key] = server = _start_server(world)
+    if server is not None:
+        server.used = time.monotonic()
     return server
 
 

@@ -33,10 +33,64 @@ def init_process_group(device: str, how: str, timeout_s: float, init_method: str
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     if how == "deepspeed":
         import deepspeed
+        use_flock_baton()  # before DeepSpeed JIT-loads its comm op
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # joins the group above if there is one
     elif not init_method.startswith("file://"):
         import torch.distributed as dist
         dist.init_process_group(backend=backend, timeout=timeout)
+
+
+class FlockBaton:
+    """torch's ``FileBaton`` (the lock of a JIT extension build) on an OS lock that dies with its holder.
+
+    torch creates ``<build dir>/lock`` with O_EXCL and removes it when the build is done; a rank killed while it
+    holds it (a world stopped or timed out during ``init_distributed``, when every rank loads the comm op) leaves
+    the file, and every later rank of that release waits for it forever (pytorch#189245; torch 2.13 still has it).
+    Here the ranks take ``flock`` on ``lock.flock``, which the kernel drops when a holder dies, and whoever holds
+    it removes a ``lock`` file left behind. The interface is ``FileBaton``'s, as ``cpp_extension`` calls it."""
+
+    def __init__(self, lock_file_path, wait_seconds=0.1, warn_after_seconds=None):
+        self.lock_file_path, self.fd = lock_file_path, None
+
+    def _open(self) -> int:
+        return os.open(f"{self.lock_file_path}.flock", os.O_CREAT | os.O_RDWR, 0o644)
+
+    def try_acquire(self) -> bool:
+        import fcntl
+
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        try:
+            os.remove(self.lock_file_path)  # torch's baton of a builder that died holding it
+        except FileNotFoundError:
+            pass
+        return True
+
+    def wait(self) -> None:
+        import fcntl
+
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # returns when the builder is done, or dead
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = None
+
+
+def use_flock_baton() -> None:
+    """JIT extension builds in this rank lock with ``FlockBaton``."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.FileBaton = FlockBaton
 
 
 def watch_parent(interval_s: float = 0.5) -> None:

@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
+    .venv/bin/python scripts/bench.py --suite      # the README's test command, timed (runs/bench_suite.json)
     .venv/bin/python scripts/bench.py --readme README.md   # the README's performance table from those files
 
 Measures, side by side in one run, on this machine:
@@ -19,7 +20,9 @@ Measures, side by side in one run, on this machine:
   in the warm world the first started);
 - with --runall (runs/bench_runall.json): the default run-all (scripts/params/default.yaml, every notebook, its
   site) with the kit's cache as it is, and with --cold also from an empty kit cache (its prefetch step installs
-  every overlay and builds every comm op the notebooks need), each notebook's wall time, the prefetch's.
+  every overlay and builds every comm op the notebooks need), each notebook's wall time, the prefetch's;
+- with --suite (runs/bench_suite.json): `bash scripts/test.sh` (setup, then the whole test suite on two xdist
+  workers) from a clean environment, as CI runs it; its wall time and pytest's own count and time.
 """
 from __future__ import annotations
 
@@ -208,9 +211,12 @@ PERF_ROWS = [
     ("bench_sweep.json", "check_warm_s", "`gradkit check`, a B3-pattern config, every loop style", "≤ 15 s", "s"),
     ("bench_sweep.json", "sweep_s", "default sweep ({sweep_configs} configurations), one world", "≤ 300 s", "s"),
     ("bench_sweep.json", "speedup", "configurations per minute, the sweep: one world / one launch each", "≥ 20×", "×"),
+    ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
+     "≤ 360 s", "s"),
+    ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
-                 "bench_runall.json": "--runall --cold"}
+                 "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite"}
 
 
 def runall_bench(json_path: str, cold: bool) -> int:
@@ -246,6 +252,26 @@ def runall_bench(json_path: str, cold: bool) -> int:
     path.write_text(json.dumps(res, indent=1))
     print(f"written to {path}")
     return 0 if all(res.get(f"runall_default_{k}_ok", True) for k in ("warm", "cold")) else 1
+
+
+def suite_bench(json_path: str) -> int:
+    """The README's test command, as CI runs it (a clean environment), timed from outside."""
+    import re
+    import subprocess
+
+    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "scripts/test.sh"], cwd=str(REPO), env=env, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    m = re.search(r"(\d+) passed.* in ([\d.]+)s", tail)
+    res = {"cpus": os.cpu_count(), "suite_s": round(wall, 1), "exit": out.returncode, "summary": tail,
+           "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None}
+    path = Path(json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode}); written to {path}")
+    return out.returncode
 
 
 def perf_table(folder: Path) -> str:
@@ -294,6 +320,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
     ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
+    ap.add_argument("--suite", action="store_true", help="only time the README's test command (runs/bench_suite.json)")
     ap.add_argument("--readme", help="write the performance table of this file from the JSON files in runs/")
     a = ap.parse_args()
     if a.readme:
@@ -304,6 +331,8 @@ def main() -> int:
         return sweep_bench(a.json or str(REPO / "runs" / "bench_sweep.json"))
     if a.noise:
         return noise(a.json or str(REPO / "runs" / "noise.json"))
+    if a.suite:
+        return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"))
     if a.runall:
         return runall_bench(a.json or str(REPO / "runs" / "bench_runall.json"), a.cold)
     a.json = a.json or str(REPO / "runs" / "bench.json")

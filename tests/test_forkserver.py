@@ -1,6 +1,6 @@
 """Fork servers (``kit.forkserver``): a probe run forks the ranks of all its worlds of one stack from one process
-that imported the stack once. The same measurements as ranks started one by one, and the ranks still die with
-their caller."""
+that imported the stack once, and the server stays for the next run of that stack. The same measurements as
+ranks started one by one, and the ranks still die with their caller."""
 import signal
 import subprocess
 import sys
@@ -17,20 +17,21 @@ from kit.probes import zero_boundary as zb
 pytestmark = pytest.mark.world
 
 
-def _run_and_watch():
-    """B3 at world sizes 1 and 2 (two worlds of one stack); the ranks seen and their parents while it ran."""
+def _run_and_watch(world_sizes=(1, 2), n_values=(1, 4)):
+    """B3 at world sizes 1 and 2 (two worlds of one stack); the ranks seen, and their parents' pid and command
+    line, while it ran."""
     seen = {}
 
     def look(event):
         if event["kind"] == "case":
             for rank, p in launch.ranks_below(os_pid()):
                 try:
-                    seen[p.pid] = " ".join(p.parent().cmdline())
+                    seen[p.pid] = (p.ppid(), " ".join(p.parent().cmdline()))
                 except psutil.Error:
                     pass
 
     with runner.listen(look):
-        recs = zb.run(world_sizes=(1, 2), n_values=(1, 4), stages=(2,), dtypes=("fp32",), fixes=(), timeout_s=300)
+        recs = zb.run(world_sizes=world_sizes, n_values=n_values, stages=(2,), dtypes=("fp32",), fixes=(), timeout_s=300)
     return recs, seen
 
 
@@ -41,13 +42,16 @@ def os_pid():
 
 
 def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monkeypatch):
-    before = set(launch._SERVERS)
     recs, seen = _run_and_watch()
-    assert len(seen) == 3 and all("kit.forkserver" in parent for parent in seen.values()), seen  # 1 + 2 ranks
-    assert set(launch._SERVERS) == before, "the run's fork server outlived the run"
+    assert len(seen) == 3 and all("kit.forkserver" in cmd for _, cmd in seen.values()), seen  # 1 + 2 ranks
+    (server,) = {ppid for ppid, _ in seen.values()}
+    assert not launch.ranks_below(os_pid()), "a rank outlived its run"
+    assert psutil.pid_exists(server), "the server did not stay for the next run of its stack"
+    _, again = _run_and_watch(world_sizes=(2,), n_values=(1,))
+    assert again and {ppid for ppid, _ in again.values()} == {server}  # no second import of the stack
     monkeypatch.setenv(launch.NO_FORK_ENV, "1")
     started, seen = _run_and_watch()
-    assert seen and not any("kit.forkserver" in parent for parent in seen.values())
+    assert seen and not any("kit.forkserver" in cmd for _, cmd in seen.values())
     key = lambda r: (r["world_size"], r["case"], r["ga"])  # noqa: E731
     assert [(key(r), r["verdict"], r["metrics"]) for r in sorted(recs, key=key)] == \
         [(key(r), r["verdict"], r["metrics"]) for r in sorted(started, key=key)]

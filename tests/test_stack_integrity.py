@@ -79,3 +79,15 @@ def test_a_truncated_comm_op_is_rebuilt_not_a_sigbus(private_cache):
     out = launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=300))
     assert [r["rank_sum"] for r in out] == [1.0, 1.0]
     assert launch.elf_damage(so) is None and os.path.getsize(so) > size // 3
+
+
+def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_world(private_cache):
+    """torch's JIT build lock (``<build dir>/lock``), left by a rank killed while it loaded the comm op: every later
+    rank of that release used to wait for it forever. The ranks lock with ``flock`` now and remove it."""
+    shared, cache = private_cache
+    ext = cache / "torch_extensions"
+    shutil.copytree(shared / "torch_extensions", ext)
+    (lock,) = [so.parent / "lock" for so in (ext / launch._installed_key()).rglob("*.so")]
+    lock.touch()  # what a SIGKILL during init_distributed leaves
+    out = launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=60))
+    assert [r["rank_sum"] for r in out] == [1.0, 1.0] and not lock.exists()
