@@ -171,7 +171,7 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
 
     w = threading.Thread(target=watch)
     w.start()
-    code = runall.main([str(nb), "--out", str(tmp_path / "out"), "--timeout", "12", "--no-progress"])
+    code = runall.main([str(nb), "--out", str(tmp_path / "out"), "--timeout", "15", "--no-progress"])
     w.join()
     assert code == 1 and seen, "the notebook's world never came up"
     assert _gone(seen, within_s=5.0) is not None, "ranks outlived their notebook's time limit"

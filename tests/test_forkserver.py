@@ -45,7 +45,7 @@ def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monk
     recs, seen = _run_and_watch()
     assert len(seen) == 3 and all("kit.forkserver" in cmd for _, cmd in seen.values()), seen  # 1 + 2 ranks
     (server,) = {ppid for ppid, _ in seen.values()}
-    assert not launch.ranks_below(os_pid()), "a rank outlived its run"
+    assert not [p for _, p in launch.ranks_below(os_pid()) if p.ppid() == server], "a rank outlived its run"
     assert psutil.pid_exists(server), "the server did not stay for the next run of its stack"
     _, again = _run_and_watch(world_sizes=(2,), n_values=(1,))
     assert again and {ppid for ppid, _ in again.values()} == {server}  # no second import of the stack
