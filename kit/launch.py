@@ -640,13 +640,13 @@ def _discard(key: str) -> None:
         # its server stays for the next world of its stack (leaving after SERVER_IDLE_S without a rank)
 
 
-def stop_warm_worlds() -> int:
-    """Kill every warm world of this process, and its fork servers; how many worlds there were."""
+def stop_warm_worlds(servers: bool = True) -> int:
+    """Kill every warm world of this process, and (``servers``) its fork servers; how many worlds there were."""
     with _WARM_LOCK:
         keys = list(_WARM)
         for key in keys:
             _discard(key)
-        for key in list(_SERVERS):
+        for key in list(_SERVERS) if servers else []:
             _stop_server(key)
     return len(keys)
 

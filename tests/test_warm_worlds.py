@@ -19,9 +19,7 @@ def _pids(result):
 @pytest.fixture(autouse=True)
 def no_warm_world_left():
     yield
-    with launch._WARM_LOCK:  # the fork servers stay for the next test's worlds of their stack, as in a kernel
-        for key in list(launch._WARM):
-            launch._discard(key)
+    launch.stop_warm_worlds(servers=False)  # the fork servers stay for the next test's worlds, as in a kernel
 
 
 def _metrics(recs):
