@@ -262,7 +262,15 @@ def test_interrupting_a_probe_cell_in_a_real_kernel_kills_its_ranks(repo):
         assert reply["parent_header"]["msg_id"] == cell
         assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
         assert _gone(ranks, within_s=5.0) is not None, "the interrupted cell's ranks live on"
-        assert kc.execute_interactive(small, timeout=120)["content"]["status"] == "ok"  # the kernel lives on
+        # the kernel lives on. ipykernel answers 'aborted' to a cell that reaches it while it is still aborting the
+        # queue behind the failed cell (what stops Run All after an error); a client this fast can land in that
+        # window (CI, stop 20), so such a cell is sent again, at most twice
+        for _ in range(3):
+            status = kc.execute_interactive(small, timeout=120)["content"]["status"]
+            if status != "aborted":
+                break
+            time.sleep(0.5)
+        assert status == "ok"
         warm = _workers(kernel.pid)
         assert len(warm) == 2
         km.shutdown_kernel(now=True)
