@@ -814,11 +814,7 @@ def _run_warm(target: str, payload: dict, world: World, on_partial=None) -> list
 
 def _complete(path: Path) -> bool:
     """A rank's result file that is whole (the worker renames it into place; a foreign writer may not)."""
-    try:
-        json.loads(path.read_text())
-        return True
-    except (OSError, ValueError):
-        return False
+    return _read_whole(path) is not None
 
 
 class _PartialReader:
@@ -911,8 +907,9 @@ def how_it_ended(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _error_record(path: Path) -> dict | None:
-    """A rank's error record, or None when it cannot be read (a rank killed mid-write by an older kit)."""
+def _read_whole(path: Path) -> dict | None:
+    """A rank's record (result or error), or None when it cannot be read: missing, or half-written (a rank
+    killed mid-write by an older kit, or a foreign writer)."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -927,7 +924,7 @@ def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: 
     launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
     tails = {r: _tail(logs[r]) for r in range(len(logs))}
     found = [*(started_in.glob("rank*.error.json") if started_in else []), *job.glob("rank*.error.json")]
-    errors = {e["rank"]: e for e in map(_error_record, found) if e}
+    errors = {e["rank"]: e for e in map(_read_whole, found) if e}
     first = bad[0]
     if errors and (not by_exit or all(codes[r] >= 0 for r in bad)):
         first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise

@@ -220,21 +220,23 @@ def main(job: Path) -> int:
     return 0
 
 
+def _write_whole(path: Path, record: dict) -> None:
+    """Written whole, then renamed: ``path`` exists only when complete (a launcher such as torchrun may kill a rank
+    mid-write, and the caller reads these files while other ranks are still dying; CI stop 20 read an empty one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
 def _write_error(folder: Path, rank: int, e: BaseException) -> None:
-    # written whole, then renamed, like the result: a launcher (torchrun) may kill a rank mid-write, and the
-    # caller reads errors while other ranks are still dying (CI stop 20 read an empty rank0.error.json)
-    tmp = folder / f"rank{rank}.error.json.tmp"
-    tmp.write_text(json.dumps({
+    _write_whole(folder / f"rank{rank}.error.json", {
         "rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e)[:2000],
-        "traceback": traceback.format_exc()}))
-    os.replace(tmp, folder / f"rank{rank}.error.json")
+        "traceback": traceback.format_exc()})
     traceback.print_exc()
 
 
 def _write_result(folder: Path, rank: int, result, timing: dict) -> None:
-    tmp = folder / f"rank{rank}.json.tmp"  # written whole, then renamed: rank<R>.json exists only when complete
-    tmp.write_text(json.dumps({"rank": rank, "result": result, "timing": timing}))
-    os.replace(tmp, folder / f"rank{rank}.json")
+    _write_whole(folder / f"rank{rank}.json", {"rank": rank, "result": result, "timing": timing})
 
 
 def warm_up(init: str) -> None:

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.world
 
 
 def _run_and_watch(world_sizes=(1, 2), n_values=(1, 4)):
-    """B3 at world sizes 1 and 2 (two worlds of one stack); the ranks seen, and their parents' pid and command
-    line, while it ran."""
+    """B3 at ``world_sizes`` (by default 1 and 2: two worlds of one stack); the ranks seen, and their parents' pid
+    and command line, while it ran."""
     seen = {}
 
     def look(event):
@@ -80,4 +80,3 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
     # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
     launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
     assert len(mine) == 1 and not mine[0].exists()
-

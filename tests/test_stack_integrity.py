@@ -22,9 +22,8 @@ def shared_cache():
 @pytest.fixture
 def private_cache(shared_cache, tmp_path, monkeypatch):
     """A cache of its own (so damage never touches the suite's), seeded with copies from the shared one."""
-    shared = shared_cache
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))
-    return shared, tmp_path
+    return shared_cache, tmp_path
 
 
 def test_a_damaged_overlay_is_cannot_run_never_the_installed_release(private_cache):
