@@ -37,44 +37,95 @@ EXPLAINS = {
 }
 
 
-def explain(rec: dict) -> tuple[str | None, str]:
-    """``(bug id, sentence)`` for an affected loop: the known bug whose configuration, release and hypothesis
-    all match, or ``(None, "not explained by any known bug")``."""
+def _expected_here(bug: str, versions: dict, **config) -> bool:
+    """Upstream's table expects ``bug`` on this release: it pins it affected, or the release is newer than the
+    table and no release fixes the bug (a bug with no fix stays expected)."""
+    want = expectations.expected(bug, versions, **config)
+    if want is not None:
+        return want == oracle.AFFECTED
+    k = expectations.KNOWN[bug]
+    v = (versions or {}).get(k.package)
+    return bool(v) and k.fixed_in is None and \
+        expectations.version_key(v) > expectations.version_key(k.newest_pinned)
+
+
+def ruled_out(rec: dict) -> dict:
+    """``{bug: why}``: the bugs a key of the config that ran rules out (that bug's own fix is in the config)."""
+    ds = (rec.get("config") or {}).get("ds_config") or {}
+    version = (rec.get("versions") or {}).get("deepspeed")
+    out = {}
+    if ds.get("managed_gradient_accumulation") is False and version and \
+            expectations.version_key(version) >= expectations.version_key(expectations.UNMANAGED_SINCE):
+        out["B3"] = f"\"managed_gradient_accumulation\": false (honoured from {expectations.UNMANAGED_SINCE})"
+    if (ds.get("bf16") or {}).get("immediate_grad_update"):
+        out["B4"] = "\"bf16.immediate_grad_update\": true"
+    return out
+
+
+def candidates(rec: dict) -> list[str]:
+    """The known bugs whose configuration and release this record has (before looking at its step)."""
     versions = rec.get("versions") or {}
-    stage, loop, matches = rec.get("zero_stage"), rec["config"]["loop"], rec.get("matches")
-    candidates = []
-    if loop in ("manual", "unmanaged") and stage in (1, 2) and rec.get("optimizer") == "DeepSpeedZeroOptimizer":
-        case = "manual" if loop == "manual" else "fix_unmanaged"
-        if expectations.expected("B3", versions, case=case, zero_stage=stage) == oracle.AFFECTED:
-            candidates.append("B3")
-    if rec.get("optimizer") == "BF16_Optimizer" and expectations.expected("B4", versions) == oracle.AFFECTED:
-        candidates.append("B4")
+    stage, loop = rec.get("zero_stage"), rec["config"]["loop"]
+    out = []
+    if loop in ("manual", "unmanaged") and stage in (1, 2) and rec.get("optimizer") == "DeepSpeedZeroOptimizer" \
+            and _expected_here("B3", versions, case="manual", zero_stage=stage):
+        out.append("B3")
+    if rec.get("optimizer") == "BF16_Optimizer" and _expected_here("B4", versions):
+        out.append("B4")
     offload = (((rec["config"].get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer") or {})
     if (stage in (1, 2) and offload.get("device") == "cpu" and rec["ga"] > 2 and loop in ("engine", "boundary")
-            and expectations.expected("B5", versions) == oracle.AFFECTED):
-        candidates.append("B5")
-    for bug in candidates:
+            and _expected_here("B5", versions)):
+        out.append("B5")
+    return [b for b in out if b not in ruled_out(rec)]
+
+
+def explain(rec: dict) -> tuple[str | None, str]:
+    """``(bug id, sentence)`` for an affected loop: the known bug whose configuration, release and hypothesis
+    all match, or ``(None, "not explained by any known bug")``. A step two hypotheses explain equally
+    ("ambiguous between ...") names no bug: the measurement cannot tell them apart."""
+    matches, shape = rec.get("matches"), rec.get("shape")
+    found = candidates(rec)
+    said = f" (the step is: {shape})" if shape else ""
+    for bug in found:
         pattern, hypothesis, _ = EXPLAINS[bug]
         if matches == hypothesis:
             k = expectations.KNOWN[bug]
             return bug, f"{bug} ({k.report}): {pattern}; the step is '{hypothesis}'"
-    if candidates:
-        return None, (f"not explained by any known bug: {', '.join(candidates)} is expected here, but the step is "
-                      f"'{matches}', not what {candidates[0]} leaves")
-    return None, "not explained by any known bug" + (f" (the step is '{matches}')" if matches not in (None, "none")
-                                                    else " (no named hypothesis matches the step)")
+    if found:
+        return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
+                      f"'{matches}', not what {found[0]} leaves{said}")
+    return None, "not explained by any known bug" + (f" (the step is '{matches}'{'; ' + shape if shape else ''})"
+                                                    if matches not in (None, "none") else said or
+                                                    " (no named hypothesis matches the step)")
+
+
+def _worst(words) -> str:
+    words = [w for w in words if w in oracle.WORST_FIRST]
+    return min(words, key=oracle.WORST_FIRST.index, default=oracle.CANNOT_RUN)
 
 
 def summarise(recs: list[dict]) -> dict:
-    """The check's answer: overall verdict, exit status, and one row per loop style."""
+    """The check's answer: overall verdict, exit status, and one row per loop style. A row's verdict is the worse
+    of the applied step's (every step judged) and the logged grad norm's; ``off`` says which of the two is off."""
     control = next((r for r in recs if r["role"] == "control"), None)
     rows = []
     for r in recs:
         if r["role"] != "measured":
             continue
         m, a = r.get("metrics") or {}, r.get("attribution") or {}
-        row = {"loop": r["case"], "verdict": r["verdict"], "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"),
-               "misplaced_weight": a.get("misplaced_weight"), "matches": r.get("matches"), "reason": r["reason"],
+        norm = r.get("norm_verdict", "n/a")
+        row = {"loop": r["case"], "verdict": _worst([r["verdict"], norm]), "step_verdict": r["verdict"],
+               "norm_verdict": norm, "norm_reason": r.get("norm_reason"), "ratio": m.get("norm_ratio"),
+               "cosine": m.get("cosine"), "misplaced_weight": a.get("misplaced_weight"), "matches": r.get("matches"),
+               "shape": r.get("shape"), "worst_step": r.get("worst_step"), "reason": r["reason"],
+               "read_finding": r.get("read_finding"), "trajectory": r.get("trajectory"),
+               "steps": [{"step": st["step"] + 1, "ratio": st["metrics"]["norm_ratio"], "cosine": st["metrics"]["cosine"],
+                          "misplaced_weight": st["attribution"]["misplaced_weight"], "shape": st.get("shape"),
+                          "logged_norm_ratio": (st["logged_norm"] / st["reference_norm"]
+                                                if st.get("logged_norm") is not None else None),
+                          "off": oracle.severity({**st, "dtype": r["dtype"]}) > 1.0}
+                         for st in r.get("steps") or []],
+               "off": [w for w, v in (("applied step", r["verdict"]), ("logged grad norm", norm)) if v == oracle.AFFECTED],
                "explained_by": None, "explanation": None, "fix": None}
         if r["verdict"] == oracle.AFFECTED:
             row["explained_by"], row["explanation"] = explain(r)
@@ -87,7 +138,7 @@ def summarise(recs: list[dict]) -> dict:
                                                                      "run this check with --deepspeed)",
                               "ratio": fm.get("norm_ratio")}
         rows.append(row)
-    worst = min((r["verdict"] for r in rows), key=oracle.WORST_FIRST.index, default=oracle.CANNOT_RUN)
+    worst = _worst([r["verdict"] for r in rows])
     return {"verdict": worst, "exit": EXIT[worst], "loops": rows,
             "control": {"verdict": control["verdict"], "reason": control["reason"]} if control else None}
 
@@ -100,15 +151,28 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     first = recs[0]
     v = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     cfg = first.get("resolved_config") or {}
+    steps = first.get("step_count") or 1
     lines = [f"gradkit check {source}: DeepSpeed {v.get('deepspeed', first.get('version'))}, torch "
-             f"{v.get('torch', '?')}, {world_size} ranks ({device}); ZeRO-{cfg.get('zero_optimization', {}).get('stage')}"
-             f" {ds_config.dtype_of(cfg) if cfg else '?'}, GA {cfg.get('gradient_accumulation_steps')}"]
+             f"{v.get('torch', '?')}, {world_size} rank{'s' if world_size > 1 else ''} ({device}); "
+             f"ZeRO-{cfg.get('zero_optimization', {}).get('stage')} {ds_config.dtype_of(cfg) if cfg else '?'}, "
+             f"GA {cfg.get('gradient_accumulation_steps')}, {steps} optimizer step{'s' if steps > 1 else ''} each judged"]
+    if world_size == 1:
+        lines.append("  ONE RANK (asked for with --allow-one-rank): no bug that lives between ranks can show here")
     lines += [f"  as run: {n}" for n in first.get("config_notes") or []]
-    lines.append(f"  {'loop':<10} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}")
+    lines.append(f"  {'loop':<10} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}  per step (ratio; "
+                 f"* off)  logged norm")
     for row in summary["loops"]:
+        per_step = " ".join(f"{_num(st['ratio'], '.3f')}{'*' if st['off'] else ''}" for st in row["steps"])
         lines.append(f"  {row['loop']:<10} {row['verdict']:<13} {_num(row['ratio'], '7.4f')} "
-                     f"{_num(row['cosine'], '8.5f')} {_num(row['misplaced_weight'], '9.4f')}")
+                     f"{_num(row['cosine'], '8.5f')} {_num(row['misplaced_weight'], '9.4f')}  {per_step or '-':<21}"
+                     f"  {row['norm_verdict']}")
         if row["verdict"] == oracle.AFFECTED:
+            lines.append(f"      off: {' and '.join(row['off'])}"
+                         + (f" (worst at step {row['worst_step'] + 1}); the step is: {row['shape']}"
+                            if row["step_verdict"] == oracle.AFFECTED and row.get("shape") else ""))
+            if row["norm_verdict"] == oracle.AFFECTED:
+                lines.append(f"      logged grad norm: {row['norm_reason']}")
+        if row["step_verdict"] == oracle.AFFECTED:
             lines.append(f"      explained by {row['explanation']}" if row["explained_by"] else f"      {row['explanation']}")
             if row["fix"]:
                 f = row["fix"]
@@ -116,10 +180,25 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
                              + (f" (ratio {f['ratio']:.4f})" if f.get("ratio") else ""))
         elif row["verdict"] != oracle.NOT_AFFECTED:
             lines.append(f"      {row['reason'][:300]}")
+        if row.get("read_finding"):
+            lines.append(f"      finding (not an accumulation bug): {row['read_finding']}")
     c = summary["control"]
     lines.append(f"  control (plain torch.distributed, no DeepSpeed): {c['verdict'] if c else 'absent'}")
     lines.append(f"verdict: {summary['verdict']} (exit {summary['exit']})")
     return "\n".join(lines)
+
+
+def precisions(user: dict, trainer_dtype: str | None) -> list[str]:
+    """The precisions to check: ``--trainer-dtype`` where given; else every one an ``"auto"`` in ``bf16.enabled`` /
+    ``fp16.enabled`` could resolve to (fp32 and each auto one: the Trainer's --bf16 / --fp16 decide at run time)."""
+    if trainer_dtype is not None:
+        return [trainer_dtype]
+    out = ["fp32"]
+    for name in ("bf16", "fp16"):
+        section = user.get(name) if isinstance(user, dict) else None
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            out.append(name)
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -129,7 +208,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", default="all", help=f"all, or a comma list of {', '.join(ds_config.LOOPS)}")
     p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="a DeepSpeed release (default: the installed one)")
     p.add_argument("--ga", type=int, default=4, help="gradient_accumulation_steps where the config says \"auto\"")
-    p.add_argument("--trainer-dtype", default="fp32", help="what \"auto\" in bf16/fp16.enabled resolves to")
+    p.add_argument("--trainer-dtype", default=None, help="what \"auto\" in bf16/fp16.enabled resolves to (default: "
+                                                         "check every precision it could resolve to)")
+    p.add_argument("--steps", type=int, default=ds_config.STEPS, help="optimizer steps per loop style, each judged")
+    p.add_argument("--allow-one-rank", action="store_true", help="accept --world-size 1 (it hides every bug that "
+                                                                  "lives between ranks)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the records and the summary here")
@@ -142,17 +225,48 @@ def main(argv=None) -> int:
     kconfig.check_version(a.deepspeed)
     kconfig.check_device(a.device)
     kconfig.check_timeout(a.timeout)
+    kconfig.check_positive_int("--steps", a.steps)
+    if a.world_size == 1 and not a.allow_one_rank:
+        raise kconfig.ConfigError("--world-size 1 hides every bug that lives between ranks (B4, B5, any reduction); "
+                                  "use 2 or more, or add --allow-one-rank to check one rank anyway")
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
-    cfg = ds_config.resolve(ds_config.load(a.config), a.world_size, a.ga, a.trainer_dtype)
-    ds_config.plan(cfg, loops)  # an unknown loop style is refused here, before anything launches
+    user = ds_config.load(a.config)
+    todo = {}
+    for dtype in precisions(user, a.trainer_dtype):
+        todo[dtype] = ds_config.resolve(user, a.world_size, a.ga, dtype)
+        ds_config.plan(todo[dtype], loops, steps=a.steps)  # an unknown loop style is refused here, before any launch
+    if len(todo) > 1:
+        print(f"{a.config}: \"auto\" precision and no --trainer-dtype: checking each precision it could resolve to "
+              f"({', '.join(todo)})")
     stack = {} if a.deepspeed == kconfig.INSTALLED else {"deepspeed": a.deepspeed}
-    recs = ds_config.run(cfg, loops, a.world_size, stack, a.device, a.timeout)
-    summary = summarise(recs)
-    print(report(recs, summary, a.config, a.world_size, a.device))
+    out = {}
+    for dtype, cfg in todo.items():
+        try:
+            recs = ds_config.run(cfg, loops, a.world_size, stack, a.device, a.timeout, steps=a.steps)
+            summary = summarise(recs)
+            text = report(recs, summary, a.config if len(todo) == 1 else f"{a.config} [{dtype}]", a.world_size,
+                          a.device)
+        except Exception as e:  # noqa: BLE001 - the kit's own failure is never a verdict on the user's config
+            import traceback
+            traceback.print_exc()
+            print(f"internal error while checking {dtype}: {type(e).__name__}: {e} (nothing was measured: exit 3)")
+            recs, summary = [], {"verdict": oracle.CANNOT_RUN, "exit": EXIT[oracle.CANNOT_RUN], "loops": [],
+                                 "control": None, "error": f"{type(e).__name__}: {e}"}
+        if recs:
+            print(text)
+        out[dtype] = {"summary": summary, "records": recs}
+    worst = _worst([o["summary"]["verdict"] for o in out.values()])
+    if len(out) > 1:
+        print("verdict over every precision: " + ", ".join(f"{d} {o['summary']['verdict']}" for d, o in out.items())
+              + f" -> {worst} (exit {EXIT[worst]})")
     if a.json:
-        Path(a.json).write_text(json.dumps({"summary": summary, "records": recs}, indent=1, default=str))
-    return summary["exit"]
+        first = next(iter(out.values()))
+        doc = {"summary": {**first["summary"], "verdict": worst, "exit": EXIT[worst]} if len(out) == 1 else
+               {"verdict": worst, "exit": EXIT[worst]}, "records": first["records"] if len(out) == 1 else [],
+               "precisions": out}
+        Path(a.json).write_text(json.dumps(doc, indent=1, default=str))
+    return EXIT[worst]
 
 
 if __name__ == "__main__":

@@ -94,6 +94,13 @@ def write(rec: dict, path, title: str) -> Path:
     return path
 
 
+def reproduced(rc: int, output: str) -> bool:
+    """Did the script reproduce? Only by its own judgement: its printed verdict line says so (and its exit status
+    agrees). A script that crashed, or printed nothing judged, did not reproduce anything, whatever its exit code."""
+    said = [json.loads(line) for line in output.splitlines() if line.startswith('{"deepspeed"')]
+    return len(said) == 1 and said[0].get("reproduced") is True and rc == 1
+
+
 def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "cpu", timeout_s: float = 300):
     """Run the script as a user would (torchrun, W ranks); ``(exit status, output)``. 1 means reproduced."""
     resolved = kversions.resolve_stack(stack or {}, ("deepspeed",))

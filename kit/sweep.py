@@ -50,7 +50,7 @@ def load_spec(path) -> dict:
 def check_spec(spec, where: str = "the spec") -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("axes"), dict) or not spec["axes"]:
         raise kconfig.ConfigError(f"{where} needs 'axes': a mapping of axis name -> list of values")
-    unknown = sorted(set(spec) - {"base", "axes", "skip", "world_size", "stacks", "device", "timeout_s"})
+    unknown = sorted(set(spec) - {"base", "axes", "skip", "world_size", "stacks", "device", "timeout_s", "steps"})
     if unknown:
         raise kconfig.ConfigError(f"{where}: unknown key(s) {unknown}")
     for axis, values in spec["axes"].items():
@@ -71,6 +71,8 @@ def check_spec(spec, where: str = "the spec") -> dict:
     spec.setdefault("stacks", [{}])
     spec.setdefault("device", "cpu")
     spec.setdefault("timeout_s", 1800)
+    spec.setdefault("steps", ds_config.STEPS)
+    kconfig.check_positive_int("steps", spec["steps"])
     kconfig.check_world_size(spec["world_size"], spec["device"])
     kconfig.check_timeout(spec["timeout_s"])
     if not isinstance(spec["stacks"], list) or not all(isinstance(s, dict) for s in spec["stacks"]):
@@ -121,7 +123,8 @@ def point_case(spec: dict, point: dict) -> dict:
         cfg[dtype] = {**cfg.get(dtype, {}), "enabled": True}
     resolved = ds_config.resolve(cfg, spec["world_size"], ga=ga)
     loop = point.get("loop", "engine")
-    (case,) = [c for c in ds_config.plan(resolved, (loop,))[0] if c["role"] == "measured"]
+    (case,) = [c for c in ds_config.plan(resolved, (loop,), steps=spec.get("steps", ds_config.STEPS))[0]
+               if c["role"] == "measured"]
     case["point"] = point
     case["id"] = point_id(spec, point)
     case["name"] = case["id"]
@@ -129,22 +132,45 @@ def point_case(spec: dict, point: dict) -> dict:
 
 
 def point_id(spec: dict, point: dict) -> str:
-    key = json.dumps({"base": spec["base"], "world_size": spec["world_size"], "point": point}, sort_keys=True)
+    key = json.dumps({"base": spec["base"], "world_size": spec["world_size"], "point": point,
+                      "steps": spec.get("steps", ds_config.STEPS)}, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def spec_key(spec: dict) -> str:
+    """What a point's verdict depends on besides its point and release: a re-run with another spec never reuses it."""
+    key = json.dumps({k: v for k, v in spec.items() if k not in ("stacks", "timeout_s")}, sort_keys=True, default=str)
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def release_of(stack: dict) -> str:
+    """The DeepSpeed release a stack resolves to (never "installed": an upgrade changes it)."""
+    from kit import versions
+
+    return stack.get("deepspeed") or versions.installed_version("deepspeed")
+
+
+def _key(rec: dict) -> tuple:
+    return rec.get("release"), rec.get("spec_key"), rec.get("id")
 
 
 # ---------------------------------------------------------------------------------------------- running
 
+def _control_key(case: dict) -> tuple:
+    return case["ga"], case.get("clip") or 0.0, case.get("steps", 1)
+
+
 def _controls(cases: list[dict]) -> list[dict]:
-    return [{"name": f"control GA {n}", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32",
-             "zero_stage": None} for n in sorted({c["ga"] for c in cases})]
+    return [{"name": f"control GA {n} clip {clip:g}", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32",
+             "zero_stage": None, "clip": clip, "steps": steps} for n, clip, steps in sorted({_control_key(c) for c in cases})]
 
 
 def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None:
     """Every case of ``todo`` in one world of ``stack`` (relaunched after a case that breaks it); each judged
     record goes to ``sink(record)`` as soon as rank 0 reports it."""
     meta = {"bug": ds_config.CHECK.id, "probe": "sweep", "init": "deepspeed", "world_size": spec["world_size"],
-            "device": spec["device"], "stack": dict(stack)}
+            "device": spec["device"], "stack": dict(stack), "release": release_of(stack), "spec_key": spec_key(spec),
+            "step_count": spec.get("steps", ds_config.STEPS)}
     label = runner.stack_label(stack)
     try:
         world, _ = runner.world_for(ds_config.CHECK, stack, spec["world_size"], spec["device"], spec["timeout_s"])
@@ -163,9 +189,9 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
             got["n"] += 1
             rec = runner.record(meta, case, label, piece)
             if case["role"] == "control":  # judged on its own by the oracle when it is every other point's control
-                got["controls"][case["ga"]] = rec
+                got["controls"][_control_key(case)] = rec
                 return
-            control = got["controls"].get(case["ga"])
+            control = got["controls"].get(_control_key(case))
             rec["verdict"], rec["reason"] = oracle.verdict(records.judged(rec), records.judged(control) if control else None)
             sink(_finish(rec))
             if bar is not None:
@@ -206,19 +232,24 @@ def _finish(rec: dict) -> dict:
     return rec
 
 
-def run(spec: dict, out, progress: bool = True) -> list[dict]:
-    """Every point of ``spec`` under every stack; resumes from ``out/records.jsonl``. Returns every record."""
+def run(spec: dict, out, progress: bool = True, retry: bool = False) -> list[dict]:
+    """Every point of ``spec`` under every stack; resumes from ``out/records.jsonl``. Returns this spec's records.
+
+    A record is reused only for the same point, the same spec (``spec_key``) and the same resolved DeepSpeed
+    release (an upgrade of the installed one, or another spec, runs everything again). ``retry``: points that
+    were ``cannot-run`` run again (the newest record of a point is the one that counts)."""
     from tqdm.auto import tqdm
 
     out = kconfig.repo_path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "records.jsonl"
-    have = records.load(path) if path.exists() else []
-    done = {(json.dumps(r["stack"], sort_keys=True), r["id"]) for r in have}
+    sk = spec_key(spec)
+    releases = {json.dumps(st, sort_keys=True): release_of(st) for st in spec["stacks"]}
+    have = current(records.load(path) if path.exists() else [], spec)
+    done = {_key(r) for r in have if not (retry and r["verdict"] == oracle.CANNOT_RUN)}
     (out / "spec.json").write_text(json.dumps(spec, indent=1, default=str))
     every = [point_case(spec, p) for p in points(spec)]
-    todo = {json.dumps(st, sort_keys=True): [c for c in every if (json.dumps(st, sort_keys=True), c["id"]) not in done]
-            for st in spec["stacks"]}
+    todo = {k: [c for c in every if (rel, sk, c["id"]) not in done] for k, rel in releases.items()}
     total = sum(len(v) for v in todo.values())
     bar = tqdm(total=total, desc="sweep", unit="config", disable=not progress or not total)
     with open(path, "a") as f:
@@ -230,7 +261,18 @@ def run(spec: dict, out, progress: bool = True) -> list[dict]:
             if todo[json.dumps(st, sort_keys=True)]:
                 run_stack(spec, st, todo[json.dumps(st, sort_keys=True)], sink, bar)
     bar.close()
-    return records.load(path)
+    return current(records.load(path), spec)
+
+
+def current(recs: list[dict], spec: dict) -> list[dict]:
+    """The records of this spec on the releases its stacks resolve to now, the newest one per point and release."""
+    sk = spec_key(spec)
+    wanted = {(release_of(st), json.dumps(st, sort_keys=True)) for st in spec["stacks"]}
+    newest = {}
+    for r in recs:
+        if r.get("spec_key") == sk and (r.get("release"), json.dumps(r.get("stack"), sort_keys=True)) in wanted:
+            newest[_key(r)] = r
+    return list(newest.values())
 
 
 # ---------------------------------------------------------------------------------------------- grouping
@@ -245,8 +287,10 @@ def groups(recs: list[dict], axes: dict, max_keys: int = 5) -> list[dict]:
     search by size, pruned where a conjunction covers nothing new).
     Returns ``[{"when": {axis: [values]}, "count", "ids", "known_bug", ...}]``.
     """
-    ran = [r for r in recs if r["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED) and r.get("point")]
-    if not ran:
+    # Every point is in the universe; only the ones that ran (affected / not-affected) can make a condition
+    # admissible, so a cannot-run or inconclusive point never widens one: a condition that selects it is refused.
+    ran = [r for r in recs if r.get("point")]
+    if not any(r["verdict"] == oracle.AFFECTED for r in ran):
         return []
     names = [a for a in axes if len({r["point"].get(a) for r in ran}) > 1]  # an axis with one value selects nothing
     literals = []  # per axis: [(values, bitset of the ran points it selects)]
@@ -265,7 +309,9 @@ def groups(recs: list[dict], axes: dict, max_keys: int = 5) -> list[dict]:
 
 
 def _label(rec: dict) -> str:
-    return rec.get("explained_by") or f"unknown: {rec.get('matches')}"
+    """What one group may hold: one known bug, or -- unexplained -- one shape of step (its fitted weights in
+    words), never a catch-all."""
+    return rec.get("explained_by") or f"unknown: {rec.get('shape') or rec.get('matches')}"
 
 
 def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max_keys: int) -> list[dict]:
@@ -295,7 +341,7 @@ def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max
                     out.append(_group(ran, 1 << i, {a: [r["point"][a]] for a in names}))
             break
         _, combo, mask = best
-        out.append(_group(ran, mask, {axis: list(values) for axis, values in combo}))
+        out.append(_group(ran, mask & uncovered, {axis: list(values) for axis, values in combo}))  # a partition
         uncovered &= ~mask
     return out
 
@@ -308,6 +354,8 @@ def _group(ran: list[dict], mask: int, when: dict) -> dict:
             "known_bug": bugs.pop() if len(bugs) == 1 and None not in bugs else None,
             "explained_by": sorted(str(b) for b in {r.get("explained_by") for r in members}),
             "matches": sorted({str(r.get("matches")) for r in members}),
+            "shapes": sorted({str(r.get("shape")) for r in members}),
+            "worst_steps": sorted({r.get("worst_step", 0) + 1 for r in members}),
             "ratio_range": [min(ratios), max(ratios)] if ratios else None, "example": members[0]["id"]}
 
 
@@ -317,7 +365,8 @@ def describe(group: dict) -> str:
     name = group["known_bug"] or "UNKNOWN"
     lo, hi = group["ratio_range"] or (None, None)
     ratio = f"; ratio {lo:.3f}-{hi:.3f}" if lo is not None else ""
-    return f"[{name}] {' x '.join(parts) or 'every point'}: {group['count']} configs{ratio}; the step is {', '.join(group['matches'])}"
+    step = ", ".join(group["matches"]) if group["known_bug"] else "; ".join(group.get("shapes") or group["matches"])
+    return f"[{name}] {' x '.join(parts) or 'every point'}: {group['count']} configs{ratio}; the step is {step}"
 
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path) -> None:
@@ -332,7 +381,7 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
         path = out / f"repro_{tag}_{k + 1}.py"
         repro.write(by_id[g["example"]], path, f"DeepSpeed gradient accumulation: {describe(g)}")
         rc, text = repro.verify(path, spec["world_size"], stack, spec["device"])
-        g["repro"] = {"script": path.name, "exit": rc, "reproduced": rc == 1, "output": text}
+        g["repro"] = {"script": path.name, "exit": rc, "reproduced": repro.reproduced(rc, text), "output": text}
 
 
 def summarise(spec: dict, recs: list[dict], out=None) -> dict:
@@ -365,6 +414,9 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
     from kit import expectations
 
     bad = []
+    if recs and all(r["verdict"] == oracle.CANNOT_RUN for r in recs):
+        bad.append(f"every one of the {len(recs)} points is cannot-run: the sweep measured nothing "
+                   f"(first reason: {recs[0]['reason'][:200]})")
     want = {(json.dumps(st, sort_keys=True), point_id(spec, p)) for st in spec["stacks"] for p in points(spec)}
     have = [(json.dumps(r["stack"], sort_keys=True), r["id"]) for r in recs]
     if sorted(set(have)) != sorted(want) or len(have) != len(set(have)):
@@ -425,7 +477,8 @@ def table(summary: dict, command: str) -> str:
                               for a, v in g["when"].items())
             repro = g.get("repro")
             rows.append({"DeepSpeed": s["deepspeed"], "group (smallest key set)": when, "configs": g["count"],
-                         "ratio": f"{lo:.3f}–{hi:.3f}", "the step is": ", ".join(g["matches"]),
+                         "ratio": f"{lo:.3f}–{hi:.3f}",
+                         "the step is": ", ".join(g["matches"]) if g["known_bug"] else "; ".join(g.get("shapes") or g["matches"]),
                          "explained by": g["known_bug"] or (f"**unknown**: `{repro['script']}` "
                                                             f"{'reproduces' if repro['reproduced'] else 'does not reproduce'}"
                                                             if repro else "**unknown**")})
@@ -440,6 +493,7 @@ def main(argv=None) -> int:
     p.add_argument("--deepspeed", help="comma list of DeepSpeed releases to sweep instead of the spec's stacks "
                                        "(installed = the installed one), e.g. 0.18.6,installed")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--retry-cannot-run", action="store_true", help="run the points that were cannot-run again")
     p.add_argument("--readme", help="replace this file's <!-- gradkit:table SWEEP --> block with the groups")
     a = p.parse_args(argv)
     spec = load_spec(a.spec)
@@ -447,7 +501,7 @@ def main(argv=None) -> int:
         spec = check_spec({**spec, "stacks": runner.stacks_of([v.strip() for v in a.deepspeed.split(",") if v.strip()])},
                           a.spec)
     t0 = time.time()
-    recs = run(spec, a.out, progress=not a.no_progress)
+    recs = run(spec, a.out, progress=not a.no_progress, retry=a.retry_cannot_run)
     out = kconfig.repo_path(a.out)
     summary = summarise(spec, recs, out)
     summary["wall_s"] = round(time.time() - t0, 1)

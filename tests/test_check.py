@@ -33,11 +33,16 @@ def test_a_b3_pattern_config_is_affected_named_b3_and_the_fix_verified(tmp_path,
     summary = json.loads(out.read_text())["summary"]
     manual = next(r for r in summary["loops"] if r["loop"] == "manual")
     assert manual["verdict"] == oracle.AFFECTED and manual["explained_by"] == "B3"
-    assert abs(manual["misplaced_weight"] - 0.375) < 1e-4  # W = 2, N = 4: only the last of 4 survives
+    # W = 2, N = 4, clip kept (step 1's reference norm is twice the clip, so the right step is the reference x 0.5,
+    # 1/16 per micro-batch): only each rank's last micro-batch survives, 1/8 each and unclipped (norm 0.4 x 2 clip)
+    step1 = manual["steps"][0]
+    assert abs(step1["misplaced_weight"] - 0.5 * (2 * (1 / 8 - 1 / 16) + 6 / 16)) < 1e-3, step1
+    assert step1["shape"] == "micro-batch 4 x2, the others x0" and step1["off"]
+    assert len(manual["steps"]) == 3 and all(s["off"] for s in manual["steps"])
     assert manual["fix"]["verdict"] == oracle.NOT_AFFECTED
     engine = next(r for r in summary["loops"] if r["loop"] == "engine")
     assert engine["verdict"] == oracle.NOT_AFFECTED
-    assert "explained by B3" in text and "optimizer\" removed" in text and "gradient_clipping 1.0 -> 0" in text
+    assert "explained by B3" in text and "optimizer\" removed" in text and "gradient_clipping 1 kept" in text
 
 
 @pytest.mark.world

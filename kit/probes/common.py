@@ -127,25 +127,78 @@ def versions() -> dict:
     return out
 
 
-def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int):
+def module_weights(module: nn.Module) -> torch.Tensor:
+    """Every parameter as the model will compute with it (its own, possibly low-precision, weights), flat, in module
+    order, as float64. Under ZeRO-3 the parameters are gathered first (a collective: every rank must call it)."""
+    params = list(module.parameters())
+    if params and hasattr(params[0], "ds_id"):  # ZeRO-3 partitions the module's own weights
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
+    return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
+
+
+# How far a module's weight may sit from its fp32 master: its own rounding (half an ulp, with room for a
+# round-to-nearest-even tie) relative to the master. fp32 modules are the masters' own copies: bit-equal.
+_ROUNDING = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}
+
+
+def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
+    """What the model will use and what the optimizer holds, read both ways (collectives under ZeRO):
+    ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the
+    module dtype's rounding; where they disagree the master read (``safe_get_full_fp32_param``) misreports, and
+    the step must be judged from the weights the model really uses."""
+    mod, mast = module_weights(module), full_fp32_params(module, optimizer)
+    diff = (mod - mast).abs()
+    limit = _ROUNDING[dtype] * mast.abs() + 1e-30
+    return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
+
+
+def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
+    """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
+    a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
+    if dtype == "fp32" or step_norm <= 0:
+        return 0.0
+    return (weights.abs() * _ROUNDING[dtype] / 2).norm().item() / step_norm
+
+
+def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
+    """``module`` with its parameters set from ``flat`` (module order): a step's starting weights, for its reference."""
+    torch.nn.utils.vector_to_parameters(flat.to(next(module.parameters()).dtype), module.parameters())
+    return module
+
+
+def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int,
+          step: int = 0, prev_basis=None, clip: float = 0.0, loss_scale: float = 1.0):
     """The oracle's view of one step's effective gradient. A collective: every rank calls it.
 
-    Rank 0 rebuilds every rank's micro-batches (rank-major), takes the fp32 reference from the
-    initial weights ``start`` and returns ``(out, basis, weights, reference)`` with ``out`` holding
-    ``metrics``, ``attribution`` and ``rank_spread`` (every rank must have applied the same update);
-    other ranks get ``({}, None, None, None)``.
+    Rank 0 rebuilds every rank's micro-batches of ``step`` (rank-major), takes the fp32 reference from that step's
+    starting weights ``start`` and returns ``(out, basis, weights, reference)`` with ``out`` holding ``metrics``,
+    ``attribution`` and ``rank_spread`` (every rank must have applied the same update); other ranks get
+    ``({}, None, None, None)``. ``prev_basis`` (the previous step's micro-batch gradients) joins the basis with an
+    expected weight of 0, so a previous step's gradient applied again is fitted, not guessed. ``clip``: the
+    engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
+    ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way).
     """
     from kit import oracle
 
     per_rank = all_gather_flat(effective)
     if rank() != 0:
         return {}, None, None, None
-    every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden)]
-    basis, weights, reference = oracle.reference_gradients(start, every, mse)
-    out = {"metrics": oracle.compare(effective, reference),
-           "attribution": oracle.attribute(effective, basis, weights),
+    every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, step)]
+    basis, weights, reference = oracle.reference_gradients(start, every, lambda o, y: mse(o, y) * loss_scale)
+    coef = oracle.clipped(reference, clip).norm().item() / reference.norm().item()
+    full, expected = basis, weights * coef
+    if prev_basis is not None:
+        full = torch.cat([basis, prev_basis])
+        expected = torch.cat([expected, torch.zeros(len(prev_basis), dtype=torch.float64)])
+    out = {"metrics": oracle.compare(effective, reference * coef),
+           "attribution": oracle.attribute(effective, full, expected),
            "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
-    return out, basis, weights, reference
+    if clip:
+        out["clip_coef"] = coef
+    return out, full, weights, reference
 
 
 def release(engine) -> None:

@@ -41,14 +41,21 @@ BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_b
 HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch",
               "all but the first micro-batch", "first and last micro-batch")
 FAULT_KEY = "gradkit_fault_kill_rank"  # a config key the kit reads, never DeepSpeed: that rank kills itself (tests)
+TRAINER_MAX_GRAD_NORM = 1.0  # what HF Trainer's "auto" gradient_clipping becomes (TrainingArguments.max_grad_norm)
+STEPS = 3  # optimizer steps per check or sweep point, each judged
+# DeepSpeed optimizers that bring their own communication (deepspeed/runtime/config.py: ONEBIT_ADAM_OPTIMIZER,
+# ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER), lower case without "_"
+OWN_COMMUNICATION = ("onebitadam", "onebitlamb", "zerooneadam")
 DROPPED = ("optimizer", "scheduler", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
            "steps_per_print", "wall_clock_breakdown")
 
 
 class Resolved(dict):
-    """The config that will run (a dict), with ``notes``: every change made to the user's config, in words."""
+    """The config that will run (a dict), with ``notes``: every change made to the user's config, in words, and
+    ``refused``: why the kit cannot judge it at all (None: it can)."""
 
     notes: list
+    refused: str | None = None
 
 
 def _auto(value) -> bool:
@@ -84,6 +91,12 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     if trainer_dtype not in ("fp32", "bf16", "fp16"):
         raise kconfig.ConfigError(f"--trainer-dtype must be fp32, bf16 or fp16, got {trainer_dtype!r}")
     cfg, notes = copy.deepcopy(user), []
+    opt = (cfg.get("optimizer") or {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
+    refused = None
+    if isinstance(opt, str) and opt.lower().replace("_", "") in OWN_COMMUNICATION:
+        refused = (f'the optimizer "{opt}" communicates its own compressed update (error feedback, a frozen variance '
+                   "stage): the update it applies is not the averaged gradient, and an SGD stand-in would judge "
+                   "another code path, so the kit cannot judge this config")
     for key in DROPPED:
         if key in cfg:
             cfg.pop(key)
@@ -109,9 +122,15 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         notes.append(f"train_batch_size {tbs} -> {mb * g * world_size} (micro-batch {mb} x GA {g} x {world_size} ranks)")
     cfg.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=g, train_batch_size=mb * g * world_size)
     clip = cfg.get("gradient_clipping", 0.0)
-    if clip not in (0, 0.0):
-        notes.append(f"gradient_clipping {clip} -> 0 (switched off for the measurement)")
-    cfg["gradient_clipping"] = 0.0
+    if _auto(clip):
+        clip = TRAINER_MAX_GRAD_NORM
+        notes.append(f"gradient_clipping auto -> {clip:g} (the Trainer's max_grad_norm default)")
+    if not isinstance(clip, (int, float)) or clip < 0:
+        raise kconfig.ConfigError(f"gradient_clipping must be a number >= 0 or \"auto\", got {clip!r}")
+    if clip:
+        notes.append(f"gradient_clipping {clip:g} kept: every loss is scaled so the first step's reference norm is "
+                     f"twice the clip, so the clip acts in every step (the expected step is the reference clipped)")
+    cfg["gradient_clipping"] = float(clip)
     cfg["steps_per_print"] = 10 ** 9
     cfg["zero_allow_untested_optimizer"] = True
     bf16 = _enabled(cfg.get("bf16", {}), "bf16", notes, trainer_dtype)
@@ -149,6 +168,8 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
             notes.append(f"zero_optimization.{key} {value:g} -> {small} (the kit's model has {PARAMS} parameters: "
                          f"{BUCKETS} buckets, as a large model spans many)")
     if "stage3_param_persistence_threshold" in zero and zero["stage3_param_persistence_threshold"] > 10 * HIDDEN:
+        notes.append(f"zero_optimization.stage3_param_persistence_threshold {zero['stage3_param_persistence_threshold']:g}"
+                     f" -> {10 * HIDDEN} (else every parameter of the kit's model would persist, unpartitioned)")
         zero["stage3_param_persistence_threshold"] = 10 * HIDDEN
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)
@@ -173,6 +194,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         notes.append("pipeline keys ignored: the check runs data parallelism (notebook 02 judges the pipeline)")
     out = Resolved(cfg)
     out.notes = notes
+    out.refused = refused
     return out
 
 
@@ -207,15 +229,23 @@ def case_config(cfg: dict, loop: str, fix: str | None = None) -> dict:
 
 # ====================================================================== inside a rank
 
-def hypothesis_weights(w: int, n: int, own: int = 0) -> dict:
-    """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``."""
+def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False) -> dict:
+    """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``;
+    ``previous``: the basis goes on with the previous step's micro-batches (weight 0 unless a hypothesis says)."""
     k = w * n
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
     first_lost = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
     ends = [1.0 / k if i % n in (0, n - 1) else 0.0 for i in range(k)] if n > 2 else [0.0] * k  # n <= 2: the mean
-    return dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost,
-                                 ends)))
+    out = dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost,
+                                ends)))
+    if previous:
+        out[STALE] = [1.0 / k] * (2 * k)
+    return out
+
+
+STALE = "the previous step's gradient applied again"
+STALE_FAULT_KEY = "gradkit_fault_keep_grads"  # tests: the plain-torch loop forgets zero_grad (a stale-state bug)
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
@@ -237,6 +267,51 @@ def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None
         engine.step()
 
 
+def loss_scale(w: int, n: int, clip: float) -> float:
+    """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
+    the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
+    gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
+    from kit import oracle
+    from kit.probes import common as c
+
+    if not clip:
+        return 1.0
+    every = [b for rr in range(w) for b in c.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, 0)]
+    _, _, reference = oracle.reference_gradients(c.tiny_mlp(HIDDEN, SEED, DEPTH), every, c.mse)
+    return 2.0 * clip / reference.norm().item()
+
+
+class _TorchLoop:
+    """The control's loop (and the tests' deliberately broken ones): the bare fp32 module, local accumulation, one
+    ``torch.distributed.all_reduce`` per gradient, torch's own clipping; no DeepSpeed anywhere in the step."""
+
+    def __init__(self, model, clip: float, keep_grads: bool):
+        from kit.probes import common as c
+
+        self.model, self.opt, self.clip, self.keep = model, c.sgd(model), clip, keep_grads
+
+    def read(self):
+        from kit.probes import common as c
+
+        flat = c.flat_params(self.model)
+        return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
+
+    def step(self, batches, loss_fn) -> float:
+        import torch
+
+        from kit.probes import common as c
+
+        n = len(batches)
+        for x, y in batches:
+            (loss_fn(self.model(x), y) / n).backward()
+        c.average_grads(self.model)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip else float("inf"))
+        self.opt.step()
+        if not self.keep:
+            self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+
 def run_case(case: dict) -> dict:
     import deepspeed
 
@@ -244,54 +319,105 @@ def run_case(case: dict) -> dict:
     from kit.probes import common as c
 
     r, w, n = c.rank(), c.world_size(), case["ga"]
-    batches_fp32 = c.micro_batches(SEED, r, n, MICRO_BATCH, HIDDEN)
+    steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
+    scale = loss_scale(w, n, clip)
+
+    def loss_fn(out, y):
+        return c.mse(out, y) * scale
+
     model = c.tiny_mlp(HIDDEN, SEED, DEPTH)
-    if case["role"] == "control":  # plain torch.distributed: no DeepSpeed in the step
-        start, opt = copy.deepcopy(model), c.sgd(model)
-        before = c.flat_params(model)
-        for x, y in batches_fp32:
-            (c.mse(model(x), y) / n).backward()
-        c.average_grads(model)
-        opt.step()
-        out, *_ = c.judge(before - c.flat_params(model), start, SEED, n, MICRO_BATCH, HIDDEN)
-        return out
-    if case["ds_config"].get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
-        import os
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)
-    dtype = c.DTYPE.get(case["dtype"]) or __import__("torch").float16
-    model = model.to(dtype)
-    start = copy.deepcopy(model)
-    ds = {k: v for k, v in case["ds_config"].items() if k != FAULT_KEY}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
-    if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
-        c.release(engine)
-        raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
+    cfg = case.get("ds_config") or {}
+    engine, dtype = None, c.DTYPE.get(case["dtype"]) or __import__("torch").float16
+    if case["loop"] == "torch":  # the control: plain torch.distributed, no DeepSpeed in the step
+        loop = _TorchLoop(model, clip, bool(cfg.get(STALE_FAULT_KEY)))
+    else:
+        if cfg.get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        model = model.to(dtype)
+        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY)}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
+        if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
+            c.release(engine)
+            raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
     dev = c.device()
-    before = c.full_fp32_params(engine.module, engine.optimizer)
-    held = {}  # BF16_Optimizer's own fp32 accumulator on this rank, going into the step (a leak is per rank)
-    _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
-          [(x.to(dev, dtype), y.to(dev)) for x, y in batches_fp32], c.mse,
-          before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
-    effective = before - c.full_fp32_params(engine.module, engine.optimizer)
-    out = {"optimizer": type(engine.optimizer).__name__, "engine_ga": engine.gradient_accumulation_steps(),
-           "skipped": bool(getattr(engine, "skipped_steps", 0))}
-    buffers = c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None
-    judged, basis, weights, reference = c.judge(effective, start, SEED, n, MICRO_BATCH, HIDDEN)
-    out.update(judged)
-    if r == 0:
-        out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
+    judged_steps, prev, first, skipped = [], None, None, 0
+    for s in range(steps):
+        batches = c.micro_batches(SEED, r, n, MICRO_BATCH, HIDDEN, s)
+        held = {}  # BF16_Optimizer's own fp32 accumulator on this rank, going into the step (a leak is per rank)
+        if engine is None:
+            before = loop.read()
+            logged = loop.step(batches, loss_fn)
+            after = loop.read()
+        else:
+            before = c.read_weights(engine.module, engine.optimizer, case["dtype"])
+            _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
+                  [(x.to(dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
+                  before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
+            after = c.read_weights(engine.module, engine.optimizer, case["dtype"])
+            norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+            logged = float(norm) if norm is not None else None
+            skipped = int(getattr(engine, "skipped_steps", 0) or 0)
+        first = before["module"] if first is None else first
+        agree = before["agree"] and after["agree"]
+        read = "masters" if agree else "module"
+        effective = before[read] - after[read]
+        start = c.load_flat(c.tiny_mlp(HIDDEN, SEED, DEPTH), before["module"])  # the weights the model stepped from
+        buffers = c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None
+        judged, basis, weights, reference = c.judge(effective, start, SEED, n, MICRO_BATCH, HIDDEN, s, prev, clip, scale)
+        if r != 0:
+            continue
+        k = w * n
+        target = reference * judged.get("clip_coef", 1.0)
+        judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
+                      read={"judged_from": "fp32 masters" if agree else "module weights", "masters_agree": agree,
+                            "max_diff": max(before["max_diff"], after["max_diff"])})
+        if not agree:  # the master read misreports: the step the model really took, known to within its rounding
+            judged["read_floor"] = c.rounding_floor(after["module"], case["dtype"], target.norm().item())
+        judged["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n, previous=prev is not None),
+                                              case["dtype"], target, clip=clip)
         if buffers is not None:  # each rank's accumulator, attributed and explained from that rank's view
-            out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
-                                    "attribution": oracle.attribute(b, basis, weights),
-                                    "hypotheses": oracle.explain(b, basis, hypothesis_weights(w, n, own=k),
-                                                                 case["dtype"], reference)}
-                                   for k, b in enumerate(buffers)]
-            out["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
-    c.release(engine)
-    if out["skipped"]:
-        raise RuntimeError("the step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
+            judged["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                       "attribution": oracle.attribute(b, basis[:k], weights),
+                                       "hypotheses": oracle.explain(b, basis[:k], hypothesis_weights(w, n, own=q),
+                                                                    case["dtype"], reference)}
+                                      for q, b in enumerate(buffers)]
+            judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
+        judged_steps.append(judged)
+        prev = basis[:k]
+    final = engine_final = None
+    if engine is None:
+        final = loop.read()["module"]
+    else:
+        engine_final = c.read_weights(engine.module, engine.optimizer, case["dtype"])["module"]
+        c.release(engine)
+    if skipped:
+        raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
+    if r != 0:
+        return {}
+    dtype_name = case["dtype"]
+    worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype_name}))
+    out = {**judged_steps[worst], "steps": judged_steps, "worst_step": worst,
+           "optimizer": "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__,
+           "engine_ga": n if engine is None else engine.gradient_accumulation_steps()}
+    out["trajectory"] = trajectory(first, engine_final if final is None else final, w, n, steps, clip, scale)
     return out
+
+
+def trajectory(first, last, w: int, n: int, steps: int, clip: float, scale: float) -> dict:
+    """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
+    process): how far the run drifted in all, errors of every step compounded."""
+    from kit import oracle
+    from kit.probes import common as c
+
+    ref = first.clone()
+    for s in range(steps):
+        every = [b for rr in range(w) for b in c.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, s)]
+        model = c.load_flat(c.tiny_mlp(HIDDEN, SEED, DEPTH), ref)
+        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: c.mse(o, y) * scale)
+        ref = ref - oracle.clipped(reference, clip)
+    return {"steps": steps, **oracle.compare(first - last, first - ref)}
 
 
 def bf16_accumulator(engine):
@@ -310,16 +436,20 @@ def run_rank(payload: dict) -> list[dict]:
 
 # ====================================================================== in the caller
 
-def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None) -> tuple[list[dict], list[str]]:
-    """The cases of one check (the control first) and a note per loop style left out."""
+def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps: int = STEPS
+         ) -> tuple[list[dict], list[str]]:
+    """The cases of one check (the control first) and a note per loop style left out; each case takes ``steps``
+    optimizer steps, each judged."""
     from kit.expectations import version_key
 
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown or not loops:
         raise kconfig.ConfigError(f"unknown loop style(s) {unknown or loops}; known: {', '.join(LOOPS)} (or all)")
+    kconfig.check_positive_int("steps", steps)
     n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
-    stage = cfg["zero_optimization"]["stage"]
-    out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None}]
+    stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
+    out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None,
+            "steps": steps, "clip": clip}]
     for loop in loops:
         if loop == "unmanaged" and deepspeed_version and version_key(deepspeed_version) < version_key(UNMANAGED_SINCE):
             notes.append(f"unmanaged: left out, DeepSpeed {deepspeed_version} has no managed_gradient_accumulation "
@@ -327,26 +457,85 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None) -> tu
             continue
         for fix in (None, *known_fixes(cfg, loop)):
             out.append({"name": loop if fix is None else f"{loop} {fix}", "role": "measured" if fix is None else "fix",
-                        "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "zero_stage": stage,
-                        "ds_config": case_config(cfg, loop, fix)})
+                        "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "zero_stage": stage, "steps": steps,
+                        "clip": clip, "ds_config": case_config(cfg, loop, fix)})
     return out, notes
 
 
+def _matches(h: dict | None) -> str | None:
+    """The named hypothesis a step is: its name, "ambiguous between A and B" where the measurement cannot tell
+    two apart, "none" where no name fits, None where nothing was explained."""
+    if not h:
+        return None
+    if h.get("ambiguous"):
+        return "ambiguous between " + " and ".join(f"'{n}'" for n in h["ambiguous"])
+    return h["best"] if h["best_matches"] else "none"
+
+
 def _annotate(recs: list[dict]) -> list[dict]:
-    """``matches``: the named hypothesis the step is -- every rank's own accumulator's where the probe read them
-    (under ZeRO the effective gradient mixes partitions stepped by different ranks), else the effective's."""
+    """Per record: ``matches`` (the named hypothesis the worst step is -- every rank's own accumulator's where the
+    probe read them: under ZeRO the effective gradient mixes partitions stepped by different ranks), ``shape`` (the
+    step in words, from its fitted weights), per step the same, and ``norm_verdict`` (the logged grad norm judged
+    against the reference's, the worst step's); ``read_finding`` where the fp32 masters read through DeepSpeed's
+    API disagreed with the weights the model uses."""
+    from kit import oracle
+
     for r in recs:
-        h = r.get("hypotheses")
-        r["matches"] = (h["best"] if h["best_matches"] else "none") if h else None
-        per_rank = [b["hypotheses"] for b in r.get("rank_buffers") or []]
-        if per_rank and r["matches"] in (None, "none"):
-            names = {x["best"] if x["best_matches"] else "none" for x in per_rank}
-            r["matches"] = names.pop() if len(names) == 1 else "none"
+        for s in r.get("steps") or [r]:
+            s["matches"] = _matches(s.get("hypotheses"))
+            per_rank = [b["hypotheses"] for b in s.get("rank_buffers") or []]
+            if per_rank and s["matches"] in (None, "none"):
+                names = {_matches(x) for x in per_rank}
+                s["matches"] = names.pop() if len(names) == 1 else "none"
+            a = s.get("attribution")
+            if a and r.get("world_size"):
+                s["shape"] = oracle.describe_weights(a["weights"], a["expected_weights"], r["world_size"], r["ga"])
+        if r.get("steps"):
+            worst = r["steps"][r["worst_step"]]
+            r["matches"], r["shape"] = worst["matches"], worst.get("shape")
+            norms = [(s["step"], *oracle.norm_verdict(s.get("logged_norm"), s["reference_norm"], r["dtype"]))
+                     for s in r["steps"] if s.get("reference_norm")]
+            for step, word, why in norms:
+                r["steps"][step]["norm_verdict"] = word
+            off = [x for x in norms if x[1] == oracle.AFFECTED]
+            step, word, why = (off or norms or [(0, "n/a", "no step ran")])[0]
+            r["norm_verdict"], r["norm_reason"] = word, f"step {step + 1}: {why}" if norms else why
+            bad = [s for s in r["steps"] if not (s.get("read") or {}).get("masters_agree", True)]
+            if bad:
+                r["read_finding"] = (
+                    f"the fp32 masters read through deepspeed.utils.safe_get_full_fp32_param disagree with the weights "
+                    f"the model uses (max difference {max(s['read']['max_diff'] for s in bad):.3g}, steps "
+                    f"{', '.join(str(s['step'] + 1) for s in bad)}): the read API misreports here; every step is "
+                    "judged from the module's own weights")
+        else:
+            r.setdefault("matches", _matches(r.get("hypotheses")))
+        if r.get("verdict") == oracle.NOT_AFFECTED and "'global mean'" in str(r.get("matches")):
+            r["matches"] = "global mean"  # every signal is the reference's: the tie is with hypotheses it equals here
+        _floor(r)
     return recs
 
 
+def _floor(r: dict) -> None:
+    """A ``not-affected`` says the smallest misplaced weight it could have seen; where that is above what one lost
+    micro-batch weighs (1 / (2 W N) of the step), it could not have seen one lost: ``inconclusive``."""
+    from kit import oracle, records
+
+    if r.get("verdict") != oracle.NOT_AFFECTED or not r.get("metrics"):
+        return
+    seen = oracle.detectable_weight(records.judged(r))
+    one = 1.0 / (2 * r["world_size"] * r["ga"])
+    r["detectable_weight"] = seen
+    if seen >= one:
+        r["verdict"] = oracle.INCONCLUSIVE
+        r["reason"] = (f"no signal is off, but the smallest misplaced weight this {r['dtype']} measurement can see "
+                       f"({seen:.2g}) is above what one lost micro-batch weighs at W = {r['world_size']}, "
+                       f"N = {r['ga']} ({one:.2g}): " + r["reason"])
+    else:
+        r["reason"] += f"; it would have seen a misplaced weight of {seen:.2g} (one lost micro-batch: {one:.2g})"
+
+
 def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = None, device: str = "cpu",
-        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S) -> list[dict]:
+        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, steps: int = STEPS) -> list[dict]:
     """Every loop style of one resolved config in one world (with the control and the known fixes)."""
     from kit import oracle, records, versions
 
@@ -355,11 +544,13 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     kconfig.check_world_size(world_size, device)
     kconfig.check_timeout(timeout_s)
     ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
-    cases, notes = plan(cfg, loops, ds)
-    meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg)}
+    cases, notes = plan(cfg, loops, ds, steps)
+    meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": steps}
+    why = getattr(cfg, "refused", None)
     if dtype_of(cfg) == "fp16" and device == "cpu":  # said plainly, before anything launches
         why = ("fp16 cannot run here: DeepSpeed's CPU accelerator refuses it (\"Type fp16 is not supported on your "
                "device\"); run this check on a GPU (--device cuda)")
+    if why:
         return records.failed_records(cases, {**meta, "bug": CHECK.id, "probe": CHECK.module, "world_size": world_size,
                                               "device": device, "stack": stack}, runner.stack_label(stack), why)
     recs = runner.run(CHECK, cases, [stack], (world_size,), device, timeout_s, meta=meta)
