@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -97,6 +98,45 @@ def explain(rec: dict) -> tuple[str | None, str]:
     return None, "not explained by any known bug" + (f" (the step is '{matches}'{'; ' + shape if shape else ''})"
                                                     if matches not in (None, "none") else said or
                                                     " (no named hypothesis matches the step)")
+
+
+SEPARATING_GA = 4  # from N = 3 on, every named hypothesis predicts its own step (at N = 2 "last / N" is "all but the first")
+
+
+def ambiguous_names(matches) -> list[str]:
+    """The hypotheses an "ambiguous between 'A' and 'B'" step ties between ([] for any other step)."""
+    return re.findall(r"'([^']+)'", matches) if str(matches).startswith("ambiguous between") else []
+
+
+def separate(cfg, summary: dict, run) -> list[dict]:
+    """Where an affected loop's step ties between named hypotheses (e.g. at N = 2), run that loop again at a GA
+    that separates them (``run(resolved config, loops) -> records``) and name the bug only from that run; the
+    verdict at the user's GA stands. Returns the separating run's records."""
+    rows = [row for row in summary["loops"] if row["step_verdict"] == oracle.AFFECTED and ambiguous_names(row["matches"])]
+    if not rows:
+        return []
+    n = cfg["gradient_accumulation_steps"]
+    n2 = max(SEPARATING_GA, n + 1)
+    recs = run(ds_config.with_ga(cfg, n2, f"run again at GA {n2} to separate the hypotheses GA {n} cannot tell apart"),
+               tuple(row["loop"] for row in rows))
+    other = {row["loop"]: row for row in summarise(recs)["loops"]}
+    for r in recs:  # kept in the check's records, never read as the user's GA's rows again
+        r["role"], r["separating_ga"] = f"separating {r['role']}", n2
+    for row in rows:
+        o = other.get(row["loop"])
+        row["separated"] = {"ga": n2, "verdict": o["step_verdict"] if o else oracle.CANNOT_RUN,
+                            "matches": o["matches"] if o else None, "shape": o["shape"] if o else None,
+                            "explained_by": o["explained_by"] if o else None}
+        if o and o["explained_by"] and o["matches"] in ambiguous_names(row["matches"]):
+            row["explained_by"], row["fix"] = o["explained_by"], o["fix"]
+            row["explanation"] = (f"{o['explanation']} (at GA {n} the step is {row['matches']}; at GA {n2}, run to "
+                                  f"separate them, it is '{o['matches']}')")
+        else:
+            row["explanation"] = (f"not explained by any known bug: at GA {n} the step is {row['matches']}, and the "
+                                  f"run at GA {n2} to separate them gives "
+                                  f"{(o or {}).get('matches') or 'nothing judged'}"
+                                  + (f" ({o['shape']})" if o and o.get("shape") else ""))
+    return recs
 
 
 def _worst(words) -> str:
@@ -243,8 +283,12 @@ def main(argv=None) -> int:
     out = {}
     for dtype, cfg in todo.items():
         try:
-            recs = ds_config.run(cfg, loops, a.world_size, stack, a.device, a.timeout, steps=a.steps)
+            def run(c, ls):
+                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps)
+
+            recs = run(cfg, loops)
             summary = summarise(recs)
+            recs += separate(cfg, summary, run)
             text = report(recs, summary, a.config if len(todo) == 1 else f"{a.config} [{dtype}]", a.world_size,
                           a.device)
         except Exception as e:  # noqa: BLE001 - the kit's own failure is never a verdict on the user's config

@@ -4,8 +4,12 @@
     rc, output = repro.verify(path, world_size=2, stack={})             # rc 1: it reproduces
 
 The script builds its own tiny MLP and data, runs the point's loop style with the point's config (SGD,
-lr = 1, so the update is the gradient), computes the fp32 reference of the same global batch on rank 0,
-prints the ratio / cosine / relative error and exits 1 when the step is off the reference.
+lr = 1, so the update is the gradient) for as many optimizer steps as the point took, reads each step as the
+probe does (the fp32 masters, or the module's own weights where the masters' read disagrees with them), computes
+on rank 0 the fp32 reference of the same global batch from that step's starting weights, fits each micro-batch's
+weight, prints one JSON line (per step: ratio, cosine, relative error, fitted weights as multiples of the right
+ones) and exits 1 when a step is off. ``reproduced`` believes only that printed judgement, and with the group's
+shape, only an off step of the same shape.
 """
 from __future__ import annotations
 
@@ -23,23 +27,28 @@ TEMPLATE = '''"""{title}
 
 Written by gradkit's sweep on {date}; needs only torch and deepspeed ({deepspeed} here).
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node={world_size} {name}    # on GPUs: drop DS_ACCELERATOR
-Exit status 1: the step DeepSpeed applied is off the fp32 reference of the same global batch (reproduced).
+Takes STEPS optimizer steps; each is judged against the fp32 reference of the same global batch from that step's
+own starting weights. Exit status 1: a step DeepSpeed applied is off that reference (reproduced).
 """
 import copy, json, os, sys
 import torch, torch.distributed as dist, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
 
 CONFIG = json.loads({config!r})
-LOOP, N, MB, H, SEED, TOL = {loop!r}, {n}, {mb}, 32, 0, {tol}  # loop style, micro-batches per step, tolerance
+LOOP, N, MB, H, SEED, STEPS = {loop!r}, {n}, {mb}, 32, 0, {steps}  # loop style, micro-batches and steps
+TOL, MISPLACED, ROUND = {tol}, {mis}, {rounding}  # the dtype's limits; the module dtype's rounding
 
-def batches(rank):  # N micro-batches of MB samples for one rank, the same on every run
-    g = torch.Generator().manual_seed(1000 + rank)
+def batches(rank, step):  # N micro-batches of MB samples for one rank and step, the same on every run
+    g = torch.Generator().manual_seed(1000 * (step + 1) + rank)
     x, y = torch.randn(N * MB, H, generator=g), torch.randn(N * MB, H, generator=g)
     return [(x[i * MB:(i + 1) * MB], y[i * MB:(i + 1) * MB]) for i in range(N)]
 
-def flat(engine):  # the fp32 master of every parameter (a collective under ZeRO-3)
-    return torch.cat([(safe_get_full_fp32_param(p) if safe_get_full_fp32_param(p) is not None else p).detach()
-                      .double().reshape(-1).cpu() for p in engine.module.parameters()])
+def weights(engine):  # (what the model computes with, the fp32 masters), flat float64; collectives under ZeRO
+    ps = list(engine.module.parameters())
+    masters = torch.cat([safe_get_full_fp32_param(p).detach().double().reshape(-1).cpu() for p in ps])
+    with deepspeed.zero.GatheredParameters(ps) if hasattr(ps[0], "ds_id") else torch.no_grad():
+        module = torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in ps])
+    return module, masters
 
 cpu = os.environ.get("DS_ACCELERATOR") == "cpu"
 deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
@@ -47,35 +56,47 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(SEED)
 model = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
 dtype = torch.bfloat16 if CONFIG.get("bf16", {{}}).get("enabled") else torch.float32
-model = model.to(dtype)
-start = copy.deepcopy(model).double()
+model, fp32 = model.to(dtype), copy.deepcopy(model).double()
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=CONFIG)
-mse = lambda out, y: ((out.float() - y) ** 2).mean()
-before = flat(engine)
-for i, (x, y) in enumerate(batches(rank)):
-    x, y = x.to(engine.device, dtype), y.to(engine.device)
-    if LOOP == "engine":  # DeepSpeed's own loop: config GA = N, backward + step per micro-batch
-        engine.backward(mse(engine(x), y)); engine.step(); continue
-    if LOOP == "boundary":  # config GA = N, the boundary marked, one step
-        engine.set_gradient_accumulation_boundary(is_boundary=(i == N - 1))
-        engine.backward(mse(engine(x), y))
-    else:  # manual: config GA = 1, N backward(loss / N), one step
-        engine.backward(mse(engine(x), y) / N)
-if LOOP != "engine":
-    engine.step()
-effective = before - flat(engine)
+mse = lambda out, y: ((out.float() - y.float()) ** 2).mean()
+off_any, said = False, []
+for step in range(STEPS):
+    module, masters = weights(engine)
+    for i, (x, y) in enumerate(batches(rank, step)):
+        x, y = x.to(engine.device, dtype), y.to(engine.device)
+        if LOOP == "engine":  # DeepSpeed's own loop: config GA = N, backward + step per micro-batch
+            engine.backward(mse(engine(x), y)); engine.step(); continue
+        if LOOP == "boundary":  # config GA = N, the boundary marked, one step
+            engine.set_gradient_accumulation_boundary(is_boundary=(i == N - 1))
+            engine.backward(mse(engine(x), y))
+        else:  # manual: config GA = 1, N backward(loss / N), one step
+            engine.backward(mse(engine(x), y) / N)
+    if LOOP != "engine":
+        engine.step()
+    module2, masters2 = weights(engine)
+    agree = all(((a - b).abs() <= ROUND * b.abs() + 1e-30).all() for a, b in ((module, masters), (module2, masters2)))
+    effective = (masters - masters2) if agree else (module - module2)  # the masters' read, unless it misreports
+    if rank == 0:  # the reference: this step's starting weights, fp32, the global batch in one process
+        torch.nn.utils.vector_to_parameters(module.clone(), fp32.parameters())
+        basis = []
+        for x, y in [b for r in range(world) for b in batches(r, step)]:
+            fp32.zero_grad(); mse(fp32(x.double()), y.double()).backward()
+            basis.append(torch.cat([p.grad.reshape(-1) for p in fp32.parameters()]))
+        basis = torch.stack(basis); k = len(basis)
+        reference = basis.mean(0)
+        fitted = torch.linalg.lstsq(basis.T, effective.unsqueeze(1)).solution.squeeze(1)
+        rel = ((effective - reference).norm() / reference.norm()).item()
+        misplaced = 0.5 * (fitted - 1.0 / k).abs().sum().item()
+        off = rel > TOL or misplaced > MISPLACED
+        off_any |= off
+        said.append({{"step": step + 1, "ratio": effective.norm().item() / reference.norm().item(), "rel_error": rel,
+                      "cosine": torch.nn.functional.cosine_similarity(effective, reference, dim=0).item(),
+                      "weights_x_right": [round(w * k, 2) for w in fitted.tolist()], "masters_read": agree, "off": off}})
 if rank == 0:
-    every = [b for r in range(world) for b in batches(r)]  # the global batch, in fp32, in one process
-    loss = sum(((start(x.double()) - y.double()) ** 2).mean() for x, y in every) / len(every)
-    loss.backward()
-    reference = torch.cat([p.grad.reshape(-1) for p in start.parameters()])
-    ratio, rel = effective.norm().item() / reference.norm().item(), ((effective - reference).norm() / reference.norm()).item()
-    cos = torch.nn.functional.cosine_similarity(effective, reference, dim=0).item()
-    off = rel > TOL
-    print(json.dumps({{"deepspeed": deepspeed.__version__, "loop": LOOP, "N": N, "world": world, "ratio": ratio,
-                      "cosine": cos, "rel_error": rel, "reproduced": off}}))
-    print("REPRODUCED: the applied step is off the reference" if off else "not reproduced: the step matches")
-    sys.exit(1 if off else 0)
+    print(json.dumps({{"deepspeed": deepspeed.__version__, "loop": LOOP, "N": N, "world": world, "steps": said,
+                      "reproduced": off_any}}))
+    print("REPRODUCED: a step DeepSpeed applied is off the reference" if off_any else "not reproduced: every step matches")
+    sys.exit(1 if off_any else 0)
 '''
 
 
@@ -89,16 +110,38 @@ def write(rec: dict, path, title: str) -> Path:
     path.write_text(TEMPLATE.format(
         title=title, date=datetime.date.today().isoformat(), deepspeed=(rec.get("versions") or {}).get("deepspeed"),
         world_size=rec["world_size"], name=path.name, config=json.dumps(cfg, sort_keys=True),
-        loop=case["loop"], n=case["ga"], mb=cfg["train_micro_batch_size_per_gpu"],
-        tol=oracle.tolerance(case["dtype"]).rel_l2))
+        loop=case["loop"], n=case["ga"], mb=cfg["train_micro_batch_size_per_gpu"], steps=case.get("steps", 1),
+        tol=oracle.tolerance(case["dtype"]).rel_l2, mis=oracle.tolerance(case["dtype"]).misplaced_weight,
+        rounding={"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}[case["dtype"]]))
     return path
 
 
-def reproduced(rc: int, output: str) -> bool:
+def said(output: str) -> dict | None:
+    """The script's one judged line (None: it printed none, e.g. it crashed)."""
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith('{"deepspeed"')]
+    return lines[0] if len(lines) == 1 else None
+
+
+def shape_of(rec: dict) -> list[float]:
+    """The record's worst step as multiples of each micro-batch's right weight (rank-major), to a tenth."""
+    a = rec["attribution"]
+    k = rec["world_size"] * rec["ga"]
+    return [(round(w / e, 1) if e else round(w * k, 1)) + 0.0  # + 0.0: no -0.0
+            for w, e in zip(a["weights"][:k], a["expected_weights"][:k])]
+
+
+def reproduced(rc: int, output: str, shape: list[float] | None = None, tol: float = 0.15) -> bool:
     """Did the script reproduce? Only by its own judgement: its printed verdict line says so (and its exit status
-    agrees). A script that crashed, or printed nothing judged, did not reproduce anything, whatever its exit code."""
-    said = [json.loads(line) for line in output.splitlines() if line.startswith('{"deepspeed"')]
-    return len(said) == 1 and said[0].get("reproduced") is True and rc == 1
+    agrees). A script that crashed, or printed nothing judged, did not reproduce anything, whatever its exit code.
+    With ``shape`` (``shape_of`` the group's point), one of its off steps must also have that shape: each
+    micro-batch's fitted weight within ``tol`` of the same multiple of its right weight."""
+    s = said(output)
+    if not (s and s.get("reproduced") is True and rc == 1):
+        return False
+    if shape is None:
+        return True
+    return any(st.get("off") and len(st["weights_x_right"]) == len(shape)
+               and all(abs(a - b) <= tol for a, b in zip(st["weights_x_right"], shape)) for st in s.get("steps") or [])
 
 
 def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "cpu", timeout_s: float = 300):

@@ -50,9 +50,11 @@ def load_spec(path) -> dict:
 def check_spec(spec, where: str = "the spec") -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("axes"), dict) or not spec["axes"]:
         raise kconfig.ConfigError(f"{where} needs 'axes': a mapping of axis name -> list of values")
-    unknown = sorted(set(spec) - {"base", "axes", "skip", "world_size", "stacks", "device", "timeout_s", "steps"})
+    unknown = sorted(set(spec) - {"base", "axes", "skip", "world_size", "stacks", "device", "timeout_s", "steps",
+                                  "one_at_a_time"})
     if unknown:
         raise kconfig.ConfigError(f"{where}: unknown key(s) {unknown}")
+    _check_one_at_a_time(spec, where)
     for axis, values in spec["axes"].items():
         if not isinstance(values, list) or not values:
             raise kconfig.ConfigError(f"{where}: axis {axis!r} must be a non-empty list, got {values!r}")
@@ -64,7 +66,7 @@ def check_spec(spec, where: str = "the spec") -> dict:
             for v in values:
                 kconfig.check_ga(v)
     for rule in spec.get("skip") or []:
-        if not isinstance(rule, dict) or set(rule) - set(spec["axes"]):
+        if not isinstance(rule, dict) or set(rule) - set(all_axes(spec)):
             raise kconfig.ConfigError(f"{where}: a skip rule maps axes of the spec to a value, got {rule!r}")
     spec.setdefault("base", {})
     spec.setdefault("world_size", 2)
@@ -99,22 +101,60 @@ def _set(cfg: dict, dotted: str, value) -> None:
     cfg[keys[-1]] = value
 
 
+DEFAULT = "default"  # a one-at-a-time key's value where a point leaves it as the base config has it
+
+
+def _check_one_at_a_time(spec: dict, where: str) -> None:
+    extra = spec.get("one_at_a_time")
+    if extra is None:
+        return
+    if not isinstance(extra, dict) or set(extra) != {"over", "keys"} or not isinstance(extra["over"], dict) \
+            or not isinstance(extra["keys"], dict) or not extra["keys"]:
+        raise kconfig.ConfigError(f"{where}: one_at_a_time is {{over: {{axis: [values]}}, keys: {{dotted key: "
+                                  f"[values]}}}}, got {extra!r}")
+    for axis, values in extra["over"].items():
+        if axis not in spec["axes"] or not isinstance(values, list) or set(values) - set(spec["axes"][axis]):
+            raise kconfig.ConfigError(f"{where}: one_at_a_time.over.{axis} must list values of the axis {axis}, "
+                                      f"got {values!r}")
+    for key, values in extra["keys"].items():
+        if key in spec["axes"] or key in SPECIAL_AXES or not isinstance(values, list) or not values \
+                or DEFAULT in values:
+            raise kconfig.ConfigError(f"{where}: one_at_a_time.keys.{key} must be a config key that is not an axis, "
+                                      f"with a non-empty list of values, got {values!r}")
+
+
+def all_axes(spec: dict) -> dict:
+    """The axes every point has a value for: the spec's, then each one-at-a-time key (``DEFAULT`` first)."""
+    extra = (spec.get("one_at_a_time") or {}).get("keys") or {}
+    return {**spec["axes"], **{k: [DEFAULT, *v] for k, v in extra.items()}}
+
+
 def points(spec: dict) -> list[dict]:
-    """Every point of the product that no skip rule removes: ``{axis: value}``."""
-    axes = spec["axes"]
-    out = []
-    for values in itertools.product(*axes.values()):
-        point = dict(zip(axes, values))
-        if not any(_matches(point, rule) for rule in spec.get("skip") or []):
-            out.append(point)
-    return out
+    """Every point that no skip rule removes: ``{axis: value}`` over ``all_axes``. The product of the axes, then
+    (``one_at_a_time``) each extra key set to each of its values on its own, over the product of ``over`` (an
+    axis ``over`` does not name keeps its first value), every other extra key left at ``DEFAULT``."""
+    axes, extra = spec["axes"], spec.get("one_at_a_time") or {}
+    keys = extra.get("keys") or {}
+    rest = {k: DEFAULT for k in keys}
+    candidates = [{**dict(zip(axes, values)), **rest} for values in itertools.product(*axes.values())]
+    if keys:
+        over = {a: extra["over"].get(a, [v[0]]) for a, v in axes.items()}
+        for key, values in keys.items():
+            for value in values:
+                candidates += [{**dict(zip(over, vs)), **rest, key: value} for vs in itertools.product(*over.values())]
+    return [p for p in candidates if not any(_matches(p, rule) for rule in spec.get("skip") or [])]
+
+
+def is_main(spec: dict, point: dict) -> bool:
+    """A point of the axes' product (every one-at-a-time key at ``DEFAULT``): what the heatmaps draw."""
+    return all(point.get(k, DEFAULT) == DEFAULT for k in (spec.get("one_at_a_time") or {}).get("keys") or {})
 
 
 def point_case(spec: dict, point: dict) -> dict:
     """The ds_config case of one point (its config resolved the way ``gradkit check`` resolves one)."""
     cfg = copy.deepcopy(spec["base"])
     for axis, value in point.items():
-        if axis not in SPECIAL_AXES:
+        if axis not in SPECIAL_AXES and value != DEFAULT:
             _set(cfg, axis, value)
     ga = point.get("ga", cfg.get("gradient_accumulation_steps", 4))
     cfg["gradient_accumulation_steps"] = ga
@@ -381,16 +421,45 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
         path = out / f"repro_{tag}_{k + 1}.py"
         repro.write(by_id[g["example"]], path, f"DeepSpeed gradient accumulation: {describe(g)}")
         rc, text = repro.verify(path, spec["world_size"], stack, spec["device"])
-        g["repro"] = {"script": path.name, "exit": rc, "reproduced": repro.reproduced(rc, text), "output": text}
+        shape = repro.shape_of(by_id[g["example"]])
+        g["repro"] = {"script": path.name, "exit": rc, "shape": shape, "output": text,
+                      "reproduced": repro.reproduced(rc, text, shape)}
+
+
+def separate(recs: list[dict]) -> list[dict]:
+    """A point whose step ties between named hypotheses (at GA 2 "last / N" is "all but the first") names no bug
+    by itself; the same config at a GA >= 3 (same stack, every other axis equal) separates them: where that
+    point is affected, explained, and is one of the tied names, this point is explained by the same bug, said so.
+    A tie with no such point stays a tie (its own group)."""
+    from kit import check
+
+    def key(r):
+        return json.dumps([r.get("stack"), {k: v for k, v in (r.get("point") or {}).items() if k != "ga"}],
+                          sort_keys=True)
+
+    by: dict = {}
+    for r in recs:
+        if r["verdict"] == oracle.AFFECTED and r.get("explained_by") and r["ga"] >= check.SEPARATING_GA - 1:
+            by.setdefault(key(r), []).append(r)
+    for r in recs:
+        names = check.ambiguous_names(r.get("matches"))
+        if r["verdict"] != oracle.AFFECTED or not names or r.get("explained_by"):
+            continue
+        sib = next((s for s in sorted(by.get(key(r), []), key=lambda s: s["ga"]) if s["matches"] in names), None)
+        if sib:
+            r["explained_by"], r["separated_by"] = sib["explained_by"], sib["id"]
+            r["explanation"] = (f"{sib['explanation']} (at GA {r['ga']} the step is {r['matches']}; the same config "
+                                f"at GA {sib['ga']} separates them: '{sib['matches']}')")
+    return recs
 
 
 def summarise(spec: dict, recs: list[dict], out=None) -> dict:
     """Counts and groups per stack; with ``out``, the unknown groups' reproduction scripts are written there and run."""
     summary = {"stacks": []}
     for st in spec["stacks"]:
-        mine = [r for r in recs if r["stack"] == st]
+        mine = separate([r for r in recs if r["stack"] == st])
         counts = {v: sum(r["verdict"] == v for r in mine) for v in oracle.VERDICTS}
-        gs = groups(mine, spec["axes"])
+        gs = groups(mine, all_axes(spec))
         if out is not None:
             reproduce(spec, st, mine, gs, Path(out))
         deepspeed = next((r["versions"].get("deepspeed") for r in mine if r.get("versions")), None)
@@ -459,6 +528,37 @@ def notebook_spec(p: dict) -> dict:
     if p["STACKS"]:
         spec = check_spec({**spec, "stacks": p["STACKS"]}, str(p["SPEC"]))
     return spec
+
+
+def steps_text(rec: dict) -> str:
+    """A point's steps in one line: each step's ratio and whether it is off, and which one is the worst."""
+    steps = rec.get("steps") or []
+    if not steps:
+        return "no step judged"
+    parts = [f"{s['metrics']['norm_ratio']:.3f}{' (off)' if oracle.severity({**s, 'dtype': rec['dtype']}) > 1 else ''}"
+             for s in steps]
+    return f"ratio per step {' / '.join(parts)}; worst: step {rec.get('worst_step', 0) + 1}"
+
+
+def one_at_a_time_table(spec: dict, recs: list[dict]) -> str:
+    """Per one-at-a-time key and value, per stack: how many points of each verdict, and DeepSpeed's reason for
+    the first that could not run (markdown)."""
+    from kit.report import markdown_table
+
+    keys = (spec.get("one_at_a_time") or {}).get("keys") or {}
+    rows = []
+    for key, values in keys.items():
+        for value in values:
+            for st in spec["stacks"]:
+                mine = [r for r in recs if r["stack"] == st and (r.get("point") or {}).get(key) == value]
+                if not mine:
+                    continue
+                counts = {v: sum(r["verdict"] == v for r in mine) for v in oracle.VERDICTS}
+                refused = next((r for r in mine if r["verdict"] == oracle.CANNOT_RUN), None)
+                rows.append({"key = value": f"`{key}` = {json.dumps(value)}", "DeepSpeed": release_of(st),
+                             **{v: counts[v] for v in oracle.VERDICTS},
+                             "why a point could not run": (refused["reason"].replace("|", "/")[:160] if refused else "")})
+    return markdown_table(rows, list(rows[0])) if rows else "no one-at-a-time keys in this spec"
 
 
 def table(summary: dict, command: str) -> str:

@@ -70,14 +70,67 @@ def noise(json_path: str) -> int:
                     "rank_spread": max((r.get("rank_spread") or {"-": 0.0}).values()), "verdict": r["verdict"]})
         print(f"{bug} {case:11s} {dtype} GA {ga:3d}: rel. error {m['rel_l2']:.2e}, |ratio-1| {abs(m['norm_ratio'] - 1):.1e}, "
               f"misplaced {max(mis):.1e}, rank spread {out[-1]['rank_spread']:.1e} -> {r['verdict']}")
-    for dtype in ("fp32", "bf16"):
+    out += fp16_noise()
+    for dtype in ("fp32", "bf16", "fp16"):
         sel = [o for o in out if o["dtype"] == dtype]
+        if not sel:
+            continue
         print(f"{dtype}: largest noise of a correct engine: rel. error {max(o['rel_l2'] for o in sel):.2e}, "
               f"misplaced weight {max(o['misplaced_weight'] for o in sel):.2e}, rank spread {max(o['rank_spread'] for o in sel):.1e}")
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps({"cpus": os.cpu_count(), "rows": out}, indent=1))
     print(f"written to {json_path}")
     return 0
+
+
+def fp16_noise() -> list[dict]:
+    """fp16's noise. DeepSpeed's CPU accelerator refuses fp16, so on CPU the engine's arithmetic is emulated in
+    plain torch ("fp16 emulated": the kit's check model in fp16, loss scale 2**8, micro-batch gradients accumulated
+    in fp16 or fp32, reduced in fp16, unscaled into fp32; W = 2, GA 8 / 32 / 64). On a GPU the real engine runs
+    too: `gradkit check`'s probe, DeepSpeed's own loop, ZeRO-0/1/2, fp16, GA 8."""
+    import copy
+
+    import torch
+
+    from kit import oracle
+    from kit.probes import common as c, ds_config as dc
+
+    out = []
+    for accum in ("fp16", "fp32"):
+        for ga in (8, 32, 64):
+            every = [b for r in range(2) for b in c.micro_batches(dc.SEED, r, ga, dc.MICRO_BATCH, dc.HIDDEN, 0)]
+            model = c.tiny_mlp(dc.HIDDEN, dc.SEED, dc.DEPTH)
+            basis, weights, ref = oracle.reference_gradients(model, every, c.mse)
+            half, scale, total = copy.deepcopy(model).half(), 2.0 ** 8, 0.0
+            for r in range(2):
+                acc = 0.0
+                for x, y in every[r * ga:(r + 1) * ga]:
+                    half.zero_grad(set_to_none=True)
+                    (c.mse(half(x.half()), y) * scale / ga).backward()
+                    g = torch.cat([p.grad.reshape(-1) for p in half.parameters()])
+                    acc = acc + (g if accum == "fp16" else g.float())
+                total = total + acc.half().float() / 2  # the reduction in fp16, averaged over the ranks
+            eff = total.double() / scale
+            m, a = oracle.compare(eff, ref), oracle.attribute(eff, basis, weights)
+            out.append({"probe": "fp16 emulated", "case": f"{accum} accumulator", "dtype": "fp16", "GA": ga,
+                        "rel_l2": m["rel_l2"], "ratio_minus_1": abs(m["norm_ratio"] - 1),
+                        "misplaced_weight": a["misplaced_weight"], "rank_spread": 0.0, "verdict": "-"})
+            print(f"fp16 emulated, {accum} accumulator, GA {ga:3d}: rel. error {m['rel_l2']:.2e}, |ratio-1| "
+                  f"{abs(m['norm_ratio'] - 1):.1e}, misplaced {a['misplaced_weight']:.1e}")
+    if torch.cuda.is_available():
+        for stage in (0, 1, 2):
+            cfg = dc.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+                              "fp16": {"enabled": True}, "zero_optimization": {"stage": stage}}, 2, 8, "fp16")
+            for r in dc.run(cfg, ("engine",), 2, {}, "cuda", 900):
+                if r["role"] == "measured" and r.get("metrics"):
+                    m = r["metrics"]
+                    out.append({"probe": "check", "case": f"ZeRO-{stage} engine", "dtype": "fp16", "GA": 8,
+                                "rel_l2": m["rel_l2"], "ratio_minus_1": abs(m["norm_ratio"] - 1),
+                                "misplaced_weight": r["attribution"]["misplaced_weight"],
+                                "rank_spread": max((r.get("rank_spread") or {"-": 0.0}).values()), "verdict": r["verdict"]})
+                    print(f"fp16 ZeRO-{stage} engine GA 8 (cuda): rel. error {m['rel_l2']:.2e}, misplaced "
+                          f"{out[-1]['misplaced_weight']:.1e} -> {r['verdict']}")
+    return out
 
 
 def profile(json_path: str) -> int:

@@ -126,3 +126,26 @@ def test_zero2_optimizer_offload_is_b5_on_0_18_6_and_fixed_on_the_installed_rele
     text = capsys.readouterr().out
     assert "explained by B5" in text and "'first and last micro-batch'" in text, text
     assert check.main([path, "--loop", "engine"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.world
+def test_a_shipped_zero2_config_is_exact_in_deepspeeds_loop_and_a_tie_at_ga_2_is_separated_before_naming_b3(
+        tmp_path, repo, capsys):
+    """LLaMA-Factory's ds_z2_config.json (round_robin_gradients on): the fp32 masters read through DeepSpeed's API
+    are assigned to the wrong parameters, while the weights the model uses are exact. The check judges those, says
+    the read misreports as a finding of its own, and DeepSpeed's own loop is not-affected. At GA 2 the manual loop's
+    step ties between 'last micro-batch / N' and 'all but the first micro-batch': B3 is named only after a run at
+    GA 4 separates them."""
+    out = tmp_path / "check.json"
+    path = repo / "scripts/configs/shipped/llamafactory/ds_z2_config.json"
+    code = check.main([str(path), "--loop", "engine,manual", "--ga", "2", "--trainer-dtype", "fp32", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    loops = {r["loop"]: r for r in json.loads(out.read_text())["summary"]["loops"]}
+    engine, manual = loops["engine"], loops["manual"]
+    assert engine["verdict"] == oracle.NOT_AFFECTED and "safe_get_full_fp32_param" in engine["read_finding"], engine
+    assert manual["verdict"] == oracle.AFFECTED and check.ambiguous_names(manual["matches"]) == [
+        "all but the first micro-batch", "last micro-batch / N"]
+    assert manual["separated"]["ga"] == 4 and manual["separated"]["matches"] == "last micro-batch / N"
+    assert manual["explained_by"] == "B3" and "run to separate them" in manual["explanation"]
+    assert "finding (not an accumulation bug)" in text and "explained by B3" in text

@@ -1,4 +1,6 @@
 """The launcher on real 2-rank gloo worlds: results come back, a raising rank is named, a hung rank is killed."""
+import os
+import tempfile
 import time
 
 import pytest
@@ -86,3 +88,21 @@ def test_a_rank_that_aborts_before_its_result_is_a_failure():
     with pytest.raises(launch.RankFailed, match="SIGABRT"):
         launch.run_world("kit.selftest:abort_after_result", {"rank": 0, "before": True}, world_size=2, init="torch",
                          timeout_s=60)
+
+
+def test_a_world_folder_that_never_got_its_owner_is_removed_once_it_is_old(monkeypatch, tmp_path):
+    """A caller killed between making its world's folder and writing the owner file left the folder behind; the
+    next launch removes it, but not the folder of a world starting right now, nor an old one with a live owner."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # remove_stale_worlds looks in tempfile.gettempdir()
+    old = tmp_path / "gradkit-world-killed-at-birth"
+    fresh = tmp_path / "gradkit-world-starting-now"
+    owned = launch.lifecycle._new_world_folder()  # claimed by this (live) process
+    for folder in (old, fresh):
+        folder.mkdir()
+    (old / "owner.tmp").write_text("")  # killed mid-claim: the owner never renamed into place
+    long_ago = time.time() - 2 * launch.lifecycle.OWNERLESS_GRACE_S
+    for folder in (old, owned):
+        os.utime(folder, (long_ago, long_ago))
+    assert owned.parent == tmp_path and (owned / launch.OWNER_FILE).read_text().split()[0] == str(os.getpid())
+    assert launch.remove_stale_worlds() == [old]
+    assert not old.exists() and fresh.exists() and owned.exists()

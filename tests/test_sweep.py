@@ -62,9 +62,16 @@ def test_the_reproduction_script_reproduces_b3_and_not_a_correct_loop(swept, tmp
                                                                  and r["point"]["loop"] == "engine" and r["ga"] == 4))
     script = repro.write(bad, tmp_path / "repro_b3.py", "ZeRO-2, config GA = 1, 4 backward() per step()")
     text = script.read_text()
-    assert "import kit" not in text and "from kit" not in text and len(text.splitlines()) <= 70
+    assert "import kit" not in text and "from kit" not in text and len(text.splitlines()) <= 80
     rc, output = repro.verify(script)
     assert rc == 1 and "REPRODUCED" in output, output
+    # judged by what it printed, step by step: B3's shape (each rank's last micro-batch at its right weight 1/(W N),
+    # the others 0) at every one of the point's steps, with the script's own data and model
+    shape = repro.shape_of(bad)
+    assert shape == [0.0, 0.0, 0.0, 1.0] * 2, shape
+    said = repro.said(output)
+    assert len(said["steps"]) == bad["step_count"] == 3 and all(s["off"] for s in said["steps"]), said
+    assert repro.reproduced(rc, output, shape) and not repro.reproduced(rc, output, [1.0] * 8)
     rc, output = repro.verify(repro.write(good, tmp_path / "repro_ok.py", "ZeRO-2, DeepSpeed's own loop"))
     assert rc == 0 and "not reproduced" in output, output
 

@@ -76,8 +76,8 @@ def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit
     """The parent-death signal follows the thread that started a process: a warm world started from a Run's
     thread must not die with it. Idle past ``WARM_IDLE_S``, its ranks leave by themselves, and their fork server
     (a whole stack in memory: a kernel keeps its worlds warm between cells) ``SERVER_IDLE_S`` later."""
-    monkeypatch.setattr(launch, "WARM_IDLE_S", 3.0)
-    monkeypatch.setattr(launch, "SERVER_IDLE_S", 1.0)
+    monkeypatch.setattr(launch.warm, "WARM_IDLE_S", 3.0)  # read where they are defined, not on the package
+    monkeypatch.setattr(launch.servers, "SERVER_IDLE_S", 1.0)
     launch.stop_warm_worlds()  # a server of an earlier test has the usual idle limit: this world gets a new one
     got = {}
 

@@ -1,4 +1,4 @@
-"""A user's DeepSpeed config, judged on the kit's tiny model: does one step apply the mean gradient?
+"""A user's DeepSpeed config, judged on the kit's tiny model: does every step apply the mean gradient?
 
     cfg = ds_config.resolve(json.load(open("ds_config.json")), world_size=2)   # "auto" resolved, notes kept
     recs = ds_config.run(cfg, loops=LOOPS, world_size=2)                    # one world, every loop style
@@ -6,8 +6,11 @@
 Everything in the config that touches gradients is kept (ZeRO stage, bf16 / fp16, ``data_types``,
 ``communication_data_type``, offload, bucket sizes, ``gradient_predivide_factor``, ``prescale_gradients``,
 ``bf16.immediate_grad_update`` ...). What would hide the measurement is replaced, and said: the optimizer
-becomes SGD (lr = 1, no momentum or weight decay), the scheduler goes, clipping is switched off, bucket
-sizes shrink so the tiny model spans several buckets, fp16's dynamic loss scale becomes a static one.
+becomes SGD (lr = 1, no momentum or weight decay), the scheduler goes, bucket sizes shrink so the tiny model
+spans several buckets, fp16's dynamic loss scale becomes a static one. Clipping is kept: every loss is scaled so
+the clip acts, and the expected step is the reference clipped. Each case takes ``steps`` optimizer steps, each
+judged against the reference from that step's own starting weights (the module's weights, cross-checked against
+the fp32 masters), with the previous step's micro-batches in the basis of its fitted weights.
 
 Loop styles (each its own case, all in one world, ``N`` micro-batches per step):
 
@@ -210,6 +213,17 @@ def known_fixes(cfg: dict, loop: str) -> list[str]:
     if (dtype_of(cfg) == "bf16" and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"
             and not cfg["bf16"].get("immediate_grad_update", False)):
         out.append("fix:B4")
+    return out
+
+
+def with_ga(cfg: Resolved, n: int, why: str) -> Resolved:
+    """The same resolved config at ``n`` micro-batches per step (train batch size to match), ``why`` in its notes."""
+    out = Resolved(copy.deepcopy(dict(cfg)))
+    mb, w = out["train_micro_batch_size_per_gpu"], out["train_batch_size"] // (
+        out["train_micro_batch_size_per_gpu"] * out["gradient_accumulation_steps"])
+    out.update(gradient_accumulation_steps=n, train_batch_size=mb * n * w)
+    out.notes, out.refused = list(cfg.notes) + [f"gradient_accumulation_steps {cfg['gradient_accumulation_steps']} "
+                                                f"-> {n} ({why})"], cfg.refused
     return out
 
 
@@ -552,7 +566,8 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
                "device\"); run this check on a GPU (--device cuda)")
     if why:
         return records.failed_records(cases, {**meta, "bug": CHECK.id, "probe": CHECK.module, "world_size": world_size,
-                                              "device": device, "stack": stack}, runner.stack_label(stack), why)
+                                              "device": device, "stack": stack}, runner.stack_label(stack), why,
+                                      versions={"deepspeed": ds, "torch": versions.installed_version("torch")})
     recs = runner.run(CHECK, cases, [stack], (world_size,), device, timeout_s, meta=meta)
     for r in recs:
         if r["verdict"] == oracle.CANNOT_RUN and "managed_gradient_accumulation" in (r.get("error") or ""):

@@ -1,0 +1,229 @@
+"""What a CI may bet on (issue 22): exit 1 only for a measured `affected`, ties said and never named, unknown steps
+described from their weights, sweep groups that partition what ran, reproductions judged by what they print.
+Synthetic records where the logic is the point; real 2-rank worlds where the behaviour is real."""
+import json
+
+import pytest
+import torch
+
+from kit import check, config, launch, oracle, records, repro, runner, sweep
+from kit.probes import ds_config
+
+
+def _basis(k, size=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(k, size, generator=g, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------------------- ties and shapes
+
+def test_at_ga_2_last_micro_batch_and_all_but_the_first_tie_and_no_bug_is_named():
+    w, n = 2, 2
+    hyp = ds_config.hypothesis_weights(w, n)
+    basis = _basis(w * n)
+    step = torch.tensor(hyp["last micro-batch / N"], dtype=torch.float64) @ basis
+    h = oracle.explain(step, basis, hyp, "fp32")
+    assert h["ambiguous"] == ["all but the first micro-batch", "last micro-batch / N"]
+    matches = ds_config._matches(h)
+    assert matches == "ambiguous between 'all but the first micro-batch' and 'last micro-batch / N'"
+    rec = {"config": {"loop": "manual", "ds_config": {}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2,
+           "optimizer": "DeepSpeedZeroOptimizer", "ga": n, "matches": matches, "shape": "micro-batch 1 x0, the others x2"}
+    assert check.candidates(rec) == ["B3"]  # B3's configuration and release ...
+    bug, why = check.explain(rec)
+    assert bug is None and "ambiguous between" in why  # ... but its step cannot be told apart: no name
+    # at GA 4 the same hypothesis stands alone
+    hyp4 = ds_config.hypothesis_weights(w, 4)
+    b4 = _basis(w * 4)
+    h4 = oracle.explain(torch.tensor(hyp4["last micro-batch / N"], dtype=torch.float64) @ b4, b4, hyp4, "fp32")
+    assert h4["ambiguous"] == [] and h4["best"] == "last micro-batch / N" and h4["best_matches"]
+
+
+def test_an_unknown_step_is_described_by_its_weights():
+    w, n, k = 2, 4, 8
+    expected = [1 / k] * k
+    # micro-batch 2 of every rank lost, the others weighed as they should
+    got = [0.0 if i % n == 1 else 1 / k for i in range(k)]
+    assert oracle.describe_weights(got, expected, w, n) == "micro-batch 2 x0, the others x1"
+    # ranks that differ are named; the previous step's micro-batches are said when they carry weight
+    got = [1 / k] * n + [2 / k] * n + [1 / k] * k
+    text = oracle.describe_weights(got, expected + [0.0] * k, w, n)
+    assert text == "rank 0: every micro-batch x1; rank 1: every micro-batch x2; the previous step's micro-batches x1"
+
+
+def test_a_config_key_that_is_a_bugs_fix_rules_that_bug_out():
+    rec = {"config": {"loop": "manual", "ds_config": {"managed_gradient_accumulation": False}}, "zero_stage": 2,
+           "versions": {"deepspeed": "0.19.8"}, "optimizer": "DeepSpeedZeroOptimizer", "ga": 4}
+    assert "B3" in check.ruled_out(rec) and check.candidates(rec) == []
+    rec["versions"] = {"deepspeed": "0.19.3"}  # before the key existed, it rules nothing out
+    assert check.ruled_out(rec) == {} and check.candidates(rec) == ["B3"]
+    # a bug no release fixes stays expected on releases newer than the table
+    rec["versions"], rec["config"]["ds_config"] = {"deepspeed": "9.0.0"}, {}
+    assert check.candidates(rec) == ["B3"]
+
+
+# ------------------------------------------------------------------------------------------- exit status
+
+def _row(verdict, loop="engine", norm="n/a"):
+    base = {"role": "measured", "case": loop, "verdict": verdict, "reason": f"{verdict} here", "config": {"loop": loop},
+            "ga": 4, "dtype": "fp32", "norm_verdict": norm}
+    if verdict == oracle.CANNOT_RUN:
+        return {**base, "metrics": None, "error": "it broke"}
+    return {**base, "metrics": {"norm_ratio": 1.0, "cosine": 1.0}, "attribution": {"misplaced_weight": 0.0},
+            "matches": "global mean" if verdict == oracle.NOT_AFFECTED else "none",
+            "versions": {"deepspeed": "0.19.8"}, "zero_stage": 0}
+
+
+@pytest.mark.parametrize("verdicts, norm, want", [
+    ([oracle.AFFECTED, oracle.CANNOT_RUN], "n/a", (oracle.AFFECTED, 1)),  # a measured affected: 1
+    ([oracle.NOT_AFFECTED, oracle.CANNOT_RUN], "n/a", (oracle.CANNOT_RUN, 3)),  # not everything measured: never 0
+    ([oracle.NOT_AFFECTED, oracle.INCONCLUSIVE], "n/a", (oracle.INCONCLUSIVE, 3)),
+    ([], "n/a", (oracle.CANNOT_RUN, 3)),  # nothing ran: never 0
+    ([oracle.NOT_AFFECTED, oracle.NOT_AFFECTED], "n/a", (oracle.NOT_AFFECTED, 0)),
+    ([oracle.NOT_AFFECTED], oracle.AFFECTED, (oracle.AFFECTED, 1)),  # the step is right, the logged norm is not
+])
+def test_exit_1_means_a_measured_affected_and_nothing_else(verdicts, norm, want):
+    recs = [_row(v, loop=f"loop{i}", norm=norm) for i, v in enumerate(verdicts)]
+    s = check.summarise(recs)
+    assert (s["verdict"], s["exit"]) == want
+    if norm == oracle.AFFECTED:
+        assert s["loops"][0]["off"] == ["logged grad norm"] and s["loops"][0]["step_verdict"] == oracle.NOT_AFFECTED
+
+
+def test_an_internal_error_is_exit_3_never_1(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}))
+
+    def broken(*a, **k):
+        raise KeyError("a bug in the kit")
+
+    monkeypatch.setattr(ds_config, "run", broken)
+    assert check.main([str(path), "--loop", "engine"]) == 3
+    assert "internal error" in capsys.readouterr().out
+
+
+def test_one_rank_is_refused_unless_asked_for(tmp_path, monkeypatch):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}))
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
+    with pytest.raises(config.ConfigError, match="--allow-one-rank"):
+        check.main([str(path), "--world-size", "1"])
+
+
+def test_an_optimizer_with_its_own_communication_is_cannot_run_not_replaced(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+                                "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4, "freeze_step": 10}}}))
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
+    assert check.main([str(path), "--loop", "engine"]) == 3
+    assert "OneBitAdam" in capsys.readouterr().out
+
+
+def test_auto_precision_checks_every_precision_it_could_resolve_to():
+    user = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    assert check.precisions(user, None) == ["fp32", "bf16", "fp16"]
+    assert check.precisions({"bf16": {"enabled": True}}, None) == ["fp32"]  # nothing auto: the config decides
+    assert check.precisions(user, "bf16") == ["bf16"]
+    cfg = ds_config.resolve(user, 2, 4, "bf16")
+    assert cfg["bf16"]["enabled"] is True and not cfg.get("fp16", {}).get("enabled")
+
+
+def test_a_not_affected_below_its_detection_floor_is_inconclusive():
+    # bf16 sees a misplaced weight of 5e-3; one lost micro-batch of W = 2, N = 64 weighs 1/256 = 3.9e-3 < 5e-3
+    rec = {"verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "dtype": "bf16", "world_size": 2,
+           "ga": 64, "metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0}, "attribution": {"misplaced_weight": 0.0}}
+    ds_config._floor(rec)
+    assert rec["verdict"] == oracle.INCONCLUSIVE and "one lost micro-batch" in rec["reason"]
+    ok = {**rec, "verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "ga": 4}
+    ds_config._floor(ok)
+    assert ok["verdict"] == oracle.NOT_AFFECTED and ok["detectable_weight"] == pytest.approx(5e-3)
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+
+def _point(a, b, verdict, bug=None, shape=None):
+    return {"point": {"a": a, "b": b}, "verdict": verdict, "id": f"{a}{b}", "explained_by": bug, "shape": shape,
+            "matches": "none", "ga": 4, "stack": {}, "metrics": {"norm_ratio": 0.5} if verdict == oracle.AFFECTED else None}
+
+
+def test_a_cannot_run_point_never_widens_a_group_and_groups_partition_the_affected_points():
+    recs = [_point(1, 0, oracle.AFFECTED, "B3"), _point(1, 1, oracle.AFFECTED, "B3"), _point(1, 2, oracle.CANNOT_RUN),
+            _point(0, 0, oracle.NOT_AFFECTED), _point(0, 1, oracle.NOT_AFFECTED), _point(0, 2, oracle.NOT_AFFECTED)]
+    (g,) = sweep.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
+    assert g["when"] == {"a": [1], "b": [0, 1]} and g["count"] == 2  # not "a = 1": (1, 2) did not run
+    # two labels: each group holds one label, and the groups' counts add up to the affected points
+    recs[1] = _point(1, 1, oracle.AFFECTED, None, "micro-batch 2 x0, the others x1")
+    recs[4] = _point(0, 1, oracle.AFFECTED, None, "micro-batch 2 x0, the others x1")
+    gs = sweep.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
+    assert sum(g["count"] for g in gs) == 3 and sorted(sum((g["ids"] for g in gs), [])) == ["01", "10", "11"]
+    assert {tuple(g["explained_by"]) for g in gs} == {("B3",), ("None",)}
+
+
+def test_unknown_points_of_different_shapes_are_never_one_group():
+    recs = [_point(1, 0, oracle.AFFECTED, None, "micro-batch 1 x0, the others x1"),
+            _point(1, 1, oracle.AFFECTED, None, "micro-batch 4 x2, the others x0"),
+            _point(0, 0, oracle.NOT_AFFECTED), _point(0, 1, oracle.NOT_AFFECTED)]
+    gs = sweep.groups(recs, {"a": [0, 1], "b": [0, 1]})
+    assert len(gs) == 2 and all(len(g["shapes"]) == 1 for g in gs)
+
+
+def test_a_tie_at_ga_2_is_separated_by_the_same_config_at_ga_4():
+    tie = "ambiguous between 'all but the first micro-batch' and 'last micro-batch / N'"
+    two = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.AFFECTED, "matches": tie, "id": "two"}
+    four = {"point": {"ga": 4, "s": 1}, "ga": 4, "stack": {}, "verdict": oracle.AFFECTED, "id": "four",
+            "matches": "last micro-batch / N", "explained_by": "B3", "explanation": "B3 (...)"}
+    other = {**two, "point": {"ga": 2, "s": 2}, "id": "other"}  # no GA 4 sibling: stays a tie
+    sweep.separate([two, four, other])
+    assert two["explained_by"] == "B3" and two["separated_by"] == "four" and "GA 4 separates" in two["explanation"]
+    assert other.get("explained_by") is None
+
+
+def test_resume_never_reuses_a_record_of_another_release_or_spec(monkeypatch):
+    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    case = sweep.point_case(spec, {"ga": 2})
+    rec = {"stack": {}, "release": sweep.release_of({}), "spec_key": sweep.spec_key(spec), "id": case["id"]}
+    assert sweep.current([rec], spec) == [rec]
+    assert sweep.current([{**rec, "release": "0.0.1"}], spec) == []  # the installed release was upgraded since
+    other = sweep.check_spec({**json.loads(json.dumps(spec)), "steps": 1})
+    assert sweep.current([rec], other) == []
+
+
+def test_violations_fail_a_sweep_where_nothing_ran():
+    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    (case,) = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    recs = records.failed_records([case], {"stack": {}}, "installed", "no DeepSpeed")
+    for r in recs:
+        r["point"], r["id"] = case["point"], case["id"]
+    bad = sweep.violations(spec, recs, sweep.summarise(spec, recs))
+    assert any("cannot-run" in b and "measured nothing" in b for b in bad)
+
+
+def test_a_reproduction_reproduces_only_by_its_own_printed_judgement():
+    said = json.dumps({"deepspeed": "0.19.8", "reproduced": True, "ratio": 0.5})
+    assert repro.reproduced(1, said + "\nREPRODUCED")
+    assert not repro.reproduced(1, "Traceback (most recent call last):\n  ...\nRuntimeError: boom")  # a crash
+    assert not repro.reproduced(1, json.dumps({"deepspeed": "0.19.8", "reproduced": False}))
+    assert not repro.reproduced(0, said)  # its exit status disagrees with what it printed
+
+
+# ------------------------------------------------------------------------------------------- a real world
+
+@pytest.mark.world
+def test_a_loop_that_keeps_the_previous_steps_gradient_is_affected_from_step_2_with_that_weight_fitted():
+    """The control's own torch loop with zero_grad forgotten: step 1 is exact, step 2 applies step 1's gradient
+    again. One step from a fresh engine could never see it."""
+    cases = [{"name": "control", "role": "control", "loop": "torch", "ga": 4, "dtype": "fp32", "zero_stage": None,
+              "steps": 3, "clip": 0.0},
+             {"name": "stale", "role": "measured", "loop": "torch", "ga": 4, "dtype": "fp32", "zero_stage": None,
+              "steps": 3, "clip": 0.0, "ds_config": {ds_config.STALE_FAULT_KEY: True}}]
+    recs = runner.run(ds_config.CHECK, cases, [{}], (2,))
+    rec = records.one(recs, case="stale")
+    assert rec["verdict"] == oracle.AFFECTED, rec["reason"]
+    s1, s2 = rec["steps"][0], rec["steps"][1]
+    assert oracle.severity({**s1, "dtype": "fp32"}) <= 1.0 and s1["matches"] == "global mean"
+    assert oracle.severity({**s2, "dtype": "fp32"}) > 1.0 and s2["matches"] == ds_config.STALE
+    k = 2 * 4
+    prev = s2["attribution"]["weights"][k:]
+    assert len(prev) == k and all(abs(x - 1 / k) < 1e-6 for x in prev), prev
+    assert s2["shape"] == "every micro-batch x1; the previous step's micro-batches x1"
+    assert rec["trajectory"]["rel_l2"] > 0.1
+    assert records.one(recs, case="control")["verdict"] == oracle.NOT_AFFECTED
