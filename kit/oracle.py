@@ -153,6 +153,10 @@ def attribute(vector, basis, expected_weights) -> dict:
     v = torch.as_tensor(vector, dtype=torch.float64).reshape(-1)
     b = torch.as_tensor(basis, dtype=torch.float64)
     w_exp = torch.as_tensor(expected_weights, dtype=torch.float64)
+    if not (bool(torch.isfinite(v).all()) and bool(torch.isfinite(b).all())):  # no weights (LAPACK fails on NaN)
+        return {"weights": [math.nan] * len(b), "expected_weights": [float(x) for x in w_exp],
+                "misplaced_weight": math.inf, "weight_sum_ratio": math.nan, "residual": math.nan,
+                "non_finite": int((~torch.isfinite(v)).sum())}
     w = torch.linalg.lstsq(b.T, v.unsqueeze(1)).solution.squeeze(1)
     residual = (v - w @ b).norm().item() / max(v.norm().item(), 1e-300)
     return {
@@ -288,6 +292,8 @@ def describe_weights(weights, expected, ranks: int, n: int) -> str:
     longer vector continues with the previous step's micro-batches): each micro-batch position's weight as a
     multiple of its right weight, e.g. "micro-batch 1 x0, the others x1". Ranks are named where they differ."""
     k = ranks * n
+    if not all(math.isfinite(w) for w in weights[:k]):
+        return "not finite: the applied step holds NaN or inf"
     # to a tenth: what tells one pattern from another; finer digits are the dtype's noise (bf16: ~1e-2)
     rel = [round(w / e, 1) + 0.0 if e else round(w * k, 1) + 0.0 for w, e in zip(weights[:k], expected[:k])]
     prev = [round(w * k, 1) + 0.0 for w in weights[k:2 * k]]
@@ -311,6 +317,42 @@ def describe_weights(weights, expected, ranks: int, n: int) -> str:
         text += f"; the previous step's micro-batches x{_num(prev[0])}" if same else \
             f"; the previous step's micro-batches {', '.join(_num(v) for v in prev)} (x their share)"
     return text
+
+
+def step_name(h: dict | None) -> str | None:
+    """The named hypothesis a step is (``explain``'s answer): its name; "ambiguous between 'A' and 'B'" where the
+    measurement cannot tell two apart; "none" where no name fits; None where nothing was explained."""
+    if not h:
+        return None
+    if h.get("ambiguous"):
+        return "ambiguous between " + " and ".join(f"'{n}'" for n in h["ambiguous"])
+    return h["best"] if h["best_matches"] else "none"
+
+
+def annotate_steps(rec: dict) -> dict:
+    """Per judged step of a record: ``matches`` (``step_name``) and ``shape`` (``describe_weights``); the record's
+    own ``matches`` and ``shape`` are its worst step's (a one-step record: its own)."""
+    for s in rec.get("steps") or []:
+        s["matches"] = _named(s, rec.get("dtype"))
+        a = s.get("attribution")
+        if a and rec.get("world_size") and rec.get("ga"):
+            s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
+    if rec.get("steps"):
+        worst = rec["steps"][rec.get("worst_step", 0)]
+        rec["matches"], rec["shape"] = worst["matches"], worst.get("shape")
+    else:
+        rec["matches"] = _named(rec, rec.get("dtype"))
+    return rec
+
+
+def _named(step: dict, dtype: str | None) -> str | None:
+    """``step_name``, except that a step on every signal the reference's is "global mean": a tie there is only with
+    hypotheses that coincide with the reference at this N (at N = 1 "last micro-batch / N" is the mean)."""
+    name = step_name(step.get("hypotheses"))
+    if "'global mean'" in str(name) and step.get("metrics") and dtype in TOLERANCES \
+            and severity({**step, "dtype": dtype}) <= 1.0:
+        return "global mean"
+    return name
 
 
 def _num(v: float) -> str:

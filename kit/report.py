@@ -16,7 +16,16 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 VERDICT_COLUMNS = ["deepspeed", "case", "stage", "dtype", "W", "GA", "optimizer", "ratio", "cosine", "rel_err", "misplaced",
-                   "verdict"]
+                   "ratio per step (* off)", "verdict"]
+
+
+def per_step(rec: dict) -> str:
+    """Every judged step's ratio, ``*`` where that step is off (the record's numbers are its worst step's)."""
+    from kit import oracle
+
+    steps = rec.get("steps") or []
+    return " / ".join(f"{s['metrics']['norm_ratio']:.3f}{'*' if oracle.severity({**s, 'dtype': rec['dtype']}) > 1 else ''}"
+                      for s in steps) or "-"
 
 
 def verdict_rows(recs: list[dict]) -> list[dict]:
@@ -30,7 +39,8 @@ def verdict_rows(recs: list[dict]) -> list[dict]:
                      "stage": r.get("zero_stage"), "dtype": r["dtype"], "W": r["world_size"], "GA": r["ga"],
                      "optimizer": r.get("optimizer", "-"),
                      "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "rel_err": m.get("rel_l2"),
-                     "misplaced": a.get("misplaced_weight"), "verdict": r["verdict"], "reason": r["reason"]})
+                     "misplaced": a.get("misplaced_weight"), "ratio per step (* off)": per_step(r),
+                     "verdict": r["verdict"], "reason": r["reason"]})
     return rows
 
 
@@ -69,6 +79,7 @@ FIELDS = {
     "rel_err": lambda r: (r.get("metrics") or {}).get("rel_l2"),
     "misplaced": lambda r: (r.get("attribution") or {}).get("misplaced_weight"),
     "matches": lambda r: r.get("matches") or "-",
+    "per step": per_step,
     "verdict": lambda r: r["verdict"],
     "reason": lambda r: r["reason"],
 }

@@ -531,13 +531,12 @@ def notebook_spec(p: dict) -> dict:
 
 
 def steps_text(rec: dict) -> str:
-    """A point's steps in one line: each step's ratio and whether it is off, and which one is the worst."""
-    steps = rec.get("steps") or []
-    if not steps:
+    """A point's steps in one line: each step's ratio (``*``: off), and which one is the worst."""
+    from kit.report import per_step
+
+    if not rec.get("steps"):
         return "no step judged"
-    parts = [f"{s['metrics']['norm_ratio']:.3f}{' (off)' if oracle.severity({**s, 'dtype': rec['dtype']}) > 1 else ''}"
-             for s in steps]
-    return f"ratio per step {' / '.join(parts)}; worst: step {rec.get('worst_step', 0) + 1}"
+    return f"ratio per step {per_step(rec)} (* off); worst: step {rec.get('worst_step', 0) + 1}"
 
 
 def one_at_a_time_table(spec: dict, recs: list[dict]) -> str:

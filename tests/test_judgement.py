@@ -24,7 +24,7 @@ def test_at_ga_2_last_micro_batch_and_all_but_the_first_tie_and_no_bug_is_named(
     step = torch.tensor(hyp["last micro-batch / N"], dtype=torch.float64) @ basis
     h = oracle.explain(step, basis, hyp, "fp32")
     assert h["ambiguous"] == ["all but the first micro-batch", "last micro-batch / N"]
-    matches = ds_config._matches(h)
+    matches = oracle.step_name(h)
     assert matches == "ambiguous between 'all but the first micro-batch' and 'last micro-batch / N'"
     rec = {"config": {"loop": "manual", "ds_config": {}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2,
            "optimizer": "DeepSpeedZeroOptimizer", "ga": n, "matches": matches, "shape": "micro-batch 1 x0, the others x2"}

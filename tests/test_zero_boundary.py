@@ -40,11 +40,14 @@ def test_zero2_keeps_only_the_last_micro_batch(recs, w, dtype):
     r = records.one(recs, case="manual", zero_stage=2, dtype=dtype, world_size=w, ga=N)
     assert r["verdict"] == oracle.AFFECTED, r["reason"]
     assert r["matches"] == "last micro-batch / N"
-    weights = r["attribution"]["weights"]
     tol = 1e-4 if dtype == "fp32" else 2e-2
-    for k, wk in enumerate(weights):
-        want = 1 / (w * N) if k % N == N - 1 else 0.0
-        assert wk == pytest.approx(want, abs=tol), (k, weights)
+    assert len(r["steps"]) == 2 and all(s["matches"] == "last micro-batch / N" for s in r["steps"])
+    for step in r["steps"]:  # each step's own micro-batches, then (from step 2 on) the previous step's: never reused
+        weights = step["attribution"]["weights"]
+        assert len(weights) == w * N * (2 if step["step"] else 1)
+        for k, wk in enumerate(weights):
+            want = 1 / (w * N) if k < w * N and k % N == N - 1 else 0.0
+            assert wk == pytest.approx(want, abs=tol), (step["step"], k, weights)
 
 
 @pytest.mark.world

@@ -17,14 +17,13 @@ bf16_accum         bf16, grad_accum_dtype bf16, ZeRO-1 (no BF16_Optimizer)    co
 control            fp32, ZeRO-0 (no optimizer wrapper at all)                 control
 =================  =========================================================  ===========
 
-Per case and rank the probe records the fp32 accumulator norm after each micro-batch (the
-seed's view), each rank's accumulator just before ``step()``, and the effective gradient
-``step()`` applied (SGD, lr=1, read from the fp32 master weights). Rank 0 judges both
-against the oracle's fp32 reference of the same global batch.
+Per case, ``steps`` optimizer steps (``common.STEPS`` by default); per step and rank the probe records the fp32
+accumulator norm after each micro-batch (the seed's view), each rank's accumulator just before ``step()``, and
+the effective gradient ``step()`` applied (SGD, lr=1, read from the fp32 masters, cross-checked against the
+module's weights). Rank 0 judges both against the oracle's fp32 reference of the same global batch from that
+step's starting weights; the record is the worst step's, with every step in ``steps``.
 """
 from __future__ import annotations
-
-import copy
 
 from kit import config as kconfig
 from kit import runner
@@ -88,32 +87,36 @@ def run_case(case: dict) -> dict:
     from kit import oracle
     from kit.probes import common as c
 
-    r, w = c.rank(), c.world_size()
+    w = c.world_size()
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     dtype = c.DTYPE[case["dtype"]]
     model = c.tiny_mlp(hidden, seed).to(dtype)  # weights rounded to bf16 once; the reference starts from these
-    start = copy.deepcopy(model)
     engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
-    dev = c.device()
-    before = c.full_fp32_params(engine.module)
-    acc_norms = []
-    for i, (x, y) in enumerate(c.micro_batches(seed, r, ga, mb, hidden)):
-        engine.set_gradient_accumulation_boundary(is_boundary=(i == ga - 1))  # what accelerate does
-        engine.backward(c.mse(engine(x.to(dev, dtype)), y.to(dev)))
-        acc = _bf16_accumulator(engine, engine.module)
-        acc_norms.append(acc.norm().item() if acc is not None else float("nan"))
-    buffer = _bf16_accumulator(engine, engine.module)
-    engine.step()
-    effective = before - c.full_fp32_params(engine.module)  # lr = 1
-    out = {"optimizer": type(engine.optimizer).__name__,
-           "accumulator_norms": c.all_gather_floats(acc_norms)}  # [rank][micro-batch]
-    buffers = c.all_gather_flat(buffer) if buffer is not None else None
-    judged, basis, weights, reference = c.judge(effective, start, seed, ga, mb, hidden)
-    out.update(judged)
-    if r == 0 and buffers is not None:  # the leak is per rank: judge each rank's own accumulator, and their spread
-        out["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
-                                "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
-        out["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
+    dev, norms = c.device(), []
+
+    def take(step, batches):
+        acc_norms = []
+        for i, (x, y) in enumerate(batches):
+            engine.set_gradient_accumulation_boundary(is_boundary=(i == ga - 1))  # what accelerate does
+            engine.backward(c.mse(engine(x.to(dev, dtype)), y.to(dev)))
+            acc = _bf16_accumulator(engine, engine.module)
+            acc_norms.append(acc.norm().item() if acc is not None else float("nan"))
+        buffer = _bf16_accumulator(engine, engine.module)  # this rank's accumulator going into step()
+        engine.step()
+        norms.append(c.all_gather_floats(acc_norms))  # [rank][micro-batch]
+        return None, c.all_gather_flat(buffer) if buffer is not None else None
+
+    def accumulators(judged, step, buffers, basis, weights, reference):
+        judged["accumulator_norms"] = norms[step]
+        if buffers is not None:  # the leak is per rank: judge each rank's own accumulator, and their spread
+            judged["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                       "attribution": oracle.attribute(b, basis, weights)} for b in buffers]
+            judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
+
+    out = c.judge_steps(case.get("steps", c.STEPS), lambda: c.read_weights(engine.module, engine.optimizer,
+                                                                             case["dtype"]),
+                        take, seed=seed, ga=ga, micro_batch=mb, hidden=hidden, dtype=case["dtype"], extra=accumulators)
+    out["optimizer"] = type(engine.optimizer).__name__
     c.release(engine)
     return out
 
@@ -153,7 +156,7 @@ def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
     from kit.probes import common as c
 
-    return c.run_cases(payload, lambda case: run_trajectory(case) if case.get("steps") else run_case(case))
+    return c.run_cases(payload, lambda case: run_trajectory(case) if "lr" in case else run_case(case))
 
 
 # ====================================================================== in the caller

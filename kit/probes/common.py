@@ -110,6 +110,13 @@ def all_gather_flat(t: torch.Tensor) -> list[torch.Tensor]:
     return [o.cpu() for o in out]
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Is ``t`` finite on every rank? (A collective: every rank gets the same answer, so all stop together.)"""
+    bad = torch.tensor([0.0 if bool(torch.isfinite(t).all()) else 1.0], dtype=torch.float64, device=device())
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad.item() == 0.0
+
+
 def all_gather_floats(values: list[float]) -> list[list[float]]:
     t = torch.tensor(values, dtype=torch.float64)
     return [o.tolist() for o in all_gather_flat(t)]
@@ -129,14 +136,21 @@ def versions() -> dict:
 
 def module_weights(module: nn.Module) -> torch.Tensor:
     """Every parameter as the model will compute with it (its own, possibly low-precision, weights), flat, in module
-    order, as float64. Under ZeRO-3 the parameters are gathered first (a collective: every rank must call it)."""
+    order, as float64. Under ZeRO-3 each rank holds a partition of each parameter (``ds_tensor``, what DeepSpeed
+    gathers for the forward): the partitions are gathered with plain ``torch.distributed`` (a collective: every rank
+    must call it), never through DeepSpeed's own gathering, which would touch the engine's parameter state (its
+    prefetch and release bookkeeping) between steps; a persistent (unpartitioned) parameter is read as it is."""
     params = list(module.parameters())
-    if params and hasattr(params[0], "ds_id"):  # ZeRO-3 partitions the module's own weights
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
-    return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
+    if not (params and hasattr(params[0], "ds_id")):
+        return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
+    parts = []
+    for p in params:
+        if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel:
+            parts.append(p.data.detach().double().reshape(-1).cpu().clone())
+            continue
+        shards = all_gather_flat(p.ds_tensor.detach().reshape(-1))
+        parts.append(torch.cat(shards)[:p.ds_numel].double())
+    return torch.cat(parts)
 
 
 # How far a module's weight may sit from its fp32 master: its own rounding (half an ulp, with room for a
@@ -199,6 +213,99 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     if clip:
         out["clip_coef"] = coef
     return out, full, weights, reference
+
+
+STEPS = 2  # optimizer steps a probe case takes by default, each judged (a bug that carries state shows from step 2)
+
+
+def plain_read(model: nn.Module) -> dict:
+    """``read_weights`` of a module without masters (a plain torch loop): the module is its own master."""
+    flat = flat_params(model)
+    return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
+
+
+def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch: int, hidden: int, depth: int = 2,
+                dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None) -> dict:
+    """``steps`` optimizer steps on fresh micro-batches, **each** judged against the reference built from that
+    step's own starting weights. A collective: every rank calls it.
+
+    ``read()`` -> ``read_weights``'s dict (what the model will use and the fp32 masters); ``take_step(step,
+    batches)`` -> ``(logged grad norm or None, anything gathered on every rank for rank 0)``: one optimizer step on
+    this rank's micro-batches of that step. Each step is read from the fp32 masters where they agree with the
+    module's weights, else from the module's weights (known to within their rounding: ``read_floor``); its basis
+    holds the previous step's micro-batch gradients too (expected weight 0), so a gradient applied again is fitted.
+    ``hypotheses(W, N, previous)`` -> ``{name: weights}`` explains each step (``oracle.explain``); ``extra(judged,
+    step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
+    step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
+    step against the reference's own steps from the same start); the other ranks ``{}``.
+    """
+    from kit import oracle
+
+    r, w, k = rank(), world_size(), world_size() * ga
+    judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
+    for s in range(steps):
+        before = read()
+        if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
+            break
+        logged, gathered = take_step(s, micro_batches(seed, r, ga, micro_batch, hidden, s))
+        after, taken = read(), s + 1
+        first, last = (before["module"] if first is None else first), after["module"]
+        agree = before["agree"] and after["agree"]
+        effective = before["masters"] - after["masters"] if agree else before["module"] - after["module"]
+        start = load_flat(tiny_mlp(hidden, seed, depth), before["module"])  # the weights the model stepped from
+        try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
+            judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev, clip,
+                                                      loss_scale)  # its one collective comes first
+            if r != 0 or failed is not None:
+                continue
+            judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
+                                            logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra))
+            prev = basis[:k]
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank is past its collectives
+            if r != 0:
+                raise
+            failed = failed or e
+    if r != 0:
+        return {}
+    if failed is not None:
+        raise failed
+    worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
+    return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst,
+            "trajectory": trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale)}
+
+
+def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
+                dtype, clip, w, ga, hypotheses, extra) -> dict:
+    """Rank 0's judgement of one step of ``judge_steps`` (its notes, read floor, hypotheses, extra measurements)."""
+    from kit import oracle
+
+    target = reference * judged.get("clip_coef", 1.0)
+    judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
+                  read={"judged_from": "fp32 masters" if agree else "module weights", "masters_agree": agree,
+                        "max_diff": max(before["max_diff"], after["max_diff"])})
+    if not agree:  # the master read misreports: the step the model really took, known to within its rounding
+        judged["read_floor"] = rounding_floor(after["module"], dtype, target.norm().item())
+    if hypotheses is not None:
+        judged["hypotheses"] = oracle.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
+                                              clip=clip)
+    if extra is not None:
+        extra(judged, s, gathered, basis[:w * ga], weights, reference)
+    return judged
+
+
+def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, depth: int, steps: int, clip: float,
+               loss_scale: float) -> dict:
+    """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
+    process): how far the run drifted in all, errors of every step compounded."""
+    from kit import oracle
+
+    ref = first.clone()
+    for s in range(steps):
+        every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, s)]
+        model = load_flat(tiny_mlp(hidden, seed, depth), ref)
+        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: mse(o, y) * loss_scale)
+        ref = ref - oracle.clipped(reference, clip)
+    return {"steps": steps, **oracle.compare(first - last, first - ref)}
 
 
 def release(engine) -> None:

@@ -16,7 +16,6 @@ control         the bare module: local accumulation, one ``all_reduce`` of every
 from __future__ import annotations
 
 import contextlib
-import copy
 
 from kit import config as kconfig
 from kit import runner
@@ -37,20 +36,23 @@ def run_case(case: dict) -> dict:
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     model = c.tiny_mlp(hidden, seed)
-    start = copy.deepcopy(model)
     wrapped = model if case["name"] == "control" else DDP(model)
     opt = c.sgd(model)
-    before = c.flat_params(model)
     div = 1 if case["name"] == "sum_not_mean" else ga
-    for i, (x, y) in enumerate(c.micro_batches(seed, c.rank(), ga, mb, hidden)):
-        quiet = case["name"] in ("no_sync", "sum_not_mean") and i < ga - 1
-        with wrapped.no_sync() if quiet else contextlib.nullcontext():
-            (c.mse(wrapped(x), y) / div).backward()
-    if case["name"] == "control":  # the plain-torch.distributed average every other case is judged against
-        c.average_grads(model)
-    opt.step()
-    effective = before - c.flat_params(model)  # lr = 1
-    out, *_ = c.judge(effective, start, seed, ga, mb, hidden)
+
+    def take(step, batches):
+        for i, (x, y) in enumerate(batches):
+            quiet = case["name"] in ("no_sync", "sum_not_mean") and i < ga - 1
+            with wrapped.no_sync() if quiet else contextlib.nullcontext():
+                (c.mse(wrapped(x), y) / div).backward()
+        if case["name"] == "control":  # the plain-torch.distributed average every other case is judged against
+            c.average_grads(model)
+        opt.step()  # lr = 1: the update is the gradient
+        opt.zero_grad(set_to_none=True)
+        return None, None
+
+    out = c.judge_steps(case.get("steps", c.STEPS), lambda: c.plain_read(model), take, seed=seed, ga=ga,
+                        micro_batch=mb, hidden=hidden)
     return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
 
 

@@ -307,8 +307,7 @@ class _TorchLoop:
     def read(self):
         from kit.probes import common as c
 
-        flat = c.flat_params(self.model)
-        return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
+        return c.plain_read(self.model)
 
     def step(self, batches, loss_fn) -> float:
         import torch
@@ -356,82 +355,41 @@ def run_case(case: dict) -> dict:
             c.release(engine)
             raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
     dev = c.device()
-    judged_steps, prev, first, skipped = [], None, None, 0
-    for s in range(steps):
-        batches = c.micro_batches(SEED, r, n, MICRO_BATCH, HIDDEN, s)
-        held = {}  # BF16_Optimizer's own fp32 accumulator on this rank, going into the step (a leak is per rank)
+    held, state = {}, {"skipped": 0}  # held: BF16_Optimizer's own fp32 accumulator on this rank, going into the step
+
+    def take(s, batches):
         if engine is None:
-            before = loop.read()
-            logged = loop.step(batches, loss_fn)
-            after = loop.read()
-        else:
-            before = c.read_weights(engine.module, engine.optimizer, case["dtype"])
-            _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
-                  [(x.to(dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
-                  before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
-            after = c.read_weights(engine.module, engine.optimizer, case["dtype"])
-            norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-            logged = float(norm) if norm is not None else None
-            skipped = int(getattr(engine, "skipped_steps", 0) or 0)
-        first = before["module"] if first is None else first
-        agree = before["agree"] and after["agree"]
-        read = "masters" if agree else "module"
-        effective = before[read] - after[read]
-        start = c.load_flat(c.tiny_mlp(HIDDEN, SEED, DEPTH), before["module"])  # the weights the model stepped from
-        buffers = c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None
-        judged, basis, weights, reference = c.judge(effective, start, SEED, n, MICRO_BATCH, HIDDEN, s, prev, clip, scale)
-        if r != 0:
-            continue
-        k = w * n
-        target = reference * judged.get("clip_coef", 1.0)
-        judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
-                      read={"judged_from": "fp32 masters" if agree else "module weights", "masters_agree": agree,
-                            "max_diff": max(before["max_diff"], after["max_diff"])})
-        if not agree:  # the master read misreports: the step the model really took, known to within its rounding
-            judged["read_floor"] = c.rounding_floor(after["module"], case["dtype"], target.norm().item())
-        judged["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n, previous=prev is not None),
-                                              case["dtype"], target, clip=clip)
+            return loop.step(batches, loss_fn), None
+        held.clear()
+        _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
+              [(x.to(dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
+              before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
+        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        state["skipped"] = int(getattr(engine, "skipped_steps", 0) or 0)
+        # a leak is per rank: every rank's accumulator (a collective), attributed on rank 0
+        return (float(norm) if norm is not None else None), (c.all_gather_flat(held["buffer"])
+                                                              if held.get("buffer") is not None else None)
+
+    def accumulators(judged, s, buffers, basis, weights, reference):
         if buffers is not None:  # each rank's accumulator, attributed and explained from that rank's view
             judged["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
-                                       "attribution": oracle.attribute(b, basis[:k], weights),
-                                       "hypotheses": oracle.explain(b, basis[:k], hypothesis_weights(w, n, own=q),
+                                       "attribution": oracle.attribute(b, basis, weights),
+                                       "hypotheses": oracle.explain(b, basis, hypothesis_weights(w, n, own=q),
                                                                     case["dtype"], reference)}
                                       for q, b in enumerate(buffers)]
             judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
-        judged_steps.append(judged)
-        prev = basis[:k]
-    final = engine_final = None
-    if engine is None:
-        final = loop.read()["module"]
-    else:
-        engine_final = c.read_weights(engine.module, engine.optimizer, case["dtype"])["module"]
+
+    read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer, case["dtype"])
+    out = c.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
+                        dtype=case["dtype"], clip=clip, loss_scale=scale, extra=accumulators,
+                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev))
+    engine_ga = n if engine is None else engine.gradient_accumulation_steps()
+    optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
+    if engine is not None:
         c.release(engine)
-    if skipped:
+    if state["skipped"]:
         raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
-    if r != 0:
-        return {}
-    dtype_name = case["dtype"]
-    worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype_name}))
-    out = {**judged_steps[worst], "steps": judged_steps, "worst_step": worst,
-           "optimizer": "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__,
-           "engine_ga": n if engine is None else engine.gradient_accumulation_steps()}
-    out["trajectory"] = trajectory(first, engine_final if final is None else final, w, n, steps, clip, scale)
-    return out
-
-
-def trajectory(first, last, w: int, n: int, steps: int, clip: float, scale: float) -> dict:
-    """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
-    process): how far the run drifted in all, errors of every step compounded."""
-    from kit import oracle
-    from kit.probes import common as c
-
-    ref = first.clone()
-    for s in range(steps):
-        every = [b for rr in range(w) for b in c.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, s)]
-        model = c.load_flat(c.tiny_mlp(HIDDEN, SEED, DEPTH), ref)
-        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: c.mse(o, y) * scale)
-        ref = ref - oracle.clipped(reference, clip)
-    return {"steps": steps, **oracle.compare(first - last, first - ref)}
+    return {**out, "optimizer": optimizer, "engine_ga": engine_ga} if r == 0 else {}
 
 
 def bf16_accumulator(engine):
@@ -476,16 +434,6 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     return out, notes
 
 
-def _matches(h: dict | None) -> str | None:
-    """The named hypothesis a step is: its name, "ambiguous between A and B" where the measurement cannot tell
-    two apart, "none" where no name fits, None where nothing was explained."""
-    if not h:
-        return None
-    if h.get("ambiguous"):
-        return "ambiguous between " + " and ".join(f"'{n}'" for n in h["ambiguous"])
-    return h["best"] if h["best_matches"] else "none"
-
-
 def _annotate(recs: list[dict]) -> list[dict]:
     """Per record: ``matches`` (the named hypothesis the worst step is -- every rank's own accumulator's where the
     probe read them: under ZeRO the effective gradient mixes partitions stepped by different ranks), ``shape`` (the
@@ -495,18 +443,14 @@ def _annotate(recs: list[dict]) -> list[dict]:
     from kit import oracle
 
     for r in recs:
+        oracle.annotate_steps(r)
         for s in r.get("steps") or [r]:
-            s["matches"] = _matches(s.get("hypotheses"))
             per_rank = [b["hypotheses"] for b in s.get("rank_buffers") or []]
             if per_rank and s["matches"] in (None, "none"):
-                names = {_matches(x) for x in per_rank}
+                names = {oracle.step_name(x) for x in per_rank}
                 s["matches"] = names.pop() if len(names) == 1 else "none"
-            a = s.get("attribution")
-            if a and r.get("world_size"):
-                s["shape"] = oracle.describe_weights(a["weights"], a["expected_weights"], r["world_size"], r["ga"])
         if r.get("steps"):
-            worst = r["steps"][r["worst_step"]]
-            r["matches"], r["shape"] = worst["matches"], worst.get("shape")
+            r["matches"] = r["steps"][r["worst_step"]]["matches"]
             norms = [(s["step"], *oracle.norm_verdict(s.get("logged_norm"), s["reference_norm"], r["dtype"]))
                      for s in r["steps"] if s.get("reference_norm")]
             for step, word, why in norms:
@@ -521,10 +465,6 @@ def _annotate(recs: list[dict]) -> list[dict]:
                     f"the model uses (max difference {max(s['read']['max_diff'] for s in bad):.3g}, steps "
                     f"{', '.join(str(s['step'] + 1) for s in bad)}): the read API misreports here; every step is "
                     "judged from the module's own weights")
-        else:
-            r.setdefault("matches", _matches(r.get("hypotheses")))
-        if r.get("verdict") == oracle.NOT_AFFECTED and "'global mean'" in str(r.get("matches")):
-            r["matches"] = "global mean"  # every signal is the reference's: the tie is with hypotheses it equals here
         _floor(r)
     return recs
 

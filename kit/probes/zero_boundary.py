@@ -19,14 +19,14 @@ fix_unmanaged   manual loop + config ``managed_gradient_accumulation: false``   
 control         ZeRO-0 fp32, the ``fix_config_ga`` loop: the documented path             control
 ==============  ======================================================================  ==========
 
-Per case, rank 0 compares the effective gradient (SGD, lr=1, from the fp32 master weights)
-with the oracle's reference on the whole global batch, attributes it to the individual
-micro-batches, and tests the named hypotheses ``HYPOTHESES`` ("global mean", "last
-micro-batch / N", "sum of micro-batches").
+Per case, ``steps`` optimizer steps (``common.STEPS`` by default); for each, rank 0 compares the effective
+gradient (SGD, lr=1, from the fp32 masters, cross-checked against the module's weights) with the oracle's reference
+on the whole global batch from that step's starting weights, attributes it to the individual micro-batches (this
+step's and the previous one's), and tests the named hypotheses ``HYPOTHESES`` ("global mean", "last micro-batch /
+N", "sum of micro-batches"). The record is the worst step's, with every step in ``steps``.
 """
 from __future__ import annotations
 
-import copy
 
 from kit import config as kconfig
 from kit import runner
@@ -113,32 +113,30 @@ LOOPS = {"manual": manual_accumulation_step, "boundary": boundary_marked_step, "
 def run_case(case: dict) -> dict:
     import deepspeed
 
-    from kit import oracle
     from kit.probes import common as c
 
-    r, w = c.rank(), c.world_size()
+    w = c.world_size()
     n, mb, hidden, seed = case["n"], case["micro_batch"], case["hidden"], case["seed"]
     dtype = c.DTYPE[case["dtype"]]
     model = c.tiny_mlp(hidden, seed).to(dtype)  # bf16 weights rounded once; the reference starts from them
-    start = copy.deepcopy(model)
     with c.phase("initialize"):
         engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
     dev = c.device()
     knows_unmanaged = hasattr(engine, "managed_gradient_accumulation")
-    with c.phase("read masters"):
-        before = c.full_fp32_params(engine.module, engine.optimizer)
-    batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, r, n, mb, hidden)]
-    with c.phase("forward, backward, step"):
-        LOOPS[case["loop"]](engine, batches, c.mse)
-    with c.phase("read masters"):
-        effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
-    out = {"optimizer": type(engine.optimizer).__name__, "knows_unmanaged": knows_unmanaged,
-           "engine_ga": engine.gradient_accumulation_steps()}
-    with c.phase("reference and oracle"):
-        judged, basis, _, reference = c.judge(effective, start, seed, n, mb, hidden)
-        out.update(judged)
-        if r == 0:
-            out["hypotheses"] = oracle.explain(effective, basis, hypothesis_weights(w, n), case["dtype"], reference)
+
+    def read():
+        with c.phase("read weights and masters"):
+            return c.read_weights(engine.module, engine.optimizer, case["dtype"])
+
+    def take(step, batches):
+        with c.phase("forward, backward, step"):
+            LOOPS[case["loop"]](engine, [(x.to(dev, dtype), y.to(dev)) for x, y in batches], c.mse)
+        return None, None
+
+    out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=n, micro_batch=mb, hidden=hidden,
+                        dtype=case["dtype"], hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns))
+    out.update(optimizer=type(engine.optimizer).__name__, knows_unmanaged=knows_unmanaged,
+               engine_ga=engine.gradient_accumulation_steps())
     with c.phase("release"):
         c.release(engine)
     return out
@@ -213,9 +211,11 @@ def check_notebook(p: dict) -> list:
 
 
 def _annotate(rec: dict) -> dict:
-    """Name the hypothesis the effective gradient matches, and say when a fix was not really available."""
-    h = rec.get("hypotheses")
-    rec["matches"] = (h["best"] if h["best_matches"] else "none") if h else None
+    """Name the hypothesis each step matches (the record's: its worst step's), and say when a fix was not really
+    available."""
+    from kit import oracle
+
+    oracle.annotate_steps(rec)
     if rec["case"] == "fix_unmanaged" and rec.get("knows_unmanaged") is False:
         rec["reason"] += (f"; this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE}) "
                           "and silently ignores the key")
