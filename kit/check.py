@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import expectations, oracle
+from kit import expectations, oracle, records
 from kit.probes import ds_config
 
 EXIT = {oracle.NOT_AFFECTED: 0, oracle.AFFECTED: 1, oracle.INCONCLUSIVE: 3, oracle.CANNOT_RUN: 3}
@@ -163,7 +163,7 @@ def summarise(recs: list[dict]) -> dict:
                           "misplaced_weight": st["attribution"]["misplaced_weight"], "shape": st.get("shape"),
                           "logged_norm_ratio": (st["logged_norm"] / st["reference_norm"]
                                                 if st.get("logged_norm") is not None else None),
-                          "off": oracle.severity({**st, "dtype": r["dtype"]}) > 1.0}
+                          "off": oracle.severity({**st, "dtype": records.judge_dtype(r)}) > 1.0}
                          for st in r.get("steps") or []],
                "off": [w for w, v in (("applied step", r["verdict"]), ("logged grad norm", norm)) if v == oracle.AFFECTED],
                "explained_by": None, "explanation": None, "fix": None}

@@ -333,7 +333,7 @@ def annotate_steps(rec: dict) -> dict:
     """Per judged step of a record: ``matches`` (``step_name``) and ``shape`` (``describe_weights``); the record's
     own ``matches`` and ``shape`` are its worst step's (a one-step record: its own)."""
     for s in rec.get("steps") or []:
-        s["matches"] = _named(s, rec.get("dtype"))
+        s["matches"] = _named(s, rec.get("judge_dtype") or rec.get("dtype"))
         a = s.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
             s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
@@ -341,7 +341,7 @@ def annotate_steps(rec: dict) -> dict:
         worst = rec["steps"][rec.get("worst_step", 0)]
         rec["matches"], rec["shape"] = worst["matches"], worst.get("shape")
     else:
-        rec["matches"] = _named(rec, rec.get("dtype"))
+        rec["matches"] = _named(rec, rec.get("judge_dtype") or rec.get("dtype"))
     return rec
 
 

@@ -27,6 +27,7 @@ RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", 
 
 def base(meta: dict, case: dict, version: str) -> dict:
     return {**meta, "case": case["name"], "role": case["role"], "ga": case["ga"], "dtype": case["dtype"],
+            "judge_dtype": case.get("judge_dtype", case["dtype"]),
             "zero_stage": case.get("zero_stage"), "config": case, "version": version,
             "host": platform.node(), "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "run_id": RUN_ID}
@@ -42,9 +43,14 @@ def judged(rec: dict, dtype: str | None = None) -> dict:
     """What the oracle judges of a record (or of one part, e.g. a pipeline stage, given the record's ``dtype``):
     every signal the probe measured (``oracle.JUDGED_KEYS``)."""
     out = {k: rec.get(k) for k in oracle.JUDGED_KEYS}
-    if dtype is not None:
-        out["dtype"] = dtype
+    out["dtype"] = dtype or judge_dtype(rec)
     return out
+
+
+def judge_dtype(rec: dict) -> str:
+    """The precision a record is judged at: the coarsest its gradient passed through (``judge_dtype``: e.g. an
+    fp32 model whose gradients are reduced in bf16 is judged at bf16's limits), else its model's dtype."""
+    return rec.get("judge_dtype") or rec["dtype"]
 
 
 def save(recs: list[dict], path) -> Path:

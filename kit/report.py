@@ -24,7 +24,8 @@ def per_step(rec: dict) -> str:
     from kit import oracle
 
     steps = rec.get("steps") or []
-    return " / ".join(f"{s['metrics']['norm_ratio']:.3f}{'*' if oracle.severity({**s, 'dtype': rec['dtype']}) > 1 else ''}"
+    dtype = rec.get("judge_dtype") or rec["dtype"]
+    return " / ".join(f"{s['metrics']['norm_ratio']:.3f}{'*' if oracle.severity({**s, 'dtype': dtype}) > 1 else ''}"
                       for s in steps) or "-"
 
 

@@ -399,14 +399,23 @@ def _group(ran: list[dict], mask: int, when: dict) -> dict:
             "ratio_range": [min(ratios), max(ratios)] if ratios else None, "example": members[0]["id"]}
 
 
+def when_text(when: dict, short=lambda axis: axis) -> str:
+    """A group's conditions in words; the one-at-a-time keys a condition holds at ``DEFAULT`` are said once, as
+    "no other key set" (they are many, and mean: a point of the axes' product)."""
+    defaults = [a for a, v in when.items() if v == [DEFAULT]]
+    parts = [f"{short(axis)} = {values[0]}" if len(values) == 1 else
+             f"{short(axis)} in {{{', '.join(map(str, values))}}}" for axis, values in when.items() if axis not in defaults]
+    if defaults:
+        parts.append("no other key set" if len(defaults) > 2 else " x ".join(f"{short(a)} = {DEFAULT}" for a in defaults))
+    return " x ".join(parts) or "every point"
+
+
 def describe(group: dict) -> str:
-    parts = [f"{axis} = {values[0]}" if len(values) == 1 else f"{axis} in {{{', '.join(map(str, values))}}}"
-             for axis, values in group["when"].items()]
     name = group["known_bug"] or "UNKNOWN"
     lo, hi = group["ratio_range"] or (None, None)
     ratio = f"; ratio {lo:.3f}-{hi:.3f}" if lo is not None else ""
     step = ", ".join(group["matches"]) if group["known_bug"] else "; ".join(group.get("shapes") or group["matches"])
-    return f"[{name}] {' x '.join(parts) or 'every point'}: {group['count']} configs{ratio}; the step is {step}"
+    return f"[{name}] {when_text(group['when'])}: {group['count']} configs{ratio}; the step is {step}"
 
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path) -> None:
@@ -571,9 +580,8 @@ def table(summary: dict, command: str) -> str:
                      "configs": "", "ratio": "", "the step is": "", "explained by": ""})
         for g in s["groups"]:
             lo, hi = g["ratio_range"] or (0, 0)
-            when = " × ".join(f"{a.split('.')[-1] if not a.endswith('device') else 'offload'} "
-                              f"{'= ' + str(v[0]) if len(v) == 1 else 'in {' + ', '.join(map(str, v)) + '}'}"
-                              for a, v in g["when"].items())
+            when = when_text(g["when"], lambda a: a.split(".")[-1] if not a.endswith("device") else "offload"
+                             ).replace(" x ", " × ")
             repro = g.get("repro")
             rows.append({"DeepSpeed": s["deepspeed"], "group (smallest key set)": when, "configs": g["count"],
                          "ratio": f"{lo:.3f}–{hi:.3f}",

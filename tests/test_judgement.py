@@ -227,3 +227,15 @@ def test_a_loop_that_keeps_the_previous_steps_gradient_is_affected_from_step_2_w
     assert s2["shape"] == "every micro-batch x1; the previous step's micro-batches x1"
     assert rec["trajectory"]["rel_l2"] > 0.1
     assert records.one(recs, case="control")["verdict"] == oracle.NOT_AFFECTED
+
+
+def test_a_step_is_judged_at_the_coarsest_precision_its_gradient_passes_through():
+    assert ds_config.judge_dtype({"communication_data_type": "bf16"}) == "bf16"  # an fp32 model reduced in bf16
+    assert ds_config.judge_dtype({"communication_data_type": "fp32"}) == "fp32"
+    assert ds_config.judge_dtype({"fp16": {"enabled": True}, "communication_data_type": "bf16"}) == "bf16"
+    assert ds_config.judge_dtype({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}) == "bf16"
+    cfg = ds_config.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+                             "communication_data_type": "bf16"}, 2, 4, "fp32")
+    (case,) = [c for c in ds_config.plan(cfg, ("engine",))[0] if c["role"] == "measured"]
+    rec = records.base({}, case, "installed")
+    assert rec["dtype"] == "fp32" and records.judged({**rec, "metrics": None})["dtype"] == "bf16"

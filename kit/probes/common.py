@@ -139,15 +139,13 @@ def module_weights(module: nn.Module) -> torch.Tensor:
     order, as float64. Under ZeRO-3 each rank holds a partition of each parameter (``ds_tensor``, what DeepSpeed
     gathers for the forward): the partitions are gathered with plain ``torch.distributed`` (a collective: every rank
     must call it), never through DeepSpeed's own gathering, which would touch the engine's parameter state (its
-    prefetch and release bookkeeping) between steps; a persistent (unpartitioned) parameter is read as it is."""
+    prefetch and release bookkeeping) between steps. A persistent parameter is read from its partitions too: its
+    full ``p.data`` exists before its first fetch but is not filled yet (0.18.6 showed values of 1e38 there)."""
     params = list(module.parameters())
     if not (params and hasattr(params[0], "ds_id")):
         return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
     parts = []
     for p in params:
-        if getattr(p, "ds_persist", False) and p.data.numel() == p.ds_numel:
-            parts.append(p.data.detach().double().reshape(-1).cpu().clone())
-            continue
         shards = all_gather_flat(p.ds_tensor.detach().reshape(-1))
         parts.append(torch.cat(shards)[:p.ds_numel].double())
     return torch.cat(parts)

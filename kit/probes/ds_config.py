@@ -205,6 +205,18 @@ def dtype_of(cfg: dict) -> str:
     return "bf16" if cfg.get("bf16", {}).get("enabled") else "fp16" if cfg.get("fp16", {}).get("enabled") else "fp32"
 
 
+_COARSENESS = ("fp32", "fp16", "bf16")  # finest to coarsest significand
+
+
+def judge_dtype(cfg: dict) -> str:
+    """The precision a step of ``cfg`` is judged at: the coarsest its gradient passes through -- the model's, the
+    reduction's (``communication_data_type``) and the accumulator's (``data_types.grad_accum_dtype``). An fp32
+    model reduced in bf16 carries bf16's rounding by design: judged at fp32's limits it would be called affected."""
+    seen = [dtype_of(cfg), str(cfg.get("communication_data_type") or ""),
+            str((cfg.get("data_types") or {}).get("grad_accum_dtype") or "")]
+    return max((d for d in seen if d in _COARSENESS), key=_COARSENESS.index)
+
+
 def known_fixes(cfg: dict, loop: str) -> list[str]:
     """The known bugs' fixes worth a re-run for this config and loop (cheap: one more case each)."""
     out = []
@@ -381,7 +393,7 @@ def run_case(case: dict) -> dict:
 
     read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer, case["dtype"])
     out = c.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
-                        dtype=case["dtype"], clip=clip, loss_scale=scale, extra=accumulators,
+                        dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
                         hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev))
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
@@ -429,8 +441,8 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
             continue
         for fix in (None, *known_fixes(cfg, loop)):
             out.append({"name": loop if fix is None else f"{loop} {fix}", "role": "measured" if fix is None else "fix",
-                        "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "zero_stage": stage, "steps": steps,
-                        "clip": clip, "ds_config": case_config(cfg, loop, fix)})
+                        "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
+                        "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix)})
     return out, notes
 
 
@@ -440,7 +452,7 @@ def _annotate(recs: list[dict]) -> list[dict]:
     step in words, from its fitted weights), per step the same, and ``norm_verdict`` (the logged grad norm judged
     against the reference's, the worst step's); ``read_finding`` where the fp32 masters read through DeepSpeed's
     API disagreed with the weights the model uses."""
-    from kit import oracle
+    from kit import oracle, records
 
     for r in recs:
         oracle.annotate_steps(r)
@@ -451,7 +463,8 @@ def _annotate(recs: list[dict]) -> list[dict]:
                 s["matches"] = names.pop() if len(names) == 1 else "none"
         if r.get("steps"):
             r["matches"] = r["steps"][r["worst_step"]]["matches"]
-            norms = [(s["step"], *oracle.norm_verdict(s.get("logged_norm"), s["reference_norm"], r["dtype"]))
+            norms = [(s["step"], *oracle.norm_verdict(s.get("logged_norm"), s["reference_norm"],
+                                                       records.judge_dtype(r)))
                      for s in r["steps"] if s.get("reference_norm")]
             for step, word, why in norms:
                 r["steps"][step]["norm_verdict"] = word
