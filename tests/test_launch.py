@@ -106,3 +106,31 @@ def test_a_world_folder_that_never_got_its_owner_is_removed_once_it_is_old(monke
     assert owned.parent == tmp_path and (owned / launch.OWNER_FILE).read_text().split()[0] == str(os.getpid())
     assert launch.remove_stale_worlds() == [old]
     assert not old.exists() and fresh.exists() and owned.exists()
+
+
+def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvous(monkeypatch):
+    """An interrupt kills the ranks while they start; the rank that notices first reads "Connection reset by peer",
+    which looks like a rendezvous failure. The world must not be launched again after the stop (the explorer's
+    Interrupt then Stop in a busy JupyterLab saw a relaunched world)."""
+    from kit.launch import lifecycle
+
+    calls = []
+
+    def once(*a, **k):
+        calls.append(1)
+        launch.stop_worlds()  # the user's interrupt, while the ranks start
+        raise launch.RankFailed("rank 1 raised: Connection reset by peer", rank=1)
+
+    monkeypatch.setattr(lifecycle, "_run_world_once", once)
+    with pytest.raises(launch.RankFailed):
+        launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2), keep_dir=None)
+    assert calls == [1]
+
+    def flaky(*a, **k):  # without a stop, the same error is a rendezvous failure and is launched again
+        calls.append(2)
+        if len(calls) < 3:
+            raise launch.RankFailed("rank 1 raised: Connection reset by peer", rank=1)
+        return ["ok", "ok"]
+
+    monkeypatch.setattr(lifecycle, "_run_world_once", flaky)
+    assert launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2)) == ["ok", "ok"] and calls == [1, 2, 2]

@@ -53,10 +53,13 @@ def _session_dying_with_parent() -> None:
 
 
 _LIVE: dict[int, list] = {}  # the processes of every world this process is running now (id -> Popen list)
+_STOPS = [0]  # how many times stop_worlds ran: a world started before a stop is never launched again after it
 
 
 def stop_worlds() -> int:
-    """Kill the ranks of every world this process is running (an interrupted cell or explorer Run); how many."""
+    """Kill the ranks of every world this process is running (an interrupted cell or explorer Run); how many.
+    None of them is launched again: their failure is the stop, never a rendezvous to retry."""
+    _STOPS[0] += 1
     live = list(_LIVE.values())
     for procs in live:
         _kill(procs)
@@ -144,6 +147,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     if ":" not in target:
         raise kconfig.ConfigError(f"target must look like 'package.module:function', got {target!r}")
     warm = keep_dir is None and _warm_wanted(world)
+    stops = _STOPS[0]
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
             if warm:
@@ -153,7 +157,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
             # judged on the blamed rank's own error only: its peers' errors ("Then: ...") often read "Connection
             # reset by peer" whatever the blamed rank did
             own = str(e).split("\nThen: ")[0] + "\n" + (e.traceback or "")
-            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(own):
+            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(own) or _STOPS[0] != stops:
                 raise
             print(f"gradkit: the world's rendezvous failed before any case ran ({str(e).splitlines()[0][:200]}); "
                   f"launching it again ({attempt + 2} of {1 + RENDEZVOUS_RETRIES})", file=sys.stderr)
