@@ -274,8 +274,9 @@ def main(argv=None) -> int:
     user = ds_config.load(a.config)
     todo = {}
     for dtype in precisions(user, a.trainer_dtype):
-        todo[dtype] = ds_config.resolve(user, a.world_size, a.ga, dtype)
-        ds_config.plan(todo[dtype], loops, steps=a.steps)  # an unknown loop style is refused here, before any launch
+        cfg = ds_config.resolve(user, a.world_size, a.ga, dtype)
+        ds_config.plan(cfg, loops, steps=a.steps)  # an unknown loop style is refused here, before any launch
+        todo[ds_config.dtype_of(cfg)] = cfg  # named by what runs (a config that enables bf16 itself is bf16)
     if len(todo) > 1:
         print(f"{a.config}: \"auto\" precision and no --trainer-dtype: checking each precision it could resolve to "
               f"({', '.join(todo)})")
