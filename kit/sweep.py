@@ -481,8 +481,9 @@ def summarise(spec: dict, recs: list[dict], out=None) -> dict:
 def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
     """What notebook 06 asserts (empty: all hold).
 
-    1. every point of the spec has one record per stack, and no record is ``inconclusive`` (every control of
-       every world matched the reference);
+    1. every point of the spec has one record per stack, and no record is ``inconclusive`` because of its control
+       (every control of every world matched the reference; a point whose own detection floor is above one
+       micro-batch's weight is inconclusive, said so, and not a violation);
     2. the upstream table's own prediction holds: wherever it says B3 hits (the report's configuration: fp32,
        the manual loop, ZeRO-1/2's ``DeepSpeedZeroOptimizer``, N > 1, no offload, on a release it pins as
        affected) the point is affected;
@@ -499,7 +500,10 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
     have = [(json.dumps(r["stack"], sort_keys=True), r["id"]) for r in recs]
     if sorted(set(have)) != sorted(want) or len(have) != len(set(have)):
         bad.append(f"{len(want)} points x stacks in the spec, {len(set(have))} distinct records ({len(have)} in all)")
-    bad += [f"{r['id']} {r['point']}: inconclusive: {r['reason'][:200]}" for r in recs if r["verdict"] == oracle.INCONCLUSIVE]
+    # inconclusive because a control was off is the harness's fault; because the measurement's own floor is above
+    # one micro-batch's weight (bf16 weights read where the masters misreport), it is the honest answer
+    bad += [f"{r['id']} {r['point']}: inconclusive: {r['reason'][:200]}" for r in recs
+            if r["verdict"] == oracle.INCONCLUSIVE and not r.get("below_floor")]
     for r in recs:
         p = r.get("point") or {}
         offload = p.get("zero_optimization.offload_optimizer.device", "none")

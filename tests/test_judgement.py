@@ -132,7 +132,7 @@ def test_a_not_affected_below_its_detection_floor_is_inconclusive():
     rec = {"verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "dtype": "bf16", "world_size": 2,
            "ga": 64, "metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0}, "attribution": {"misplaced_weight": 0.0}}
     ds_config._floor(rec)
-    assert rec["verdict"] == oracle.INCONCLUSIVE and "one lost micro-batch" in rec["reason"]
+    assert rec["verdict"] == oracle.INCONCLUSIVE and "one lost micro-batch" in rec["reason"] and rec["below_floor"]
     ok = {**rec, "verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "ga": 4}
     ds_config._floor(ok)
     assert ok["verdict"] == oracle.NOT_AFFECTED and ok["detectable_weight"] == pytest.approx(5e-3)
@@ -239,3 +239,13 @@ def test_a_step_is_judged_at_the_coarsest_precision_its_gradient_passes_through(
     (case,) = [c for c in ds_config.plan(cfg, ("engine",))[0] if c["role"] == "measured"]
     rec = records.base({}, case, "installed")
     assert rec["dtype"] == "fp32" and records.judged({**rec, "metrics": None})["dtype"] == "bf16"
+
+
+def test_violations_accept_a_point_below_its_floor_but_not_one_whose_control_was_off():
+    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    (case,) = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    rec = {**records.base({"stack": {}}, case, "installed"), "point": case["point"], "id": case["id"],
+           "verdict": oracle.INCONCLUSIVE, "reason": "no signal is off, but ...", "below_floor": True}
+    assert not [b for b in sweep.violations(spec, [rec], {"stacks": []}) if "inconclusive" in b]
+    off = {**rec, "below_floor": False, "reason": "the control is off the reference itself"}
+    assert [b for b in sweep.violations(spec, [off], {"stacks": []}) if "inconclusive" in b]

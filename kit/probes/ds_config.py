@@ -493,7 +493,7 @@ def _floor(r: dict) -> None:
     one = 1.0 / (2 * r["world_size"] * r["ga"])
     r["detectable_weight"] = seen
     if seen >= one:
-        r["verdict"] = oracle.INCONCLUSIVE
+        r["verdict"], r["below_floor"] = oracle.INCONCLUSIVE, True
         r["reason"] = (f"no signal is off, but the smallest misplaced weight this {r['dtype']} measurement can see "
                        f"({seen:.2g}) is above what one lost micro-batch weighs at W = {r['world_size']}, "
                        f"N = {r['ga']} ({one:.2g}): " + r["reason"])
