@@ -84,6 +84,11 @@ TOLERANCES = {
 }
 
 
+# How far a module's weight may sit from its fp32 master: its own rounding (half an ulp, with room for a
+# round-to-nearest-even tie) relative to the master. fp32 modules are the masters' own copies: bit-equal.
+ROUNDING = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}
+
+
 def tolerance(dtype: str) -> Tolerance:
     if dtype not in TOLERANCES:
         raise ValueError(f"no tolerance for dtype {dtype!r}; known: {sorted(TOLERANCES)}")

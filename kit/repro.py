@@ -117,7 +117,7 @@ def write(rec: dict, path, title: str) -> Path:
         loop=case["loop"], n=case["ga"], mb=cfg["train_micro_batch_size_per_gpu"], steps=case.get("steps", 1),
         tol=oracle.tolerance(case.get("judge_dtype", case["dtype"])).rel_l2,
         mis=oracle.tolerance(case.get("judge_dtype", case["dtype"])).misplaced_weight,
-        rounding={"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}[case["dtype"]]))
+        rounding=oracle.ROUNDING[case["dtype"]]))
     return path
 
 

@@ -151,28 +151,27 @@ def module_weights(module: nn.Module) -> torch.Tensor:
     return torch.cat(parts)
 
 
-# How far a module's weight may sit from its fp32 master: its own rounding (half an ulp, with room for a
-# round-to-nearest-even tie) relative to the master. fp32 modules are the masters' own copies: bit-equal.
-_ROUNDING = {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}
-
-
 def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     """What the model will use and what the optimizer holds, read both ways (collectives under ZeRO):
     ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the
     module dtype's rounding; where they disagree the master read (``safe_get_full_fp32_param``) misreports, and
     the step must be judged from the weights the model really uses."""
+    from kit import oracle
+
     mod, mast = module_weights(module), full_fp32_params(module, optimizer)
     diff = (mod - mast).abs()
-    limit = _ROUNDING[dtype] * mast.abs() + 1e-30
+    limit = oracle.ROUNDING[dtype] * mast.abs() + 1e-30
     return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
 
 
 def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
     """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
     a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
+    from kit import oracle
+
     if dtype == "fp32" or step_norm <= 0:
         return 0.0
-    return (weights.abs() * _ROUNDING[dtype] / 2).norm().item() / step_norm
+    return (weights.abs() * oracle.ROUNDING[dtype] / 2).norm().item() / step_norm
 
 
 def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
@@ -241,8 +240,9 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
 
     r, w, k = rank(), world_size(), world_size() * ga
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
+    after = None
     for s in range(steps):
-        before = read()
+        before = read() if after is None else after  # nothing moves the weights between one step's end and the next
         if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
             break
         logged, gathered = take_step(s, micro_batches(seed, r, ga, micro_batch, hidden, s))
