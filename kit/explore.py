@@ -136,7 +136,8 @@ def run_probe(probe_id: str, kwargs: dict) -> list[dict]:
 
 def result_rows(recs: list[dict], sel: dict) -> list[dict]:
     """What the explorer's figure shows: one row per judged case (per pipeline stage for B2) at the chosen GA."""
-    from kit import probes
+    from kit import probes, report
+    from kit.probes import pipeline_ga
 
     bug = probes.get(sel["bug"])
     rows = []
@@ -144,12 +145,13 @@ def result_rows(recs: list[dict], sel: dict) -> list[dict]:
         if r.get("role") == "symptom" or (r["ga"] != sel["ga"] and r["role"] != "control"):
             continue
         verdict = (r.get(bug.verdict_key) or r["verdict"]) if r["case"] == bug.measured_case else r["verdict"]
-        parts = [(f" · stage {s['stage'] if 'stage' in s else i}", s.get("metrics") or {}, s.get("verdict", verdict))
-                 for i, s in enumerate(r["stages"])] if r.get("stages") else [("", r.get("metrics") or {}, verdict)]
-        for suffix, m, v in parts:
+        parts = [(f" · stage {s['stage'] if 'stage' in s else i}", s.get("metrics") or {}, s.get("verdict", verdict),
+                  pipeline_ga.stage_steps(r, s.get("stage", i))) for i, s in enumerate(r["stages"])] if r.get("stages") else \
+            [("", r.get("metrics") or {}, verdict, report.per_step(r) if r.get("metrics") else "-")]
+        for suffix, m, v, steps in parts:
             rows.append({"label": f"{r['case']} ({r['role']}, GA {r['ga']}){suffix}", "case": r["case"],
                          "role": r["role"], "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "verdict": v,
-                         "reason": r.get("reason", "")})
+                         "per_step": steps, "reason": r.get("reason", "")})
     return rows
 
 
@@ -165,7 +167,8 @@ def sentence(rows: list[dict], sel: dict) -> str:
         return f"{sel['bug']} could not be measured here: {worst['reason'][:200]}"
     return (f"{sel['bug']} at W={sel['world_size']}, GA/N={sel['ga']}, ZeRO {sel['zero_stage']}, {sel['dtype']}, "
             f"{sel['version']}: **{worst['verdict']}**: the applied gradient is {worst['ratio']:.3f} x the "
-            f"reference (cosine {worst['cosine']:.3f}) for {worst['label']}.")
+            f"reference (cosine {worst['cosine']:.3f}) for {worst['label']}; per optimizer step (* off): "
+            f"{worst.get('per_step', '-')}.")
 
 
 class ProbeExplorer:

@@ -347,6 +347,25 @@ def annotate_steps(rec: dict) -> dict:
         rec["matches"], rec["shape"] = worst["matches"], worst.get("shape")
     else:
         rec["matches"] = _named(rec, rec.get("judge_dtype") or rec.get("dtype"))
+    return annotate_norms(rec)
+
+
+def annotate_norms(rec: dict) -> dict:
+    """The logged grad norm of every judged step (``logged_norm``: what the engine reports) against the reference's
+    (``reference_norm``): ``norm_verdict`` per step, and the record's (its first off step's, else its first step's)
+    with ``norm_reason``; "n/a" where the engine reports none."""
+    dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
+    norms = []
+    for s in rec.get("steps") or []:
+        if s.get("reference_norm"):
+            word, why = norm_verdict(s.get("logged_norm"), s["reference_norm"], dtype)
+            s["norm_verdict"] = word
+            norms.append((s.get("step", 0), word, why))
+    if not rec.get("steps"):
+        return rec
+    off = [x for x in norms if x[1] == AFFECTED]
+    step, word, why = (off or norms or [(0, "n/a", "no step ran")])[0]
+    rec["norm_verdict"], rec["norm_reason"] = word, f"step {step + 1}: {why}" if norms else why
     return rec
 
 

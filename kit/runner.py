@@ -164,7 +164,7 @@ def _run(probe, cases, stacks, world_sizes, device, timeout_s, meta, predicted, 
             for group in groups.values():
                 recs += world_records(probe, group, dict(stack), label(stack), base, w, device, timeout_s,
                                       None if predicted is None else (lambda case, w=w: predicted(case, w)))
-            out += probe.annotate(recs)
+            out += [oracle.annotate_norms(r) for r in probe.annotate(recs)]  # the logged norm, every probe alike
     return out
 
 

@@ -4,6 +4,7 @@ import pytest
 from kit import config as kconfig
 from kit import oracle, records
 from kit.probes import pipeline_ga as pg
+from kit.probes.common import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -38,12 +39,20 @@ def test_old_release_sums_on_every_stage(recs):
     assert r["engine_loss"] == pytest.approx(r["reference_loss"], rel=1e-5)  # while the reported loss looks right
     fixed = records.one(recs, version=OLD, case="loss_div_ga")
     assert fixed["verdict"] == oracle.NOT_AFFECTED, fixed["reason"]
+    # every step is judged from its own starting weights: each is the same sum, and the run drifts by all of them
+    assert len(r["steps"]) == STEPS and [st["verdict"] for st in r["steps"]] == [oracle.AFFECTED] * STEPS
+    for st in r["steps"]:
+        assert {s["matches"] for s in st["stages"]} == {"sum (x GA)"}
+        assert st["metrics"]["norm_ratio"] == pytest.approx(GA, rel=1e-4)
+    assert r["trajectory"]["steps"] == STEPS and r["trajectory"]["norm_ratio"] > 2
 
 
 @pytest.mark.world
 def test_installed_release_averages_on_every_stage(recs):
     r = records.one(recs, version="installed", case="pipeline")
     assert r["verdict"] == oracle.NOT_AFFECTED and r["affected_stages"] == [], r["reason"]
+    assert [st["verdict"] for st in r["steps"]] == [oracle.NOT_AFFECTED] * STEPS
+    assert r["trajectory"]["rel_l2"] < 1e-5
     wrong = records.one(recs, version="installed", case="loss_div_ga")  # the old workaround now hurts
     assert wrong["verdict"] == oracle.AFFECTED and {s["matches"] for s in wrong["stages"]} == {"mean / GA"}
     assert pg.violations(recs) == []

@@ -5,6 +5,7 @@ import pytest
 from kit import config as kconfig
 from kit import expectations, oracle, records
 from kit.probes import trainer_ga as tg
+from kit.probes.common import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -54,11 +55,19 @@ def test_report_versions_no_deepspeed_path_divides_by_gas_twice(recs):
         assert r["verdict"] == oracle.AFFECTED, r["reason"]
         assert r["token_factor"] < 1 and r["gas_factor"] == pytest.approx(GAS ** round(r["gas_power"]), rel=1e-5)
     assert round(no_ds["gas_power"]) == -1 and round(ds["gas_power"]) == 0
+    for r in (no_ds, ds):  # every step, each on its own global batch from its own weights, is the same story
+        assert len(r["steps"]) == STEPS and sorted(i for st in r["steps"] for i in st["rows"]) == list(range(8 * W * STEPS))
+        assert all(len(st["rows"]) == 8 * W for st in r["steps"])
+        for st in r["steps"]:
+            assert st["gas_factor"] == pytest.approx(GAS ** round(r["gas_power"]), rel=1e-5)
+        assert [st["gas_verdict"] for st in no_ds["steps"]] == [oracle.AFFECTED] * STEPS
     assert [t["kwargs"].get("scale_wrt_gas") for t in ds["trace"] if t["call"] == "accelerator.backward"] == [False] * GAS
     assert tg.violations(recs) == []
     assert expectations.mismatches("B1", recs, case="trainer") == ([], [])
     # the seed's observation, grad norm with DS / without DS = GAS, holds, with the blame reversed
-    assert ds["metrics"]["effective_norm"] / no_ds["metrics"]["effective_norm"] == pytest.approx(GAS, rel=1e-4)
+    # (the first step: both start from the same weights on the same rows; later steps start where each went)
+    first = [r["steps"][0]["metrics"]["effective_norm"] for r in (ds, no_ds)]
+    assert first[0] / first[1] == pytest.approx(GAS, rel=1e-4)
 
 
 @pytest.mark.world

@@ -104,7 +104,7 @@ def run_case(case: dict) -> dict:
         buffer = _bf16_accumulator(engine, engine.module)  # this rank's accumulator going into step()
         engine.step()
         norms.append(c.all_gather_floats(acc_norms))  # [rank][micro-batch]
-        return None, c.all_gather_flat(buffer) if buffer is not None else None
+        return c.engine_norm(engine), c.all_gather_flat(buffer) if buffer is not None else None
 
     def accumulators(judged, step, buffers, basis, weights, reference):
         judged["accumulator_norms"] = norms[step]

@@ -110,6 +110,13 @@ def all_gather_flat(t: torch.Tensor) -> list[torch.Tensor]:
     return [o.cpu() for o in out]
 
 
+def engine_norm(engine) -> float | None:
+    """The gradient norm a DeepSpeed engine reports for its last step (what a user's grad-norm curve shows), or
+    None where it keeps none (e.g. ZeRO-0 with a plain torch optimizer)."""
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    return None if norm is None else float(norm)
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Is ``t`` finite on every rank? (A collective: every rank gets the same answer, so all stop together.)"""
     bad = torch.tensor([0.0 if bool(torch.isfinite(t).all()) else 1.0], dtype=torch.float64, device=device())
@@ -292,14 +299,15 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
 
 
 def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, depth: int, steps: int, clip: float,
-               loss_scale: float) -> dict:
+               loss_scale: float, replicas: int | None = None) -> dict:
     """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
-    process): how far the run drifted in all, errors of every step compounded."""
+    process): how far the run drifted in all, errors of every step compounded. ``replicas``: the data-parallel
+    ranks whose micro-batches make a step (every rank by default)."""
     from kit import oracle
 
     ref = first.clone()
     for s in range(steps):
-        every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, s)]
+        every = [b for rr in range(replicas or world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, s)]
         model = load_flat(tiny_mlp(hidden, seed, depth), ref)
         _, _, reference = oracle.reference_gradients(model, every, lambda o, y: mse(o, y) * loss_scale)
         ref = ref - oracle.clipped(reference, clip)

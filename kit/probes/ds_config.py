@@ -376,11 +376,9 @@ def run_case(case: dict) -> dict:
         _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
               [(x.to(dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
               before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
-        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
         state["skipped"] = int(getattr(engine, "skipped_steps", 0) or 0)
         # a leak is per rank: every rank's accumulator (a collective), attributed on rank 0
-        return (float(norm) if norm is not None else None), (c.all_gather_flat(held["buffer"])
-                                                              if held.get("buffer") is not None else None)
+        return c.engine_norm(engine), (c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None)
 
     def accumulators(judged, s, buffers, basis, weights, reference):
         if buffers is not None:  # each rank's accumulator, attributed and explained from that rank's view
@@ -463,14 +461,6 @@ def _annotate(recs: list[dict]) -> list[dict]:
                 s["matches"] = names.pop() if len(names) == 1 else "none"
         if r.get("steps"):
             r["matches"] = r["steps"][r["worst_step"]]["matches"]
-            norms = [(s["step"], *oracle.norm_verdict(s.get("logged_norm"), s["reference_norm"],
-                                                       records.judge_dtype(r)))
-                     for s in r["steps"] if s.get("reference_norm")]
-            for step, word, why in norms:
-                r["steps"][step]["norm_verdict"] = word
-            off = [x for x in norms if x[1] == oracle.AFFECTED]
-            step, word, why = (off or norms or [(0, "n/a", "no step ran")])[0]
-            r["norm_verdict"], r["norm_reason"] = word, f"step {step + 1}: {why}" if norms else why
             bad = [s for s in r["steps"] if not (s.get("read") or {}).get("masters_agree", True)]
             if bad:
                 r["read_finding"] = (

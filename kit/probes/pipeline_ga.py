@@ -23,8 +23,6 @@ control            the same dtype and ZeRO stage with GA=1 (one micro-batch)    
 """
 from __future__ import annotations
 
-import copy
-
 from kit import config as kconfig
 from kit import runner
 from kit.probe import Probe
@@ -96,6 +94,8 @@ def full_model(hidden: int, seed: int):
 
 
 def run_case(case: dict) -> dict:
+    """``case["steps"]`` (``common.STEPS`` by default) ``train_batch`` steps on fresh micro-batches, each judged per
+    stage against the reference from that step's own starting weights (rank 0)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
@@ -110,29 +110,65 @@ def run_case(case: dict) -> dict:
         return c.mse(out, y) / div
 
     full = full_model(hidden, seed).to(dtype)  # same weights on every rank; bf16 rounded once
-    start = copy.deepcopy(full)
     module = PipelineModule(layers=list(full), num_stages=STAGES, loss_fn=loss_fn, partition_method="uniform")
     opt = LoggingSGD.make([p for p in module.parameters() if p.requires_grad])
     engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config(case, c.world_size() // STAGES))
     stage, dp_rank, dp = engine.stage_id, engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
     names = [n for n, _ in engine.module.named_parameters()]
     dev = c.device()
+    steps, prev, first, judged = case.get("steps", c.STEPS), None, None, []
     before = c.full_fp32_params(engine.module, engine.optimizer)
-    batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, dp_rank, ga, mb, hidden)]
-    loss = engine.train_batch(data_iter=iter(batches))
-    effective = before - c.full_fp32_params(engine.module, engine.optimizer)  # lr = 1
-    reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-    mine = {"stage": stage, "dp_rank": dp_rank, "names": names, "effective": effective.tolist(),
-            "logged_sq_norm": _logged_sq_norm(engine.optimizer), "optimizer": type(engine.optimizer).__name__,
-            "reported_grad_norm": None if reported is None else float(reported),
-            "loss": None if loss is None else float(loss)}
-    every = [None] * c.world_size()
-    dist.all_gather_object(every, mine)
+    for s in range(steps):
+        start = c.flat_params(engine.module)  # the weights this stage computes with (bf16: rounded)
+        batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, dp_rank, ga, mb, hidden, s)]
+        loss = engine.train_batch(data_iter=iter(batches))
+        after = c.full_fp32_params(engine.module, engine.optimizer)
+        effective, before = before - after, after  # lr = 1
+        reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        mine = {"stage": stage, "dp_rank": dp_rank, "names": names, "effective": effective.tolist(),
+                "start": start.tolist(), "end": c.flat_params(engine.module).tolist(),
+                "logged_sq_norm": _logged_sq_norm(engine.optimizer), "optimizer": type(engine.optimizer).__name__,
+                "reported_grad_norm": None if reported is None else float(reported),
+                "loss": None if loss is None else float(loss)}
+        every = [None] * c.world_size()
+        dist.all_gather_object(every, mine)
+        if c.rank() == 0:
+            begin = _assemble(every, hidden, seed, "start")
+            first = begin if first is None else first
+            one, basis = _judge(every, begin, case, dp, s, prev)
+            judged.append(one)
+            prev = basis
     out = {"optimizer": type(engine.optimizer).__name__, "dp": dp}
     if c.rank() == 0:
-        out.update(_judge(every, start, case, dp))
+        from kit import oracle
+
+        last = c.flat_params(_assemble(every, hidden, seed, "end"))
+        worst = max(range(len(judged)), key=lambda q: max(oracle.severity({**x, "dtype": case["dtype"]})
+                                                            for x in [judged[q], *judged[q]["stages"]]))
+        out.update(judged[worst], steps=judged, worst_step=worst,
+                   trajectory=c.trajectory(c.flat_params(first), last, seed, ga, mb, hidden, DEPTH, steps, 0.0, 1.0,
+                                           dp))
     c.release(engine)
     return out
+
+
+def _assemble(every: list[dict], hidden: int, seed: int, key: str):
+    """The whole model (every stage's parameters as replica 0 of that stage holds them under ``key``), as one
+    plain fp32 module: a step's starting weights, for its reference."""
+    import torch
+
+    model = full_model(hidden, seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for e in every:
+            if e["dp_rank"] != 0:
+                continue
+            flat, k = torch.tensor(e[key], dtype=torch.float64), 0
+            for n in e["names"]:
+                p = params[n]
+                p.copy_(flat[k:k + p.numel()].reshape(p.shape).to(p.dtype))
+                k += p.numel()
+    return model
 
 
 def _logged_sq_norm(optimizer):
@@ -144,16 +180,22 @@ def _logged_sq_norm(optimizer):
     return getattr(optimizer, "last_sq_norm", None)
 
 
-def _judge(every: list[dict], start, case: dict, dp: int) -> dict:
-    """Rank 0: per stage, the effective gradient against the reference of that stage's parameters."""
+def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=None) -> tuple[dict, object]:
+    """Rank 0: per stage, one step's effective gradient against the reference of that stage's parameters from the
+    step's own starting weights ``start``; ``prev`` (the previous step's micro-batch gradients) joins the basis with
+    an expected weight of 0. Returns the step's measurement and its basis (the next step's ``prev``)."""
     import torch
 
     from kit import oracle
     from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
-    micro = [b for d in range(dp) for b in c.micro_batches(seed, d, ga, mb, hidden)]  # replica-major
+    micro = [b for d in range(dp) for b in c.micro_batches(seed, d, ga, mb, hidden, step)]  # replica-major
     basis, weights, reference = oracle.reference_gradients(start, micro, c.mse)
+    full, expected = basis, weights
+    if prev is not None:
+        full = torch.cat([basis, prev])
+        expected = torch.cat([weights, torch.zeros(len(prev), dtype=torch.float64)])
     offsets, k = {}, 0
     for name, p in start.named_parameters():
         offsets[name] = (k, k + p.numel())
@@ -169,7 +211,7 @@ def _judge(every: list[dict], start, case: dict, dp: int) -> dict:
         sub_basis, sub_ref = basis[:, idx], reference[idx]
         per_stage.append({
             "stage": s, "params": first["names"], "metrics": oracle.compare(eff, sub_ref),
-            "attribution": oracle.attribute(eff, sub_basis, weights),
+            "attribution": oracle.attribute(eff, full[:, idx], expected),
             "hypotheses": oracle.explain(eff, sub_basis, hypothesis_weights(dp, ga), case["dtype"], sub_ref),
             "rank_spread": {"data-parallel replicas": oracle.spread([e["effective"] for e in replicas])}})
         # ZeRO-1 and BF16_Optimizer partition the fp32 master over replicas, so every rank logs its own
@@ -179,11 +221,12 @@ def _judge(every: list[dict], start, case: dict, dp: int) -> dict:
     with torch.no_grad():
         ref_loss = sum(c.mse(start.float()(x.float()), y.float()).item() for x, y in micro) / len(micro)
     last = next(e for e in every if e["stage"] == STAGES - 1 and e["dp_rank"] == 0)
-    return {"stages": per_stage, "metrics": oracle.compare(full_eff, reference),
-            "attribution": oracle.attribute(full_eff, basis, weights),
+    return {"step": step, "stages": per_stage, "metrics": oracle.compare(full_eff, reference),
+            "attribution": oracle.attribute(full_eff, full, expected),
             "logged_grad_norm": None if logged_sq is None else logged_sq ** 0.5,
             "reported_grad_norm": last["reported_grad_norm"], "reference_grad_norm": reference.norm().item(),
-            "engine_loss": last["loss"], "reference_loss": ref_loss}
+            "logged_norm": last["reported_grad_norm"], "reference_norm": reference.norm().item(),
+            "engine_loss": last["loss"], "reference_loss": ref_loss}, basis
 
 
 def run_rank(payload: dict) -> list[dict]:
@@ -261,18 +304,37 @@ def check_notebook(p: dict) -> list:
 
 
 def _annotate(rec: dict, control: dict | None) -> dict:
-    """Each stage judged on every signal against the control's same stage; the record takes the worst stage.
+    """Each stage of each step judged on every signal against the control's same stage at the same step; the
+    record takes its worst step's stages, and its verdict is the worst stage's there (``step``: which step).
 
     The whole-model numbers (``metrics``, ``attribution``) stay in the record as information: a stage
     that carries a small share of the norm can be off while the whole model looks right.
     """
-    from kit import oracle, records
+    from kit import oracle
 
     rec["affected_stages"] = []
-    stages = rec.get("stages") or []
-    if rec.get("error") or not stages:
+    steps = rec.get("steps") or ([{"step": 0, "stages": rec["stages"]}] if rec.get("stages") else [])
+    if rec.get("error") or not steps:
         return rec  # cannot-run (or no per-stage numbers): the whole-model verdict stands
-    by_stage = {s["stage"]: s for s in (control or {}).get("stages") or []}
+    c_steps = (control or {}).get("steps") or ([control] if control else [])
+    for i, st in enumerate(steps):
+        c_step = c_steps[min(i, len(c_steps) - 1)] if c_steps else None
+        st["verdict"], st["reason"] = _judge_stages(st["stages"], rec["dtype"], control, c_step)
+    worst = min(range(len(steps)), key=lambda i: oracle.WORST_FIRST.index(steps[i]["verdict"]))
+    rec["stages"], rec["worst_step"] = steps[worst]["stages"], worst
+    rec["affected_stages"] = sorted({s["stage"] for st in steps for s in st["stages"] if s["verdict"] == oracle.AFFECTED})
+    rec["whole_model_verdict"], rec["whole_model_reason"] = rec["verdict"], rec["reason"]
+    where = f"step {worst + 1} of {len(steps)}, " if len(steps) > 1 else ""
+    rec["verdict"], rec["reason"] = steps[worst]["verdict"], where + steps[worst]["reason"]
+    return rec
+
+
+def _judge_stages(stages: list[dict], dtype: str, control: dict | None, c_step: dict | None) -> tuple[str, str]:
+    """One step's stages judged against the control's same step (``matches``, ``verdict`` set on each); returns
+    the worst stage's ``(verdict, "stage s: reason")``."""
+    from kit import oracle, records
+
+    by_stage = {s["stage"]: s for s in (c_step or {}).get("stages") or []}
     for s in stages:
         h = s["hypotheses"]
         s["matches"] = h["best"] if h["best_matches"] else "none"
@@ -281,13 +343,9 @@ def _annotate(rec: dict, control: dict | None) -> dict:
             c_judged = None if control is None else {"error": control.get("error") or f"no stage {s['stage']} ran"}
         else:
             c_judged = records.judged(c, control["dtype"])
-        s["verdict"], s["reason"] = oracle.verdict(records.judged(s, rec["dtype"]), c_judged)
-        if s["verdict"] == oracle.AFFECTED:
-            rec["affected_stages"].append(s["stage"])
+        s["verdict"], s["reason"] = oracle.verdict(records.judged(s, dtype), c_judged)
     worst = min(stages, key=lambda s: oracle.WORST_FIRST.index(s["verdict"]))
-    rec["whole_model_verdict"], rec["whole_model_reason"] = rec["verdict"], rec["reason"]
-    rec["verdict"], rec["reason"] = worst["verdict"], f"stage {worst['stage']}: {worst['reason']}"
-    return rec
+    return worst["verdict"], f"stage {worst['stage']}: {worst['reason']}"
 
 
 def run(world_sizes=(2,), splits=((8, 1), (4, 2), (2, 4), (1, 8)), dtypes=("fp32",), zero_stages=(0,),
@@ -333,8 +391,20 @@ def stage_rows(recs: list[dict], case: str = "pipeline") -> list[dict]:
             continue
         for s in r["stages"]:
             rows.append({**base, "stage": s["stage"], "ratio": s["metrics"]["norm_ratio"],
-                         "cosine": s["metrics"]["cosine"], "matches": s["matches"], "verdict": s["verdict"]})
+                         "cosine": s["metrics"]["cosine"], "matches": s["matches"], "verdict": s["verdict"],
+                         "ratio per step (* off)": stage_steps(r, s["stage"])})
     return rows
+
+
+def stage_steps(rec: dict, stage: int) -> str:
+    """A stage's ratio at every judged step of ``rec``, ``*`` where that stage was off at that step (the record's
+    own numbers are its worst step's)."""
+    out = []
+    for st in rec.get("steps") or []:
+        s = next((x for x in st.get("stages") or [] if x.get("stage") == stage), None)
+        if s is not None:
+            out.append(f"{s['metrics']['norm_ratio']:.3f}{'*' if s.get('verdict') == 'affected' else ''}")
+    return " / ".join(out) or "-"
 
 
 def config_verdicts(recs: list[dict]) -> dict:
@@ -358,6 +428,11 @@ def config_verdicts(recs: list[dict]) -> dict:
     return out
 
 
+def _first_step(rec: dict) -> list[dict]:
+    steps = rec.get("steps")
+    return (steps[0]["stages"] if steps else rec.get("stages")) or []
+
+
 def violations(recs: list[dict]) -> list[str]:
     """The claims the B2 notebook asserts, each broken one as a sentence (empty list: all hold).
 
@@ -376,23 +451,26 @@ def violations(recs: list[dict]) -> list[str]:
     for r in ran:
         where = (f"ds {r['version']} W={r['world_size']} {r['dtype']} ZeRO-{r['zero_stage']} "
                  f"{r['config']['micro_batch']}x{r['ga']} {r['case']}")
-        stages = r.get("stages") or []
-        if r["role"] == "control" and (r["verdict"] != oracle.NOT_AFFECTED
-                                       or any(s["verdict"] != oracle.NOT_AFFECTED for s in stages)):
+        steps = r.get("steps") or [r]
+        if r["role"] == "control" and (r["verdict"] != oracle.NOT_AFFECTED or any(
+                s["verdict"] != oracle.NOT_AFFECTED for st in steps for s in st.get("stages") or [])):
             bad.append(f"{where}: the GA=1 control is off the reference: {r['reason']}")
-        for s in stages:
-            if r["role"] == "measured" and s["verdict"] == oracle.AFFECTED and s["matches"] not in ("sum (x GA)", "mean / GA"):
-                bad.append(f"{where}: stage {s['stage']} is off the reference but matches no named hypothesis")
-            spread = s["rank_spread"]["data-parallel replicas"]
-            if spread > oracle.tolerance(r["dtype"]).rank_spread:
-                bad.append(f"{where}: stage {s['stage']}'s data-parallel replicas applied different updates "
-                           f"(spread {spread:.2e})")
-        logged, applied = r.get("logged_grad_norm"), (r.get("metrics") or {}).get("effective_norm")
-        if logged is not None and applied and abs(logged / applied - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
-            bad.append(f"{where}: logged grad norm {logged:.5g} is not the applied gradient's {applied:.5g}")
-        if r["case"] == "loss_div_ga":
+        for st in steps:
+            at = f"{where} step {st.get('step', 0) + 1}"
+            for s in st.get("stages") or []:
+                if (r["role"] == "measured" and s["verdict"] == oracle.AFFECTED
+                        and s["matches"] not in ("sum (x GA)", "mean / GA")):
+                    bad.append(f"{at}: stage {s['stage']} is off the reference but matches no named hypothesis")
+                spread = s["rank_spread"]["data-parallel replicas"]
+                if spread > oracle.tolerance(r["dtype"]).rank_spread:
+                    bad.append(f"{at}: stage {s['stage']}'s data-parallel replicas applied different updates "
+                               f"(spread {spread:.2e})")
+            logged, applied = st.get("logged_grad_norm"), (st.get("metrics") or {}).get("effective_norm")
+            if logged is not None and applied and abs(logged / applied - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
+                bad.append(f"{at}: logged grad norm {logged:.5g} is not the applied gradient's {applied:.5g}")
+        if r["case"] == "loss_div_ga":  # step 1 of both starts from the same weights (later ones need not)
             plain = by_key.get((r["version"], r["world_size"], r["dtype"], r["zero_stage"], r["ga"], "pipeline"))
-            for s, p in zip(stages, (plain or {}).get("stages") or []):
+            for s, p in zip(_first_step(r), _first_step(plain or {})):
                 scaled = s["metrics"]["norm_ratio"] * r["ga"] / p["metrics"]["norm_ratio"]
                 if abs(scaled - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
                     bad.append(f"{where}: stage {s['stage']}: loss / GA changed the update by {1 / scaled:.4g} / GA, not 1 / GA")

@@ -112,53 +112,111 @@ def ds_config(zero_stage: int) -> dict:
 
 
 def run_case(case: dict) -> dict:
-    """One Trainer step of ``case`` (path, micro_batch, gas); effective gradient, logged norm and the trace."""
+    """``case["steps"]`` (``common.STEPS`` by default) Trainer steps of ``case`` (path, micro_batch, gas), each judged
+    against the reference of the rows it really took (read from what ``compute_loss`` was handed), from that step's
+    own starting weights; the logged norm and the trace per step."""
     import tempfile
 
     import torch
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from kit import oracle
     from kit.probes import common as c
 
-    mb, gas, path, seed = case["micro_batch"], case["ga"], case["path"], case["seed"]
+    mb, gas, path, seed, steps = case["micro_batch"], case["ga"], case["path"], case["seed"], case.get("steps", c.STEPS)
     model = tiny_qwen3(seed)
-    start = copy.deepcopy(model)
-    rows = token_rows(seed, mb * gas * c.world_size())
-    zero = PATHS[path]
+    rows = token_rows(seed, mb * gas * c.world_size() * steps)
+    zero, reads = PATHS[path], []
     with tempfile.TemporaryDirectory(prefix="gradkit-trainer-") as out_dir:
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=mb, gradient_accumulation_steps=gas,
                                  learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1e9,
-                                 optim="sgd", max_steps=1, logging_steps=1, report_to=[], save_strategy="no",
+                                 optim="sgd", max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
                                  remove_unused_columns=False, seed=seed, use_cpu=c.device().type == "cpu",
                                  deepspeed=None if zero is None else ds_config(zero))
         trainer = probe_trainer_class(Trainer)(model=model, args=args, train_dataset=rows,
                                                fix=case["name"] if case["name"].startswith("fix_") else None)
+        trainer.gradkit_rows = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
         if case["name"] == "accepts_false":
             trainer.model_accepts_loss_kwargs = False  # the seed's workaround
+
+        def read():  # a collective under ZeRO: every rank's callbacks run it at the same point
+            if zero is None:
+                return c.plain_read(trainer.model)
+            engine = trainer.model_wrapped
+            return c.read_weights(engine.module, engine.optimizer, "fp32")
+
+        class Reads(TrainerCallback):
+            def on_train_begin(self, *a, **k):
+                reads.append(read())
+
+            def on_step_end(self, *a, **k):
+                reads.append(read())
+
+        trainer.add_callback(Reads())
         trace = trainer.gradkit_trace
         trainer.train()
         engine = trainer.model_wrapped if zero is not None else None
-        after = c.full_fp32_params(engine.module, engine.optimizer) if engine is not None else \
-            torch.cat([p.detach().reshape(-1).double() for p in trainer.model.parameters()])
         logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
         accel_gas = getattr(trainer.accelerator, "gradient_accumulation_steps", None)
         engine_gas = engine.gradient_accumulation_steps() if engine is not None else None
-    before = torch.cat([p.detach().reshape(-1).double() for p in start.parameters()])
-    reference, tokens, ref_loss = reference_gradient(start, rows)
+    effective = [_applied(reads[s], reads[s + 1]) for s in range(len(reads) - 1)]
+    per_rank = [c.all_gather_flat(e) for e in effective]  # every rank must have applied the same update
     rank_traces = [None] * c.world_size()  # the token count is a matter of every rank's micro-batches
     if c.world_size() > 1:
         import torch.distributed as dist
         dist.all_gather_object(rank_traces, trace)
     else:
         rank_traces = [trace]
-    out = {"metrics": oracle.compare(before - after, reference), "label_tokens": tokens, "reference_loss": ref_loss,
-           "logged_grad_norm": logged[0] if logged else None, "trace": trace, "rank_traces": rank_traces,
-           "model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs),
-           "accelerator_gas": accel_gas, "engine_gas": engine_gas}
+    out = {"model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs), "accelerator_gas": accel_gas,
+           "engine_gas": engine_gas}
+    if c.rank() == 0:
+        judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed,
+                              logged[s] if s < len(logged) else None) for s in range(len(effective))]
+        out.update(_worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed))
     if engine is not None:
         c.release(engine)
     return out
+
+
+def _applied(before: dict, after: dict):
+    """One step's update (lr = 1): from the fp32 masters where they agree with the module, else the module's."""
+    agree = before["agree"] and after["agree"]
+    return before["masters"] - after["masters"] if agree else before["module"] - after["module"]
+
+
+def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces, seed: int, logged) -> dict:
+    """Rank 0: one step against the reference of the rows every rank's ``compute_loss`` was handed in that step,
+    from the step's own starting weights."""
+    import torch
+
+    from kit import oracle
+    from kit.probes import common as c
+
+    traces = [[t for t in tr or [] if t.get("step") == step] for tr in rank_traces]
+    taken = sorted({i for tr in traces for t in tr if t["call"] == "compute_loss" for i in t.get("rows") or []})
+    start = tiny_qwen3(seed)
+    torch.nn.utils.vector_to_parameters(before["module"].float(), start.parameters())
+    reference, tokens, ref_loss = reference_gradient(start, [rows[i] for i in taken])
+    return {"step": step, "rows": taken, "metrics": oracle.compare(effective, reference), "label_tokens": tokens,
+            "reference_loss": ref_loss, "logged_grad_norm": logged, "logged_norm": logged,
+            "reference_norm": reference.norm().item(), "trace": traces[0], "rank_traces": traces,
+            "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
+
+
+def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int) -> dict:
+    """The record: its worst step's measurement, every step in ``steps``, and the trajectory (the weights after every
+    step against the reference's own steps, on the same rows, from the same start)."""
+    import torch
+
+    from kit import oracle
+
+    worst = max(range(len(judged)), key=lambda q: oracle.severity({**judged[q], "dtype": "fp32"}))
+    ref = first.clone()
+    for st in judged:
+        model = tiny_qwen3(seed)
+        torch.nn.utils.vector_to_parameters(ref.float(), model.parameters())
+        ref = ref - reference_gradient(model, [rows[i] for i in st["rows"]])[0]
+    return {**judged[worst], "steps": judged, "worst_step": worst,
+            "trajectory": {"steps": len(judged), **oracle.compare(first - last, first - ref)}}
 
 
 def run_harness(case: dict) -> dict:
@@ -166,42 +224,55 @@ def run_harness(case: dict) -> dict:
 
     Rank r takes its own block of rows in GAS micro-batches; each micro-batch's summed token loss is divided by
     the label tokens of the whole global batch (counted after the shift), gradients are summed over ranks with
-    ``torch.distributed.all_reduce`` and plain SGD (lr = 1) steps: exactly the reference's update.
+    ``torch.distributed.all_reduce`` and plain SGD (lr = 1) steps: exactly the reference's update. Each of
+    ``case["steps"]`` steps takes the next global batch of rows and is judged as the Trainer's steps are.
     """
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from kit import oracle
     from kit.probes import common as c
 
     mb, gas, seed, w, r = case["micro_batch"], case["ga"], case["seed"], c.world_size(), c.rank()
-    dev = c.device()
-    model = tiny_qwen3(seed)
-    start = copy.deepcopy(model)
-    model.to(dev)
-    rows = token_rows(seed, mb * gas * w)
-    tokens = sum(int((row["labels"][1:] != -100).sum()) for row in rows)
-    mine = rows[r * mb * gas:(r + 1) * mb * gas]
-    for i in range(gas):
-        chunk = mine[i * mb:(i + 1) * mb]
-        ids = torch.stack([x["input_ids"] for x in chunk]).to(dev)
-        target = torch.stack([x["labels"] for x in chunk])[:, 1:].to(dev)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                               reduction="sum") / tokens
-        loss.backward()
+    steps, dev, per_step = case.get("steps", c.STEPS), c.device(), mb * gas * w
+    model = tiny_qwen3(seed).to(dev)
+    rows = token_rows(seed, per_step * steps)
+    reads, traces = [c.plain_read(model)], []
+    for s in range(steps):
+        block = rows[s * per_step:(s + 1) * per_step]
+        tokens = sum(int((row["labels"][1:] != -100).sum()) for row in block)
+        mine = block[r * mb * gas:(r + 1) * mb * gas]
+        for i in range(gas):
+            chunk = mine[i * mb:(i + 1) * mb]
+            ids = torch.stack([x["input_ids"] for x in chunk]).to(dev)
+            target = torch.stack([x["labels"] for x in chunk])[:, 1:].to(dev)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                                   reduction="sum") / tokens
+            loss.backward()
+            first = s * per_step + r * mb * gas + i * mb
+            traces.append({"call": "compute_loss", "step": s, "rows": list(range(first, first + mb))})
+        if w > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)  # the sum over ranks: every label token of the global batch once
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= p.grad  # SGD, lr = 1
+                p.grad = None
+        reads.append(c.plain_read(model))
+    effective = [_applied(reads[s], reads[s + 1]) for s in range(steps)]
+    per_rank = [c.all_gather_flat(e) for e in effective]
+    rank_traces = [None] * w
     if w > 1:
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # the sum over ranks: every label token of the global batch once
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= p.grad  # SGD, lr = 1
-    after = torch.cat([p.detach().cpu().reshape(-1).double() for p in model.parameters()])
-    before = torch.cat([p.detach().reshape(-1).double() for p in start.parameters()])
-    reference, ref_tokens, ref_loss = reference_gradient(start, rows)
-    return {"metrics": oracle.compare(before - after, reference), "label_tokens": ref_tokens,
-            "reference_loss": ref_loss, "trace": [], "rank_traces": []}
+        dist.all_gather_object(rank_traces, traces)
+    else:
+        rank_traces = [traces]
+    if c.rank() != 0:
+        return {}
+    judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed, None) for s in range(steps)]
+    for st in judged:  # the harness has no Trainer calls to show
+        st["trace"], st["rank_traces"] = [], []
+    return _worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed)
 
 
 def probe_trainer_class(trainer_cls):
@@ -230,7 +301,9 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
         out = compute_loss(model, inputs, *a, num_items_in_batch=num_items_in_batch, **kw)
         loss = out[0] if isinstance(out, tuple) else out
         labels = inputs["labels"]
-        trace.append({"call": "compute_loss", "loss": float(loss.detach()),
+        ids = getattr(trainer, "gradkit_rows", {})
+        trace.append({"call": "compute_loss", "loss": float(loss.detach()), "step": trainer.state.global_step,
+                      "rows": [ids.get(tuple(x.tolist()), -1) for x in inputs["input_ids"].cpu()],
                       "num_items_in_batch": None if num_items_in_batch is None else int(num_items_in_batch),
                       "label_tokens_unshifted": int((labels != -100).sum()),
                       "label_tokens_shifted": int((labels[:, 1:] != -100).sum())})
@@ -261,7 +334,8 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
             result = backward(loss, **kw)
         finally:
             torch.Tensor.backward = tensor_backward
-        trace.append({"call": "accelerator.backward", "loss": float(loss.detach()), "trainer_divided": trainer_divided,
+        trace.append({"call": "accelerator.backward", "step": trainer.state.global_step,
+                      "loss": float(loss.detach()), "trainer_divided": trainer_divided,
                       "kwargs": {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))},
                       "backpropagated": backpropagated[-1] if backpropagated else None})
         return result
@@ -429,27 +503,54 @@ def _annotate(rec: dict, baseline: dict | None = None) -> dict:
 
     ``verdict`` (set by the records) judges the step against the reference, with the harness as control.
     ``gas_verdict`` judges it against the same path's GAS = 1 step: it answers the report's question even
-    where that step is itself off the reference for a reason GAS does not change (the token count).
+    where that step is itself off the reference for a reason GAS does not change (the token count). Every judged
+    step gets its own factors and ``gas_verdict`` (against the baseline's same step); the record's factors are its
+    worst step's, its ``gas_verdict`` the worst of its steps'.
     """
     from kit import oracle
 
     rec["path"] = rec["config"]["path"]
-    factor = token_factor(rec.get("rank_traces") or [rec.get("trace")]) if rec.get("metrics") else None
-    if factor:
-        rec["token_factor"] = factor
-        rec["gas_factor"] = rec["metrics"]["norm_ratio"] / factor
-        if rec["ga"] > 1:  # GAS ** power: +1 summed, -1 divided once too often, ...
-            rec["gas_power"] = math.log(rec["gas_factor"]) / math.log(rec["ga"])
-    if rec["role"] in ("control", "baseline"):
-        rec["gas_verdict"] = "n/a"
-    elif not rec.get("metrics") or not (baseline or {}).get("metrics"):
-        rec["gas_verdict"] = oracle.CANNOT_RUN if not rec.get("metrics") else oracle.INCONCLUSIVE
-    else:
-        vs = rec["metrics"]["norm_ratio"] / baseline["metrics"]["norm_ratio"]
-        rec["ratio_vs_control"] = vs
-        ok = abs(vs - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and rec["metrics"]["cosine"] > 0.9999
-        rec["gas_verdict"] = oracle.NOT_AFFECTED if ok else oracle.AFFECTED
+    steps = rec.get("steps") or [rec]
+    base_steps = (baseline or {}).get("steps") or [baseline or {}]
+    for i, st in enumerate(steps):
+        _factors(st, rec["ga"])
+        st["gas_verdict"] = _gas_verdict(rec, st, base_steps[min(i, len(base_steps) - 1)])
+    if rec.get("steps"):
+        worst = steps[rec.get("worst_step", 0)]
+        for k in ("token_factor", "gas_factor", "gas_power", "ratio_vs_control"):
+            if k in worst:
+                rec[k] = worst[k]
+        rec["gas_verdict"] = min((st["gas_verdict"] for st in steps),
+                                 key=lambda v: oracle.WORST_FIRST.index(v) if v in oracle.WORST_FIRST else 99)
+    elif not rec.get("metrics"):
+        rec["gas_verdict"] = "n/a" if rec["role"] in ("control", "baseline") else oracle.CANNOT_RUN
     return rec
+
+
+def _factors(part: dict, ga: int) -> None:
+    """A step's ``token_factor`` (from every rank's trace of that step), ``gas_factor`` and ``gas_power``."""
+    import math
+
+    factor = token_factor(part.get("rank_traces") or [part.get("trace")]) if part.get("metrics") else None
+    if factor:
+        part["token_factor"] = factor
+        part["gas_factor"] = part["metrics"]["norm_ratio"] / factor
+        if ga > 1:  # GAS ** power: +1 summed, -1 divided once too often, ...
+            part["gas_power"] = math.log(part["gas_factor"]) / math.log(ga)
+
+
+def _gas_verdict(rec: dict, part: dict, base: dict) -> str:
+    """One step against the same path's GAS = 1 step (same rows): is it GAS-invariant?"""
+    from kit import oracle
+
+    if rec["role"] in ("control", "baseline"):
+        return "n/a"
+    if not part.get("metrics") or not base.get("metrics"):
+        return oracle.CANNOT_RUN if not part.get("metrics") else oracle.INCONCLUSIVE
+    vs = part["metrics"]["norm_ratio"] / base["metrics"]["norm_ratio"]
+    part["ratio_vs_control"] = vs
+    ok = abs(vs - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and part["metrics"]["cosine"] > 0.9999
+    return oracle.NOT_AFFECTED if ok else oracle.AFFECTED
 
 
 STACKS = {"installed": {}, "transformers 5.3.0 + DeepSpeed 0.18.9": {"transformers": "5.3.0", "deepspeed": "0.18.9"}}

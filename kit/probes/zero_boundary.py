@@ -131,7 +131,7 @@ def run_case(case: dict) -> dict:
     def take(step, batches):
         with c.phase("forward, backward, step"):
             LOOPS[case["loop"]](engine, [(x.to(dev, dtype), y.to(dev)) for x, y in batches], c.mse)
-        return None, None
+        return c.engine_norm(engine), None
 
     out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=n, micro_batch=mb, hidden=hidden,
                         dtype=case["dtype"], hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns))
