@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -103,16 +102,11 @@ def explain(rec: dict) -> tuple[str | None, str]:
 SEPARATING_GA = 4  # from N = 3 on, every named hypothesis predicts its own step (at N = 2 "last / N" is "all but the first")
 
 
-def ambiguous_names(matches) -> list[str]:
-    """The hypotheses an "ambiguous between 'A' and 'B'" step ties between ([] for any other step)."""
-    return re.findall(r"'([^']+)'", matches) if str(matches).startswith("ambiguous between") else []
-
-
 def separate(cfg, summary: dict, run) -> list[dict]:
     """Where an affected loop's step ties between named hypotheses (e.g. at N = 2), run that loop again at a GA
     that separates them (``run(resolved config, loops) -> records``) and name the bug only from that run; the
     verdict at the user's GA stands. Returns the separating run's records."""
-    rows = [row for row in summary["loops"] if row["step_verdict"] == oracle.AFFECTED and ambiguous_names(row["matches"])]
+    rows = [row for row in summary["loops"] if row["step_verdict"] == oracle.AFFECTED and row["ties"]]
     if not rows:
         return []
     n = cfg["gradient_accumulation_steps"]
@@ -127,7 +121,7 @@ def separate(cfg, summary: dict, run) -> list[dict]:
         row["separated"] = {"ga": n2, "verdict": o["step_verdict"] if o else oracle.CANNOT_RUN,
                             "matches": o["matches"] if o else None, "shape": o["shape"] if o else None,
                             "explained_by": o["explained_by"] if o else None}
-        if o and o["explained_by"] and o["matches"] in ambiguous_names(row["matches"]):
+        if o and o["explained_by"] and o["matches"] in row["ties"]:
             row["explained_by"], row["fix"] = o["explained_by"], o["fix"]
             row["explanation"] = (f"{o['explanation']} (at GA {n} the step is {row['matches']}; at GA {n2}, run to "
                                   f"separate them, it is '{o['matches']}')")
@@ -157,6 +151,7 @@ def summarise(recs: list[dict]) -> dict:
         row = {"loop": r["case"], "verdict": _worst([r["verdict"], norm]), "step_verdict": r["verdict"],
                "norm_verdict": norm, "norm_reason": r.get("norm_reason"), "ratio": m.get("norm_ratio"),
                "cosine": m.get("cosine"), "misplaced_weight": a.get("misplaced_weight"), "matches": r.get("matches"),
+               "ties": r.get("ties") or [],
                "shape": r.get("shape"), "worst_step": r.get("worst_step"), "reason": r["reason"],
                "read_finding": r.get("read_finding"), "trajectory": r.get("trajectory"),
                "steps": [{"step": st["step"] + 1, "ratio": st["metrics"]["norm_ratio"], "cosine": st["metrics"]["cosine"],

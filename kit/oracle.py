@@ -335,18 +335,21 @@ def step_name(h: dict | None) -> str | None:
 
 
 def annotate_steps(rec: dict) -> dict:
-    """Per judged step of a record: ``matches`` (``step_name``) and ``shape`` (``describe_weights``); the record's
-    own ``matches`` and ``shape`` are its worst step's (a one-step record: its own)."""
+    """Per judged step of a record: ``matches`` (``step_name``), ``ties`` (the named hypotheses it cannot tell apart,
+    [] where it can) and ``shape`` (``describe_weights``); the record's own are its worst step's (a one-step
+    record: its own)."""
     for s in rec.get("steps") or []:
         s["matches"] = _named(s, rec.get("judge_dtype") or rec.get("dtype"))
+        s["ties"] = list((s.get("hypotheses") or {}).get("ambiguous") or [])
         a = s.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
             s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
     if rec.get("steps"):
         worst = rec["steps"][rec.get("worst_step", 0)]
-        rec["matches"], rec["shape"] = worst["matches"], worst.get("shape")
+        rec["matches"], rec["shape"], rec["ties"] = worst["matches"], worst.get("shape"), worst["ties"]
     else:
         rec["matches"] = _named(rec, rec.get("judge_dtype") or rec.get("dtype"))
+        rec["ties"] = list((rec.get("hypotheses") or {}).get("ambiguous") or [])
     return annotate_norms(rec)
 
 

@@ -451,7 +451,7 @@ def separate(recs: list[dict]) -> list[dict]:
         if r["verdict"] == oracle.AFFECTED and r.get("explained_by") and r["ga"] >= check.SEPARATING_GA - 1:
             by.setdefault(key(r), []).append(r)
     for r in recs:
-        names = check.ambiguous_names(r.get("matches"))
+        names = r.get("ties") or []
         if r["verdict"] != oracle.AFFECTED or not names or r.get("explained_by"):
             continue
         sib = next((s for s in sorted(by.get(key(r), []), key=lambda s: s["ga"]) if s["matches"] in names), None)

@@ -168,13 +168,16 @@ def test_unknown_points_of_different_shapes_are_never_one_group():
 
 def test_a_tie_at_ga_2_is_separated_by_the_same_config_at_ga_4():
     tie = "ambiguous between 'all but the first micro-batch' and 'last micro-batch / N'"
-    two = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.AFFECTED, "matches": tie, "id": "two"}
+    two = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.AFFECTED, "matches": tie, "id": "two",
+           "ties": ["all but the first micro-batch", "last micro-batch / N"]}
     four = {"point": {"ga": 4, "s": 1}, "ga": 4, "stack": {}, "verdict": oracle.AFFECTED, "id": "four",
             "matches": "last micro-batch / N", "explained_by": "B3", "explanation": "B3 (...)"}
     other = {**two, "point": {"ga": 2, "s": 2}, "id": "other"}  # no GA 4 sibling: stays a tie
-    sweep.separate([two, four, other])
+    elsewhere = {**two, "point": {"ga": 2, "s": 1}, "id": "elsewhere", "ties": ["first micro-batch", "sum"]}
+    sweep.separate([two, four, other, elsewhere])
     assert two["explained_by"] == "B3" and two["separated_by"] == "four" and "GA 4 separates" in two["explanation"]
     assert other.get("explained_by") is None
+    assert elsewhere.get("explained_by") is None  # GA 4's step is not one of the names this tie is between
 
 
 def test_resume_never_reuses_a_record_of_another_release_or_spec(monkeypatch):

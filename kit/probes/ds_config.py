@@ -459,8 +459,10 @@ def _annotate(recs: list[dict]) -> list[dict]:
             if per_rank and s["matches"] in (None, "none"):
                 names = {oracle.step_name(x) for x in per_rank}
                 s["matches"] = names.pop() if len(names) == 1 else "none"
+                s["ties"] = list(per_rank[0].get("ambiguous") or []) if len(names) == 0 or s["matches"] != "none" \
+                    else []
         if r.get("steps"):
-            r["matches"] = r["steps"][r["worst_step"]]["matches"]
+            r["matches"], r["ties"] = r["steps"][r["worst_step"]]["matches"], r["steps"][r["worst_step"]]["ties"]
             bad = [s for s in r["steps"] if not (s.get("read") or {}).get("masters_agree", True)]
             if bad:
                 r["read_finding"] = (
