@@ -190,7 +190,8 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     lines = [f"gradkit check {source}: DeepSpeed {v.get('deepspeed', first.get('version'))}, torch "
              f"{v.get('torch', '?')}, {world_size} rank{'s' if world_size > 1 else ''} ({device}); "
              f"ZeRO-{cfg.get('zero_optimization', {}).get('stage')} {ds_config.dtype_of(cfg) if cfg else '?'}, "
-             f"GA {cfg.get('gradient_accumulation_steps')}, {steps} optimizer step{'s' if steps > 1 else ''} each judged"]
+             f"GA {cfg.get('gradient_accumulation_steps')}, {steps} optimizer step{'s' if steps > 1 else ''} each judged, "
+             f"model: {(first.get('config') or {}).get('model') or 'mlp'}"]
     if world_size == 1:
         lines.append("  ONE RANK (asked for with --allow-one-rank): no bug that lives between ranks can show here")
     lines += [f"  as run: {n}" for n in first.get("config_notes") or []]
@@ -236,6 +237,25 @@ def precisions(user: dict, trainer_dtype: str | None) -> list[str]:
     return out
 
 
+def _shape_names() -> list[str]:
+    from kit import shapes
+
+    return list(shapes.registry())
+
+
+def model_of(where: str | None, adapter: str | None) -> tuple[object, list[str]]:
+    """``--model`` / ``--adapter`` as ``ds_config.plan``'s ``model`` and the lines that say what was built: a
+    registered shape by name, else the user's architecture from its Hugging Face config at toy size."""
+    from kit import shapes
+    from kit.shapes import _hf
+
+    if where is None or where in shapes.registry():
+        if adapter:
+            raise kconfig.ConfigError("--adapter needs --model naming a Hugging Face config (the adapter goes on it)")
+        return where or shapes.DEFAULT, []
+    return _hf.user_model(where, adapter)
+
+
 def parser() -> argparse.ArgumentParser:
     p = kconfig.Parser(prog="gradkit check", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
@@ -248,6 +268,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=ds_config.STEPS, help="optimizer steps per loop style, each judged")
     p.add_argument("--allow-one-rank", action="store_true", help="accept --world-size 1 (it hides every bug that "
                                                                   "lives between ranks)")
+    p.add_argument("--model", default=None, help="judge it on a model shape (" + ", ".join(_shape_names()) + "), "
+                   "or on your architecture at toy size: a Hugging Face config.json, its folder, or a model id whose "
+                   "config is in the local cache (nothing is downloaded)")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter_config.json to put on --model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the records and the summary here")
@@ -267,10 +291,12 @@ def main(argv=None) -> int:
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
     user = ds_config.load(a.config)
+    model, model_notes = model_of(a.model, a.adapter)
     todo = {}
     for dtype in precisions(user, a.trainer_dtype):
         cfg = ds_config.resolve(user, a.world_size, a.ga, dtype)
-        ds_config.plan(cfg, loops, steps=a.steps)  # an unknown loop style is refused here, before any launch
+        cfg.notes += model_notes
+        ds_config.plan(cfg, loops, steps=a.steps, model=model)  # an unknown loop style is refused here, before any launch
         todo[ds_config.dtype_of(cfg)] = cfg  # named by what runs (a config that enables bf16 itself is bf16)
     if len(todo) > 1:
         print(f"{a.config}: \"auto\" precision and no --trainer-dtype: checking each precision it could resolve to "
@@ -280,7 +306,7 @@ def main(argv=None) -> int:
     for dtype, cfg in todo.items():
         try:
             def run(c, ls):
-                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps)
+                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps, model=model)
 
             recs = run(cfg, loops)
             summary = summarise(recs)

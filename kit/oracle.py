@@ -102,23 +102,27 @@ def reference_gradients(model, micro_batches, loss_fn):
 
     ``micro_batches`` is a list of ``(inputs, targets)``; ``loss_fn(output, targets)``
     returns the *mean* loss of that micro-batch. Returns ``(basis, weights, reference)``:
-    basis[k] is the flat fp32 gradient of micro-batch k's mean loss, weights[k] = n_k / N,
+    basis[k] is the flat fp32 gradient of micro-batch k's mean loss over *every* parameter of the module (module
+    order; a frozen parameter, or one this micro-batch does not reach, is 0 there), weights[k] = n_k / N,
     reference = sum_k weights[k] * basis[k] (the gradient of the mean loss over all N samples).
+    Floating-point inputs are taken in fp32; integer ones (token ids) as they are.
     """
     import copy
 
     import torch
 
     ref_model = copy.deepcopy(model).float()
-    params = [p for p in ref_model.parameters() if p.requires_grad]
+    params = list(ref_model.parameters())
+    trainable = [p for p in params if p.requires_grad]
     sizes = [len(x) for x, _ in micro_batches]
     total = float(sum(sizes))
     basis = []
     for x, y in micro_batches:
         ref_model.zero_grad(set_to_none=True)
-        loss = loss_fn(ref_model(x.float()), y.float())
-        grads = torch.autograd.grad(loss, params)
-        basis.append(torch.cat([g.reshape(-1) for g in grads]).double())
+        loss = loss_fn(ref_model(x.float() if x.is_floating_point() else x), y.float() if y.is_floating_point() else y)
+        grads = dict(zip(map(id, trainable), torch.autograd.grad(loss, trainable, allow_unused=True)))
+        basis.append(torch.cat([(grads.get(id(p)) if grads.get(id(p)) is not None else torch.zeros_like(p)).reshape(-1)
+                                for p in params]).double())
     basis = torch.stack(basis)
     weights = torch.tensor([n / total for n in sizes], dtype=torch.float64)
     return basis, weights, weights @ basis
@@ -171,6 +175,91 @@ def attribute(vector, basis, expected_weights) -> dict:
         "weight_sum_ratio": w.sum().item() / w_exp.sum().item(),
         "residual": residual,
     }
+
+
+def judge_groups(effective, basis, expected, target, groups: dict, ranks: int, n: int, uses: dict | None = None
+                 ) -> dict:
+    """Each parameter group of a step on its own (a frozen block, a tied weight, an expert): ``{group: {"rel_err",
+    "norm_ratio", "expected_zero", "reached", "attribution", "lost", "shape"}}``.
+
+    ``rel_err``: the group's error against its share of ``target`` (the step's right update), relative to that
+    share; where the group's right update is 0 (frozen, or no micro-batch reached it) relative to the whole step's
+    norm instead: the share of the step applied where none belongs. The fitted weights use only the micro-batches
+    that reach the group (``reached``: basis rows, rank-major, then the previous step's, with a gradient there); a
+    reached micro-batch whose fitted weight is under half its right one is ``lost`` ("rank r micro-batch i").
+    ``uses`` ({group: {use: gradient}}, a tied weight's gradient split by where it is used): the group's step is
+    also fitted over its uses (``uses``: weights, right ones all 1, ``misplaced_weight``, ``shape``)."""
+    import torch
+
+    eff = torch.as_tensor(effective, dtype=torch.float64)
+    b = torch.as_tensor(basis, dtype=torch.float64)
+    w_exp = torch.as_tensor(expected, dtype=torch.float64)
+    tgt = torch.as_tensor(target, dtype=torch.float64)
+    whole = max(tgt.norm().item(), 1e-300)
+    out = {}
+    for name, idx in groups.items():
+        e, t, sub = eff[idx], tgt[idx], b[:, idx]
+        norms = sub.norm(dim=1)
+        reached = [int(q) for q in torch.nonzero(norms > 1e-9 * max(norms.max().item(), 1e-300)).reshape(-1)]
+        zero = t.norm().item() <= 1e-9 * whole
+        g = {"expected_zero": zero, "reached": reached, "effective_norm": e.norm().item(), "reference_norm": t.norm().item(),
+             "rel_err": (e.norm().item() / whole) if zero else (e - t).norm().item() / t.norm().item(),
+             "norm_ratio": None if zero else e.norm().item() / t.norm().item()}
+        if not bool(torch.isfinite(e).all()):
+            g["rel_err"] = math.inf
+        if reached and not zero:
+            a = attribute(e, sub[reached], w_exp[reached])
+            g["attribution"] = {**a, "rows": reached}
+            lost = [q for q, w, x in zip(reached, a["weights"], a["expected_weights"]) if x > 0 and w < 0.5 * x]
+            g["lost"] = _positions(lost, ranks, n) if lost else None
+            g["shape"] = _group_shape(reached, a["weights"], a["expected_weights"], ranks, n)
+        if (uses or {}).get(name):
+            names = list(uses[name])
+            u = attribute(e, torch.stack([uses[name][x] for x in names]), torch.ones(len(names), dtype=torch.float64))
+            g["uses"] = {"names": names, **u,
+                         "shape": ", ".join(f"{x} x{_num(round(w, 1) + 0.0)}" for x, w in zip(names, u["weights"]))}
+        out[name] = g
+    return out
+
+
+def _position(row: int, ranks: int, n: int) -> str:
+    k = ranks * n
+    if row >= k:
+        return f"the previous step's rank {(row - k) // n} micro-batch {(row - k) % n + 1}"
+    return f"rank {row // n} micro-batch {row % n + 1}"
+
+
+def _positions(rows, ranks: int, n: int) -> str:
+    """Basis rows in words; "micro-batch i on every rank" where every rank has the same ones."""
+    k = ranks * n
+    now = sorted(q for q in rows if q < k)
+    per_rank = {tuple(q % n for q in now if q // n == r) for r in range(ranks)}
+    if ranks > 1 and len(per_rank) == 1 and len(now) == ranks * len(next(iter(per_rank))):
+        text = f"micro-batch{'es' if len(now) > ranks else ''} {','.join(str(i + 1) for i in next(iter(per_rank)))} " \
+               "on every rank"
+    else:
+        text = ", ".join(_position(q, ranks, n) for q in now)
+    old = [q for q in rows if q >= k]
+    return ", ".join([*([text] if now else []), *(_position(q, ranks, n) for q in old)])
+
+
+def _group_shape(rows, weights, expected, ranks: int, n: int) -> str:
+    """A group's fitted weights in words: each reached micro-batch's weight as a multiple of its right one."""
+    k = ranks * n
+    parts: dict = {}
+    for q, w, x in zip(rows, weights, expected):
+        if q < k:
+            parts.setdefault(round(w / x, 1) + 0.0 if x else round(w * k, 1) + 0.0, []).append(q)
+    if len(parts) == 1:
+        text = f"every micro-batch reaching it x{_num(next(iter(parts)))}"
+    else:
+        main = max(parts, key=lambda v: len(parts[v]))
+        text = ", ".join(f"{_positions(qs, ranks, n)} x{_num(v)}" for v, qs in parts.items() if v != main) + \
+            f", the others reaching it x{_num(main)}"
+    prev = [round(w * k, 1) + 0.0 for q, w in zip(rows, weights) if q >= k]
+    if any(abs(v) > 0.05 for v in prev):
+        text += f"; the previous step's micro-batches x{', '.join(_num(v) for v in prev)}"
+    return text
 
 
 def clipped(vector, clip: float):
@@ -248,6 +337,12 @@ def signals(judged: dict) -> list[dict]:
                     "value": b["attribution"]["misplaced_weight"], "limit": tol.misplaced_weight})
     for what, value in (judged.get("rank_spread") or {}).items():
         out.append({"signal": f"spread of the ranks' {what}", "value": value, "limit": tol.rank_spread})
+    for name, g in (judged.get("groups") or {}).items():  # a small group can be wrong inside the whole's limits
+        out.append({"signal": f"rel. error of {name}", "value": g["rel_err"], "limit": max(tol.rel_l2, floor)})
+        for what in ("attribution", "uses"):
+            if g.get(what):
+                out.append({"signal": f"misplaced weight of {name}{' over its uses' if what == 'uses' else ''}",
+                            "value": g[what]["misplaced_weight"], "limit": max(tol.misplaced_weight, floor)})
     for s in out:
         s["ok"] = math.isfinite(s["value"]) and s["value"] <= s["limit"]
     if not math.isfinite(m["cosine"]):
@@ -344,6 +439,9 @@ def annotate_steps(rec: dict) -> dict:
         a = s.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
             s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
+        off = groups_off(s, rec.get("judge_dtype") or rec.get("dtype") or "fp32")
+        if off:
+            s["shape"] = "; ".join([*([s["shape"]] if s.get("shape") else []), *off])
     if rec.get("steps"):
         worst = rec["steps"][rec.get("worst_step", 0)]
         rec["matches"], rec["shape"], rec["ties"] = worst["matches"], worst.get("shape"), worst["ties"]
@@ -372,6 +470,31 @@ def annotate_norms(rec: dict) -> dict:
     return rec
 
 
+def groups_off(step: dict, dtype: str) -> list[str]:
+    """Each parameter group a step got wrong, in words: what was lost, or applied where nothing belongs. A group
+    whose fitted weights are the whole step's (the whole step's fit explains it) adds nothing and is not said."""
+    tol, out = tolerance(dtype), []
+    whole = step.get("attribution") or {}
+    for name, g in (step.get("groups") or {}).items():
+        misplaced = max((g.get(w) or {}).get("misplaced_weight", 0.0) for w in ("attribution", "uses"))
+        if not (g["rel_err"] > tol.rel_l2 or misplaced > tol.misplaced_weight):
+            continue
+        a = g.get("attribution")
+        if a and not g.get("uses") and whole.get("residual", 1.0) < 0.05 and all(
+                abs(w - whole["weights"][q]) <= 0.1 * abs(x) for q, w, x in zip(a["rows"], a["weights"],
+                                                                             a["expected_weights"])):
+            continue
+        if g.get("uses") and g["uses"]["misplaced_weight"] > tol.misplaced_weight and g["uses"]["residual"] < 0.05:
+            out.append(f"{name}: its gradient is {g['uses']['shape']} (each use's right weight: 1)")
+        elif g["expected_zero"]:
+            out.append(f"{name}: updated by {g['rel_err']:.3g} of the step's norm where its right update is 0")
+        elif g.get("lost"):
+            out.append(f"{name}: the gradient from {g['lost']} was lost ({g['shape']})")
+        else:
+            out.append(f"{name}: {g.get('shape') or 'off'} (rel. error {g['rel_err']:.3g})")
+    return out
+
+
 def _named(step: dict, dtype: str | None) -> str | None:
     """``step_name``, except that a step on every signal the reference's is "global mean": a tie there is only with
     hypotheses that coincide with the reference at this N (at N = 1 "last micro-batch / N" is the mean)."""
@@ -387,7 +510,7 @@ def _num(v: float) -> str:
 
 
 JUDGED_KEYS = ("metrics", "dtype", "error", "attribution", "rank_buffers", "rank_spread", "read_floor", "steps",
-               "worst_step")
+               "worst_step", "groups")
 
 
 def verdict(measured: dict | None, control: dict | None) -> tuple[str, str]:

@@ -3,7 +3,8 @@
     path = repro.write(record, folder / "repro_<group>.py", title)   # the record of one affected point
     rc, output = repro.verify(path, world_size=2, stack={})             # rc 1: it reproduces
 
-The script builds its own tiny MLP and data, runs the point's loop style with the point's config (SGD,
+The script builds the point's model (its shape's own source, ``kit.shape.Shape.source``) and its own data, runs
+the point's loop style with the point's config (SGD,
 lr = 1, so the update is the gradient) for as many optimizer steps as the point took, reads each step as the
 probe does (the fp32 masters, or the module's own weights where the masters' read disagrees with them), computes
 on rank 0 the fp32 reference of the same global batch from that step's starting weights, fits each micro-batch's
@@ -25,39 +26,53 @@ from kit import versions as kversions
 
 TEMPLATE = '''"""{title}
 
-Written by gradkit's sweep on {date}; needs only torch and deepspeed ({deepspeed} here).
+Written by gradkit's sweep on {date}; needs only torch and deepspeed ({deepspeed} here){needs}.
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node={world_size} {name}    # on GPUs: drop DS_ACCELERATOR
-Takes STEPS optimizer steps; each is judged against the fp32 reference of the same global batch from that step's
-own starting weights. Exit status 1: a step DeepSpeed applied is off that reference (reproduced).
+Takes STEPS optimizer steps on the model below ({model}); each is judged against the fp32 reference of the same
+global batch from that step's own starting weights. Exit status 1: a step DeepSpeed applied is off that reference.
 """
 import copy, json, os, sys
 import torch, torch.distributed as dist, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
 
 CONFIG = json.loads({config!r})
-LOOP, N, MB, H, SEED, STEPS = {loop!r}, {n}, {mb}, 32, 0, {steps}  # loop style, micro-batches and steps
+LOOP, N, MB, H, DEPTH, SEED, STEPS = {loop!r}, {n}, {mb}, {hidden}, {depth}, 0, {steps}  # loop, micro-batches, steps
 TOL, MISPLACED, ROUND = {tol}, {mis}, {rounding}  # the dtype's limits; the module dtype's rounding
+ROUTED = {routed}  # the model reads one 0/1 column per route after the H features: which of its parts a micro-batch uses
+
+# ---- the model ({model}): the code gradkit ran
+{model_source}
+# ----
 
 def batches(rank, step):  # N micro-batches of MB samples for one rank and step, the same on every run
     g = torch.Generator().manual_seed(1000 * (step + 1) + rank)
     x, y = torch.randn(N * MB, H, generator=g), torch.randn(N * MB, H, generator=g)
-    return [(x[i * MB:(i + 1) * MB], y[i * MB:(i + 1) * MB]) for i in range(N)]
+    out = [(x[i * MB:(i + 1) * MB], y[i * MB:(i + 1) * MB]) for i in range(N)]
+    if ROUTED:
+        out = [(torch.cat([a, torch.tensor([routes(i, N, step)] * MB)], dim=1), b) for i, (a, b) in enumerate(out)]
+    return out
 
 def weights(engine):  # (what the model computes with, the fp32 masters), flat float64; collectives under ZeRO
-    ps = list(engine.module.parameters())
-    masters = torch.cat([safe_get_full_fp32_param(p).detach().double().reshape(-1).cpu() for p in ps])
-    with deepspeed.zero.GatheredParameters(ps) if hasattr(ps[0], "ds_id") else torch.no_grad():
-        module = torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in ps])
-    return module, masters
+    module, masters = [], []
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_id"):  # ZeRO-3: every rank's partition, gathered with plain torch.distributed
+            parts = [torch.empty_like(p.ds_tensor.reshape(-1)) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, p.ds_tensor.detach().reshape(-1).contiguous())
+            module.append(torch.cat(parts)[:p.ds_numel].double().cpu())
+        else:
+            module.append(p.detach().double().reshape(-1).cpu().clone())
+        full = safe_get_full_fp32_param(p)  # None where a parameter has no master (frozen)
+        masters.append(module[-1] if full is None else full.detach().double().reshape(-1).cpu().clone())
+    return torch.cat(module), torch.cat(masters)
 
 cpu = os.environ.get("DS_ACCELERATOR") == "cpu"
 deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(SEED)
-model = torch.nn.Sequential(torch.nn.Linear(H, H), torch.nn.GELU(), torch.nn.Linear(H, H))
+model = build(SEED, H, DEPTH)
 dtype = torch.bfloat16 if CONFIG.get("bf16", {{}}).get("enabled") else torch.float32
 model, fp32 = model.to(dtype), copy.deepcopy(model).double()
-engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=CONFIG)
+trainable = [p for p in model.parameters() if p.requires_grad]
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(trainable, lr=1.0), config=CONFIG)
 mse = lambda out, y: ((out.float() - y.float()) ** 2).mean()
 off_any, said, prev = False, [], None
 for step in range(STEPS):
@@ -81,7 +96,8 @@ for step in range(STEPS):
         basis = []
         for x, y in [b for r in range(world) for b in batches(r, step)]:
             fp32.zero_grad(); mse(fp32(x.double()), y.double()).backward()
-            basis.append(torch.cat([p.grad.reshape(-1) for p in fp32.parameters()]))
+            basis.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                    for p in fp32.parameters()]))  # 0 where a part is frozen or not used
         basis = torch.stack(basis); k = len(basis)
         reference = basis.mean(0)
         full = basis if prev is None else torch.cat([basis, prev])  # the previous step's micro-batches too
@@ -97,8 +113,8 @@ for step in range(STEPS):
                       "weights_x_right": [round(w * k, 2) for w in fitted[:k].tolist()], "residual": residual,
                       "masters_read": agree, "off": off}})
 if rank == 0:
-    print(json.dumps({{"deepspeed": deepspeed.__version__, "loop": LOOP, "N": N, "world": world, "steps": said,
-                      "reproduced": off_any}}))
+    print(json.dumps({{"deepspeed": deepspeed.__version__, "loop": LOOP, "N": N, "world": world, "model": {model!r},
+                      "steps": said, "reproduced": off_any}}))
     print("REPRODUCED: a step DeepSpeed applied is off the reference" if off_any else "not reproduced: every step matches")
     sys.exit(1 if off_any else 0)
 '''
@@ -108,11 +124,17 @@ def write(rec: dict, path, title: str) -> Path:
     """The reproduction script of one affected record (its resolved DeepSpeed config and loop style)."""
     import datetime
 
+    from kit import shapes
+    from kit.probes import ds_config
+
     case = rec["config"]
     cfg = dict(case["ds_config"])
+    shape = shapes.of_case(case)
     path = Path(path)
     path.write_text(TEMPLATE.format(
         title=title, date=datetime.date.today().isoformat(), deepspeed=(rec.get("versions") or {}).get("deepspeed"),
+        needs=" and peft" if "peft" in shape.source() else "", model=shape.name, model_source=shape.source(),
+        routed=bool(shape.route_names), hidden=ds_config.HIDDEN, depth=ds_config.DEPTH,
         world_size=rec["world_size"], name=path.name, config=json.dumps(cfg, sort_keys=True),
         loop=case["loop"], n=case["ga"], mb=cfg["train_micro_batch_size_per_gpu"], steps=case.get("steps", 1),
         tol=oracle.tolerance(case.get("judge_dtype", case["dtype"])).rel_l2,

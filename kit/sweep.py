@@ -3,7 +3,8 @@
     python -m kit.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
     python -m kit.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
 
-A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``), ``skip``
+A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``, ``model``: a
+shape of ``kit.shapes``), ``skip
 rules (partial points that make no sense), the ``world_size`` and the ``stacks``. Every point of the
 product is one case of ``kit.probes.ds_config``; every point of one stack runs inside one world, after
 one plain-torch control per GA. A point that crashes or desynchronises the world costs only itself: the
@@ -28,7 +29,7 @@ from kit import config as kconfig
 from kit import launch, oracle, records, runner
 from kit.probes import ds_config
 
-SPECIAL_AXES = ("loop", "dtype", "ga")
+SPECIAL_AXES = ("loop", "dtype", "ga", "model")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -65,6 +66,11 @@ def check_spec(spec, where: str = "the spec") -> dict:
         if axis == "ga":
             for v in values:
                 kconfig.check_ga(v)
+        if axis == "model":
+            from kit import shapes
+
+            for v in values:
+                shapes.get(v)
     for rule in spec.get("skip") or []:
         if not isinstance(rule, dict) or set(rule) - set(all_axes(spec)):
             raise kconfig.ConfigError(f"{where}: a skip rule maps axes of the spec to a value, got {rule!r}")
@@ -163,8 +169,8 @@ def point_case(spec: dict, point: dict) -> dict:
         cfg[dtype] = {**cfg.get(dtype, {}), "enabled": True}
     resolved = ds_config.resolve(cfg, spec["world_size"], ga=ga)
     loop = point.get("loop", "engine")
-    (case,) = [c for c in ds_config.plan(resolved, (loop,), steps=spec.get("steps", ds_config.STEPS))[0]
-               if c["role"] == "measured"]
+    (case,) = [c for c in ds_config.plan(resolved, (loop,), steps=spec.get("steps", ds_config.STEPS),
+                                         model=point.get("model"))[0] if c["role"] == "measured"]
     case["point"] = point
     case["id"] = point_id(spec, point)
     case["name"] = case["id"]
@@ -197,12 +203,15 @@ def _key(rec: dict) -> tuple:
 # ---------------------------------------------------------------------------------------------- running
 
 def _control_key(case: dict) -> tuple:
-    return case["ga"], case.get("clip") or 0.0, case.get("steps", 1)
+    from kit import shapes
+
+    return case["ga"], case.get("clip") or 0.0, case.get("steps", 1), case.get("model") or shapes.DEFAULT
 
 
 def _controls(cases: list[dict]) -> list[dict]:
-    return [{"name": f"control GA {n} clip {clip:g}", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32",
-             "zero_stage": None, "clip": clip, "steps": steps} for n, clip, steps in sorted({_control_key(c) for c in cases})]
+    return [{"name": f"control GA {n} clip {clip:g} {model}", "role": "control", "loop": "torch", "ga": n,
+             "dtype": "fp32", "zero_stage": None, "clip": clip, "steps": steps, "model": model}
+            for n, clip, steps, model in sorted({_control_key(c) for c in cases})]
 
 
 def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None:

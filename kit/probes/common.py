@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from kit.shapes.mlp import tiny_mlp  # noqa: E402,F401 - the probes' model, defined once with its shape
+
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -28,17 +30,6 @@ def device() -> torch.device:
     if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def tiny_mlp(hidden: int, seed: int, depth: int = 2) -> nn.Sequential:
-    """``depth`` Linear layers of width ``hidden`` with GELU between; fp32, same weights on every rank."""
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for i in range(depth):
-        layers.append(nn.Linear(hidden, hidden))
-        if i < depth - 1:
-            layers.append(nn.GELU())
-    return nn.Sequential(*layers)
 
 
 def rank_samples(seed: int, rank_id: int, n: int, hidden: int, step: int = 0):
@@ -57,14 +48,20 @@ def micro_batches(seed: int, rank_id: int, ga: int, micro_batch: int, hidden: in
     return [(x[i * micro_batch:(i + 1) * micro_batch], y[i * micro_batch:(i + 1) * micro_batch]) for i in range(ga)]
 
 
+def to_device(x: torch.Tensor, dev, dtype) -> torch.Tensor:
+    """A micro-batch's input on ``dev``: features in the model's ``dtype``, token ids (integers) as they are."""
+    return x.to(dev, dtype) if x.is_floating_point() else x.to(dev)
+
+
 def mse(output, target):
     """Mean squared error, computed in fp32 whatever the model's dtype."""
     return ((output.float() - target.float()) ** 2).mean()
 
 
 def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:
-    """Plain SGD: the applied update is exactly lr * gradient (no momentum, no weight decay)."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
+    """Plain SGD over the trainable parameters (as a LoRA fine-tune hands its optimizer only the adapters): the
+    applied update is exactly lr * gradient (no momentum, no weight decay)."""
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.0, weight_decay=0.0)
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
@@ -73,8 +70,13 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def average_grads(model: nn.Module) -> None:
-    """Every gradient averaged over the ranks with plain ``torch.distributed``: a control's step, no library."""
+    """Every gradient averaged over the ranks with plain ``torch.distributed``: a control's step, no library. A
+    trainable parameter no micro-batch of this rank reached has a gradient of 0 here (another rank's may not be)."""
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
         p.grad /= world_size()
 
@@ -188,7 +190,7 @@ def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
 
 
 def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int,
-          step: int = 0, prev_basis=None, clip: float = 0.0, loss_scale: float = 1.0):
+          step: int = 0, prev_basis=None, clip: float = 0.0, loss_scale: float = 1.0, shape=None):
     """The oracle's view of one step's effective gradient. A collective: every rank calls it.
 
     Rank 0 rebuilds every rank's micro-batches of ``step`` (rank-major), takes the fp32 reference from that step's
@@ -197,15 +199,18 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     ``({}, None, None, None)``. ``prev_basis`` (the previous step's micro-batch gradients) joins the basis with an
     expected weight of 0, so a previous step's gradient applied again is fitted, not guessed. ``clip``: the
     engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
-    ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way).
+    ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way). ``shape``
+    (``kit.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
+    groups each is judged on its own too (``groups``: ``oracle.judge_groups``).
     """
     from kit import oracle
 
+    shape = shape or _mlp()
     per_rank = all_gather_flat(effective)
     if rank() != 0:
         return {}, None, None, None
-    every = [b for rr in range(world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, step)]
-    basis, weights, reference = oracle.reference_gradients(start, every, lambda o, y: mse(o, y) * loss_scale)
+    every = [b for rr in range(world_size()) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
+    basis, weights, reference = oracle.reference_gradients(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale)
     coef = oracle.clipped(reference, clip).norm().item() / reference.norm().item()
     full, expected = basis, weights * coef
     if prev_basis is not None:
@@ -216,7 +221,28 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
            "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
     if clip:
         out["clip_coef"] = coef
+    groups = group_index(start, shape)
+    if len(groups) > 1:
+        uses = shape.uses(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale) if shape.uses else {}
+        out["groups"] = oracle.judge_groups(effective, full, expected, reference * coef, groups, world_size(), ga,
+                                            {g: {u: v * coef for u, v in by.items()} for g, by in uses.items()})
     return out, full, weights, reference
+
+
+def _mlp():
+    from kit import shapes
+
+    return shapes.get("mlp")
+
+
+def group_index(module: nn.Module, shape) -> dict:
+    """``{group: flat indices}`` of a shape's parameter groups in ``module``'s flat (module-order) vector."""
+    spans, k = {}, 0
+    for name, p in module.named_parameters():
+        spans[name] = (k, k + p.numel())
+        k += p.numel()
+    return {g: torch.cat([torch.arange(*spans[n]) for n in names]) for g, names in shape.groups(module).items()
+            if names}
 
 
 STEPS = 2  # optimizer steps a probe case takes by default, each judged (a bug that carries state shows from step 2)
@@ -229,7 +255,8 @@ def plain_read(model: nn.Module) -> dict:
 
 
 def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch: int, hidden: int, depth: int = 2,
-                dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None) -> dict:
+                dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None,
+                shape=None) -> dict:
     """``steps`` optimizer steps on fresh micro-batches, **each** judged against the reference built from that
     step's own starting weights. A collective: every rank calls it.
 
@@ -241,10 +268,12 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     ``hypotheses(W, N, previous)`` -> ``{name: weights}`` explains each step (``oracle.explain``); ``extra(judged,
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
-    step against the reference's own steps from the same start); the other ranks ``{}``.
+    step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
+    and data (``kit.shape.Shape``; the MLP by default).
     """
     from kit import oracle
 
+    shape = shape or _mlp()
     r, w, k = rank(), world_size(), world_size() * ga
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
     after = None
@@ -252,15 +281,15 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         before = read() if after is None else after  # nothing moves the weights between one step's end and the next
         if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
             break
-        logged, gathered = take_step(s, micro_batches(seed, r, ga, micro_batch, hidden, s))
+        logged, gathered = take_step(s, shape.micro_batches(seed, r, ga, micro_batch, hidden, s))
         after, taken = read(), s + 1
         first, last = (before["module"] if first is None else first), after["module"]
         agree = before["agree"] and after["agree"]
         effective = before["masters"] - after["masters"] if agree else before["module"] - after["module"]
-        start = load_flat(tiny_mlp(hidden, seed, depth), before["module"])  # the weights the model stepped from
+        start = load_flat(shape.build(seed, hidden, depth), before["module"])  # the weights the model stepped from
         try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
             judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev, clip,
-                                                      loss_scale)  # its one collective comes first
+                                                      loss_scale, shape)  # its one collective comes first
             if r != 0 or failed is not None:
                 continue
             judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
@@ -276,7 +305,8 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         raise failed
     worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
     return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst,
-            "trajectory": trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale)}
+            "trajectory": trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale,
+                                     shape=shape)}
 
 
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
@@ -299,17 +329,19 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
 
 
 def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, depth: int, steps: int, clip: float,
-               loss_scale: float, replicas: int | None = None) -> dict:
+               loss_scale: float, replicas: int | None = None, shape=None) -> dict:
     """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
     process): how far the run drifted in all, errors of every step compounded. ``replicas``: the data-parallel
     ranks whose micro-batches make a step (every rank by default)."""
     from kit import oracle
 
+    shape = shape or _mlp()
     ref = first.clone()
     for s in range(steps):
-        every = [b for rr in range(replicas or world_size()) for b in micro_batches(seed, rr, ga, micro_batch, hidden, s)]
-        model = load_flat(tiny_mlp(hidden, seed, depth), ref)
-        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: mse(o, y) * loss_scale)
+        every = [b for rr in range(replicas or world_size())
+                 for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, s)]
+        model = load_flat(shape.build(seed, hidden, depth), ref)
+        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: shape.loss_fn(o, y) * loss_scale)
         ref = ref - oracle.clipped(reference, clip)
     return {"steps": steps, **oracle.compare(first - last, first - ref)}
 

@@ -23,6 +23,7 @@ from kit.probe import Probe
 
 BUG = "DDP"
 CASES = {"no_sync": "measured", "every_step": "comparison", "sum_not_mean": "comparison", "control": "control"}
+DEPTH = 2
 
 
 # ====================================================================== inside a rank
@@ -32,11 +33,15 @@ def run_case(case: dict) -> dict:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from kit import shapes
     from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
-    model = c.tiny_mlp(hidden, seed)
-    wrapped = model if case["name"] == "control" else DDP(model)
+    shape = shapes.of_case(case)
+    model = shape.build(seed, hidden, DEPTH)
+    # a model some micro-batches use only in part needs DDP told so (else its reducer waits for gradients that
+    # never come), as every user of such a model sets it
+    wrapped = model if case["name"] == "control" else DDP(model, find_unused_parameters=shape.unused_parameters)
     opt = c.sgd(model)
     div = 1 if case["name"] == "sum_not_mean" else ga
 
@@ -44,7 +49,7 @@ def run_case(case: dict) -> dict:
         for i, (x, y) in enumerate(batches):
             quiet = case["name"] in ("no_sync", "sum_not_mean") and i < ga - 1
             with wrapped.no_sync() if quiet else contextlib.nullcontext():
-                (c.mse(wrapped(x), y) / div).backward()
+                (shape.loss_fn(wrapped(x), y) / div).backward()
         if case["name"] == "control":  # the plain-torch.distributed average every other case is judged against
             c.average_grads(model)
         opt.step()  # lr = 1: the update is the gradient
@@ -52,7 +57,7 @@ def run_case(case: dict) -> dict:
         return None, None
 
     out = c.judge_steps(case.get("steps", c.STEPS), lambda: c.plain_read(model), take, seed=seed, ga=ga,
-                        micro_batch=mb, hidden=hidden)
+                        micro_batch=mb, hidden=hidden, depth=DEPTH, shape=shape)
     return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
 
 
@@ -65,15 +70,19 @@ def run_rank(payload: dict) -> list[dict]:
 
 # ====================================================================== in the caller
 
-def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0) -> list[dict]:
+def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, models=("mlp",)) -> list[dict]:
     return [{"name": name, "role": role, "ga": ga, "dtype": "fp32", "micro_batch": micro_batch, "hidden": hidden,
-             "seed": seed} for ga in ga_values for name, role in CASES.items()]
+             "seed": seed, "model": model} for model in models for ga in ga_values for name, role in CASES.items()]
 
 
-def validate(world_sizes, ga_values, device: str, timeout_s: float) -> None:
+def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",)) -> None:
+    from kit import shapes
+
     kconfig.check_device(device)
-    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values)):
+    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
         kconfig.check_list(name, values)
+    for m in models:
+        shapes.get(m)
     for w in world_sizes:
         kconfig.check_world_size(w, device)
     for ga in ga_values:
@@ -83,15 +92,17 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float) -> None:
 
 def check_notebook(p: dict) -> list:
     """Every parameter of notebook 07; returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
-    validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"])
+    validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"])
     return [(PROBE, {})]
 
 
 def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
-        device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},)) -> list[dict]:
-    """Every case at every GA in one plain-torch world per world size; judged against the ``control``."""
-    validate(world_sizes, ga_values, device, timeout_s)
-    return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed), list(stacks), world_sizes, device,
+        device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},), models=("mlp",)
+        ) -> list[dict]:
+    """Every case at every GA on every model shape (``kit.shapes``) in one plain-torch world per world size; each
+    judged against the ``control`` of its GA and shape."""
+    validate(world_sizes, ga_values, device, timeout_s, models)
+    return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed, models), list(stacks), world_sizes, device,
                       timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
 
 
@@ -99,7 +110,7 @@ def violations(recs: list[dict]) -> list[str]:
     """What notebook 07 asserts: the control matches the reference; no rank imported DeepSpeed."""
     from kit import oracle
 
-    bad = [f"W={r['world_size']} GA={r['ga']}: the control is {r['verdict']}: {r['reason']}"
+    bad = [f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')}: the control is {r['verdict']}: {r['reason']}"
            for r in recs if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED]
     bad += [f"W={r['world_size']} GA={r['ga']} {r['case']}: a rank imported DeepSpeed" for r in recs
             if r.get("imported_deepspeed")]
@@ -118,4 +129,11 @@ PROBE = Probe(
            "version": ["installed"]},
     explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
                                                         device=device, timeout_s=timeout_s),
-    init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10)
+    init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10,
+    control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [oracle_steps(r) for r in recs])
+
+
+def oracle_steps(rec: dict) -> dict:
+    from kit import oracle
+
+    return oracle.annotate_steps(rec) if rec.get("steps") else rec

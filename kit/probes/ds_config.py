@@ -272,6 +272,9 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False) -> 
 
 STALE = "the previous step's gradient applied again"
 STALE_FAULT_KEY = "gradkit_fault_keep_grads"  # tests: the plain-torch loop forgets zero_grad (a stale-state bug)
+# tests: the plain-torch loop breaks a shape's parameters on purpose: "drop:<group>:<i>" (micro-batch i's gradient
+# of that group lost), "train_frozen" (frozen weights trained), "untie" (the tied weight's head use not summed)
+LOOP_FAULT_KEY = "gradkit_fault_loop"
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
@@ -293,17 +296,17 @@ def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None
         engine.step()
 
 
-def loss_scale(w: int, n: int, clip: float) -> float:
+def loss_scale(w: int, n: int, clip: float, shape=None) -> float:
     """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
     the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
     gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
-    from kit import oracle
-    from kit.probes import common as c
+    from kit import oracle, shapes
 
     if not clip:
         return 1.0
-    every = [b for rr in range(w) for b in c.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, 0)]
-    _, _, reference = oracle.reference_gradients(c.tiny_mlp(HIDDEN, SEED, DEPTH), every, c.mse)
+    shape = shape or shapes.get(shapes.DEFAULT)
+    every = [b for rr in range(w) for b in shape.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, 0)]
+    _, _, reference = oracle.reference_gradients(shape.build(SEED, HIDDEN, DEPTH), every, shape.loss_fn)
     return 2.0 * clip / reference.norm().item()
 
 
@@ -311,9 +314,15 @@ class _TorchLoop:
     """The control's loop (and the tests' deliberately broken ones): the bare fp32 module, local accumulation, one
     ``torch.distributed.all_reduce`` per gradient, torch's own clipping; no DeepSpeed anywhere in the step."""
 
-    def __init__(self, model, clip: float, keep_grads: bool):
+    def __init__(self, model, clip: float, keep_grads: bool, fault: str | None = None, shape=None):
         from kit.probes import common as c
 
+        self.fault, self.shape = fault or "", shape
+        if self.fault == "train_frozen":  # tests: the frozen weights handed to the optimizer and trained
+            for p in model.parameters():
+                p.requires_grad_(True)
+        if self.fault == "untie":  # tests: the tied weight gets its embedding use's gradient only
+            model.untie_fault = True
         self.model, self.opt, self.clip, self.keep = model, c.sgd(model), clip, keep_grads
 
     def read(self):
@@ -327,8 +336,17 @@ class _TorchLoop:
         from kit.probes import common as c
 
         n = len(batches)
-        for x, y in batches:
+        drop = self.fault.split(":") if self.fault.startswith("drop:") else None  # "drop:<group>:<micro-batch>"
+        for i, (x, y) in enumerate(batches):
+            kept = None
+            if drop and i == int(drop[2]):  # tests: this micro-batch's gradient of one group is lost
+                names = set(self.shape.groups(self.model)[drop[1]])
+                kept = {n_: (p.grad.clone() if p.grad is not None else None)
+                        for n_, p in self.model.named_parameters() if n_ in names}
             (loss_fn(self.model(x), y) / n).backward()
+            for n_, p in self.model.named_parameters():
+                if kept is not None and n_ in kept:
+                    p.grad = kept[n_]
         c.average_grads(self.model)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip else float("inf"))
         self.opt.step()
@@ -343,25 +361,28 @@ def run_case(case: dict) -> dict:
     from kit import oracle
     from kit.probes import common as c
 
+    from kit import shapes
+
     r, w, n = c.rank(), c.world_size(), case["ga"]
     steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
-    scale = loss_scale(w, n, clip)
+    shape = shapes.of_case(case)
+    scale = loss_scale(w, n, clip, shape)
 
     def loss_fn(out, y):
-        return c.mse(out, y) * scale
+        return shape.loss_fn(out, y) * scale
 
-    model = c.tiny_mlp(HIDDEN, SEED, DEPTH)
+    model = shape.build(SEED, HIDDEN, DEPTH)
     cfg = case.get("ds_config") or {}
     engine, dtype = None, c.DTYPE.get(case["dtype"]) or __import__("torch").float16
     if case["loop"] == "torch":  # the control: plain torch.distributed, no DeepSpeed in the step
-        loop = _TorchLoop(model, clip, bool(cfg.get(STALE_FAULT_KEY)))
+        loop = _TorchLoop(model, clip, bool(cfg.get(STALE_FAULT_KEY)), cfg.get(LOOP_FAULT_KEY), shape)
     else:
         if cfg.get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
             import os
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
         model = model.to(dtype)
-        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY)}
+        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY)}
         engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
         if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
             c.release(engine)
@@ -374,7 +395,7 @@ def run_case(case: dict) -> dict:
             return loop.step(batches, loss_fn), None
         held.clear()
         _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
-              [(x.to(dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
+              [(c.to_device(x, dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
               before_step=lambda: held.update(buffer=bf16_accumulator(engine)))
         state["skipped"] = int(getattr(engine, "skipped_steps", 0) or 0)
         # a leak is per rank: every rank's accumulator (a collective), attributed on rank 0
@@ -392,7 +413,7 @@ def run_case(case: dict) -> dict:
     read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer, case["dtype"])
     out = c.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
                         dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
-                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev))
+                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape)
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
     if engine is not None:
@@ -418,10 +439,11 @@ def run_rank(payload: dict) -> list[dict]:
 
 # ====================================================================== in the caller
 
-def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps: int = STEPS
+def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps: int = STEPS, model=None
          ) -> tuple[list[dict], list[str]]:
     """The cases of one check (the control first) and a note per loop style left out; each case takes ``steps``
-    optimizer steps, each judged."""
+    optimizer steps, each judged, on ``model``: a shape's name (``kit.shapes``; the MLP by default) or the
+    user's architecture (``{"model_config": ..., "adapter_config": ...}`` from ``kit.shapes.user_model``)."""
     from kit.expectations import version_key
 
     unknown = sorted(set(loops) - set(LOOPS))
@@ -430,8 +452,9 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     kconfig.check_positive_int("steps", steps)
     n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
     stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
+    on = model_keys(model)
     out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None,
-            "steps": steps, "clip": clip}]
+            "steps": steps, "clip": clip, **on}]
     for loop in loops:
         if loop == "unmanaged" and deepspeed_version and version_key(deepspeed_version) < version_key(UNMANAGED_SINCE):
             notes.append(f"unmanaged: left out, DeepSpeed {deepspeed_version} has no managed_gradient_accumulation "
@@ -440,8 +463,19 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
         for fix in (None, *known_fixes(cfg, loop)):
             out.append({"name": loop if fix is None else f"{loop} {fix}", "role": "measured" if fix is None else "fix",
                         "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
-                        "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix)})
+                        "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix),
+                        **on})
     return out, notes
+
+
+def model_keys(model) -> dict:
+    """The case keys that name a model: ``{"model": name}`` for a registered shape (checked), the user's
+    architecture's keys as they are."""
+    from kit import shapes
+
+    if isinstance(model, dict):
+        return dict(model)
+    return {"model": shapes.get(model or shapes.DEFAULT).name}
 
 
 def _annotate(recs: list[dict]) -> list[dict]:
@@ -494,8 +528,9 @@ def _floor(r: dict) -> None:
 
 
 def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = None, device: str = "cpu",
-        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, steps: int = STEPS) -> list[dict]:
-    """Every loop style of one resolved config in one world (with the control and the known fixes)."""
+        timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, steps: int = STEPS, model=None) -> list[dict]:
+    """Every loop style of one resolved config in one world (with the control and the known fixes), on ``model``
+    (``plan``)."""
     from kit import oracle, records, versions
 
     stack = dict(stack or {})
@@ -503,7 +538,7 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     kconfig.check_world_size(world_size, device)
     kconfig.check_timeout(timeout_s)
     ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
-    cases, notes = plan(cfg, loops, ds, steps)
+    cases, notes = plan(cfg, loops, ds, steps, model)
     meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": steps}
     why = getattr(cfg, "refused", None)
     if dtype_of(cfg) == "fp16" and device == "cpu":  # said plainly, before anything launches
@@ -524,7 +559,8 @@ CHECK = Probe(  # not registered (no ``PROBE`` name): the check and the sweep ru
     id="CFG", title="a user's DeepSpeed config", module="ds_config", notebook="06_sweep.ipynb",
     measured_case="engine", ratio_meaning="effective / reference gradient of one step",
     advice="see `gradkit check` for the loop style and the fix", run=run, check_notebook=lambda p: None,
-    quick_plan=lambda w: {}, knobs={}, explorer_kwargs=lambda sel, d, t: {}, annotate=_annotate)
+    quick_plan=lambda w: {}, knobs={}, explorer_kwargs=lambda sel, d, t: {}, annotate=_annotate,
+    control_key=lambda r: (r["ga"], r["config"].get("model"), bool(r["config"].get("model_config"))))
 
 
 def load(path) -> dict:
