@@ -34,6 +34,17 @@ EXPLAINS = {
     "B5": ("ZeRO-1/2 with offload_optimizer copies a micro-step's gradient to the CPU buffer only on the first "
            "micro-step; the ones between it and the boundary are lost", "first and last micro-batch",
            "upgrade to DeepSpeed >= 0.19.0, or keep GA <= 2 with optimizer offload"),
+    "B6": ("ZeRO-3 never zeroes its reduced-gradient partitions (grad_partitions_flat_buffer): a parameter no "
+           "micro-batch of a step reached is stepped with its last gradient, one first reached after micro-batch 1 "
+           "adds onto the previous window's", (oracle.PART_STALE,),
+           "no release fixes it: give every parameter a gradient in every micro-batch (e.g. multiply an unused "
+           "module's output by 0 and add it), or zero optimizer.grad_partitions_flat_buffer after each step"),
+    "B7": ("offload_optimizer cpu writes the fp32 gradient only for the parameters the boundary micro-batch reaches "
+           "and never clears it: a part the boundary misses loses its window's gradient and keeps its last one",
+           (oracle.PART_STALE, oracle.PART_LOST, f"{oracle.PART_STALE} and {oracle.PART_LOST}",
+            f"{oracle.PART_LOST} and {oracle.PART_STALE}"),
+           "no release fixes it: give every parameter a gradient in every micro-batch (an unused module's output x 0 "
+           "added), or train without optimizer offload"),
 }
 
 
@@ -76,6 +87,10 @@ def candidates(rec: dict) -> list[str]:
     if (stage in (1, 2) and offload.get("device") == "cpu" and rec["ga"] > 2 and loop in ("engine", "boundary")
             and _expected_here("B5", versions)):
         out.append("B5")
+    if stage == 3 and _expected_here("B6", versions):
+        out.append("B6")
+    if stage in (1, 2, 3) and offload.get("device") == "cpu" and _expected_here("B7", versions):
+        out.append("B7")
     return [b for b in out if b not in ruled_out(rec)]
 
 
@@ -88,9 +103,9 @@ def explain(rec: dict) -> tuple[str | None, str]:
     said = f" (the step is: {shape})" if shape else ""
     for bug in found:
         pattern, hypothesis, _ = EXPLAINS[bug]
-        if matches == hypothesis:
+        if matches == hypothesis or isinstance(hypothesis, tuple) and matches in hypothesis:
             k = expectations.KNOWN[bug]
-            return bug, f"{bug} ({k.report}): {pattern}; the step is '{hypothesis}'"
+            return bug, f"{bug} ({k.report}): {pattern}; the step is '{matches}'"
     if found:
         return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
                       f"'{matches}', not what {found[0]} leaves{said}")

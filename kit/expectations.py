@@ -27,6 +27,20 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   are added on the device and never copied back, so only the first and the boundary micro-batch reach the step.
   deepspeedai/DeepSpeed#7967 copies on every micro-step, first released in 0.19.0 (read in the 0.18.9 and 0.19.0
   sources: 0.18.9 still has the ``else``, 0.19.0 does not).
+- B6 (ZeRO-3: a parameter with no gradient in a step is stepped with an old one): found by the kit's sweep on the
+  ``no_grad_step`` and ``conditional`` shapes (0.18.6 and 0.19.8; no upstream report found, 2026-11-25). Stage 3
+  keeps every reduced gradient partition in ``grad_partitions_flat_buffer``, which nothing zeroes after
+  initialisation; ``partition_grads`` copies into a parameter's slice at ``micro_step_id == 0`` and adds after it,
+  and the epilogue rebuilds ``averaged_gradients`` from every parameter's slice, reduced in this step or not. So
+  a parameter no micro-batch reached keeps, and applies again, its last gradient; one first reached after the
+  first micro-batch adds its window onto the previous window's total.
+- B7 (``offload_optimizer`` CPU, ZeRO-1/2/3: the fp32 gradient buffer is written only for the parameters the
+  boundary micro-batch reaches and never cleared): found by the kit's sweep on the same shapes (0.18.6 and
+  0.19.8; no upstream report found). ``copy_grads_in_partition`` writes a parameter's slice of
+  ``single_partition_of_fp32_groups[i].grad`` only when its hook fires on the boundary micro-step, and nothing
+  zeroes that buffer or ``accumulated_grads_in_cpu`` between steps (ZeRO-3: ``fp32_partitioned_groups_flat[i].grad``
+  and ``_offload_grad_partition_at_boundary``). A part the boundary micro-batch misses loses its window's
+  gradient and keeps its last one.
 """
 from __future__ import annotations
 
@@ -93,6 +107,13 @@ KNOWN = {k.bug: k for k in (
     Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from=None, fixed_in="0.19.0", last_affected="0.18.9",
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#6550 (the regression)", "deepspeedai/DeepSpeed#7967 (the fix)"),
           notes=("ZeRO-1/2 with offload_optimizer only, GA > 2, DeepSpeed's own loop",)),
+    Known("B6", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
+          fixed_in=None, last_affected=None, newest_pinned="0.19.8",
+          notes=("ZeRO-3; only a model whose parameters some step or micro-batch does not reach shows it",)),
+    Known("B7", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
+          fixed_in=None, last_affected=None, newest_pinned="0.19.8",
+          notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
+                 "shows it in DeepSpeed's own loop",)),
 )}
 
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently

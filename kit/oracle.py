@@ -433,9 +433,13 @@ def annotate_steps(rec: dict) -> dict:
     """Per judged step of a record: ``matches`` (``step_name``), ``ties`` (the named hypotheses it cannot tell apart,
     [] where it can) and ``shape`` (``describe_weights``); the record's own are its worst step's (a one-step
     record: its own)."""
+    dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
     for s in rec.get("steps") or []:
-        s["matches"] = _named(s, rec.get("judge_dtype") or rec.get("dtype"))
+        s["matches"] = _named(s, dtype)
         s["ties"] = list((s.get("hypotheses") or {}).get("ambiguous") or [])
+        s["parts"] = part_pattern(s, dtype, rec.get("world_size") or 1, rec.get("ga") or 1)
+        if s["matches"] in (None, "none") and s["parts"]:  # a whole-step name fits nothing: say what the parts did
+            s["matches"] = " and ".join(s["parts"])
         a = s.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
             s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
@@ -445,6 +449,7 @@ def annotate_steps(rec: dict) -> dict:
     if rec.get("steps"):
         worst = rec["steps"][rec.get("worst_step", 0)]
         rec["matches"], rec["shape"], rec["ties"] = worst["matches"], worst.get("shape"), worst["ties"]
+        rec["parts"] = sorted({p for s in rec["steps"] for p in s["parts"]})
     else:
         rec["matches"] = _named(rec, rec.get("judge_dtype") or rec.get("dtype"))
         rec["ties"] = list((rec.get("hypotheses") or {}).get("ambiguous") or [])
@@ -468,6 +473,34 @@ def annotate_norms(rec: dict) -> dict:
     step, word, why = (off or norms or [(0, "n/a", "no step ran")])[0]
     rec["norm_verdict"], rec["norm_reason"] = word, f"step {step + 1}: {why}" if norms else why
     return rec
+
+
+PART_STALE = "an old gradient applied (to a part with none of its own, or the previous step's added)"
+PART_LOST = "a part the boundary micro-batch missed lost its gradient"
+
+
+def part_pattern(step: dict, dtype: str, ranks: int, n: int) -> list[str]:
+    """What a step did to its parameter groups, named where it is one of two patterns that only a model whose
+    parts some micro-batches miss can show: ``PART_STALE`` (a group whose right update is 0 moved, or whose fitted
+    weights put more than half a share on the previous step's micro-batches) and ``PART_LOST`` (a group no
+    boundary micro-batch reaches lost the micro-batches that do reach it). A model of one group is judged on its
+    whole step the same way (``PART_STALE`` where the previous step's micro-batches carry more than half a share)."""
+    tol, k, out = tolerance(dtype), ranks * n, set()
+    boundary = {r * n + n - 1 for r in range(ranks)}
+    whole = step.get("attribution") or {}
+    if not step.get("groups") and whole and severity({**step, "dtype": dtype}) > 1 and \
+            any(w > 0.5 / k for w in whole.get("weights", [])[k:]):
+        out.add(PART_STALE)
+    for g in (step.get("groups") or {}).values():
+        a = g.get("attribution") or {}
+        off = g["rel_err"] > tol.rel_l2 or a.get("misplaced_weight", 0.0) > tol.misplaced_weight
+        if not off:
+            continue
+        if g["expected_zero"] or any(q >= k and w > 0.5 / k for q, w in zip(a.get("rows", []), a.get("weights", []))):
+            out.add(PART_STALE)
+        if g.get("lost") and a and not boundary & {q for q in a["rows"] if q < k}:
+            out.add(PART_LOST)
+    return sorted(out)
 
 
 def groups_off(step: dict, dtype: str) -> list[str]:

@@ -97,7 +97,8 @@ def check_spec(spec, where: str = "the spec") -> dict:
 
 
 def _matches(point: dict, rule: dict) -> bool:
-    return all(point.get(k) == v for k, v in rule.items())
+    """A skip rule holds for a point when every axis it names has its value (a list: any of its values)."""
+    return all(point.get(k) in v if isinstance(v, list) else point.get(k) == v for k, v in rule.items())
 
 
 def _set(cfg: dict, dotted: str, value) -> None:
@@ -169,8 +170,9 @@ def point_case(spec: dict, point: dict) -> dict:
         cfg[dtype] = {**cfg.get(dtype, {}), "enabled": True}
     resolved = ds_config.resolve(cfg, spec["world_size"], ga=ga)
     loop = point.get("loop", "engine")
+    model = point.get("model")
     (case,) = [c for c in ds_config.plan(resolved, (loop,), steps=spec.get("steps", ds_config.STEPS),
-                                         model=point.get("model"))[0] if c["role"] == "measured"]
+                                         model=None if model == DEFAULT else model)[0] if c["role"] == "measured"]
     case["point"] = point
     case["id"] = point_id(spec, point)
     case["name"] = case["id"]
@@ -281,13 +283,22 @@ def _finish(rec: dict) -> dict:
     return rec
 
 
-def run(spec: dict, out, progress: bool = True, retry: bool = False) -> list[dict]:
+JOBS = 2  # worlds at a time: a 2-rank world keeps about one core busy (its ranks wait for each other)
+
+
+def run(spec: dict, out, progress: bool = True, retry: bool = False, jobs: int = JOBS) -> list[dict]:
     """Every point of ``spec`` under every stack; resumes from ``out/records.jsonl``. Returns this spec's records.
 
     A record is reused only for the same point, the same spec (``spec_key``) and the same resolved DeepSpeed
     release (an upgrade of the installed one, or another spec, runs everything again). ``retry``: points that
-    were ``cannot-run`` run again (the newest record of a point is the one that counts)."""
+    were ``cannot-run`` run again (the newest record of a point is the one that counts). ``jobs`` worlds run at a
+    time, each a share of a stack's points (dealt in turn) with its own controls."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
+
+    kconfig.check_positive_int("jobs", jobs)
 
     out = kconfig.repo_path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -301,16 +312,25 @@ def run(spec: dict, out, progress: bool = True, retry: bool = False) -> list[dic
     todo = {k: [c for c in every if (rel, sk, c["id"]) not in done] for k, rel in releases.items()}
     total = sum(len(v) for v in todo.values())
     bar = tqdm(total=total, desc="sweep", unit="config", disable=not progress or not total)
+    lock = threading.Lock()
     with open(path, "a") as f:
         def sink(rec):
-            f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
-            f.flush()
+            with lock:
+                f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
+                f.flush()
 
-        for st in spec["stacks"]:
-            if todo[json.dumps(st, sort_keys=True)]:
-                run_stack(spec, st, todo[json.dumps(st, sort_keys=True)], sink, bar)
+        shares = [(st, share) for st in spec["stacks"] for share in _deal(todo[json.dumps(st, sort_keys=True)],
+                                                                           max(1, jobs // len(spec["stacks"])))]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            for done in [pool.submit(run_stack, spec, st, share, sink, bar) for st, share in shares]:
+                done.result()
     bar.close()
     return current(records.load(path), spec)
+
+
+def _deal(cases: list[dict], n: int) -> list[list[dict]]:
+    """``cases`` dealt in turn into at most ``n`` non-empty shares (neighbouring points land in different worlds)."""
+    return [share for share in (cases[i::n] for i in range(n)) if share]
 
 
 def current(recs: list[dict], spec: dict) -> list[dict]:
@@ -626,6 +646,7 @@ def main(argv=None) -> int:
                                        "(installed = the installed one), e.g. 0.18.6,installed")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--retry-cannot-run", action="store_true", help="run the points that were cannot-run again")
+    p.add_argument("--jobs", type=int, default=JOBS, help=f"worlds at a time (default {JOBS})")
     p.add_argument("--readme", help="replace this file's <!-- gradkit:table SWEEP --> block with the groups")
     a = p.parse_args(argv)
     spec = load_spec(a.spec)
@@ -633,7 +654,7 @@ def main(argv=None) -> int:
         spec = check_spec({**spec, "stacks": runner.stacks_of([v.strip() for v in a.deepspeed.split(",") if v.strip()])},
                           a.spec)
     t0 = time.time()
-    recs = run(spec, a.out, progress=not a.no_progress, retry=a.retry_cannot_run)
+    recs = run(spec, a.out, progress=not a.no_progress, retry=a.retry_cannot_run, jobs=a.jobs)
     out = kconfig.repo_path(a.out)
     summary = summarise(spec, recs, out)
     summary["wall_s"] = round(time.time() - t0, 1)

@@ -278,22 +278,27 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
     after = None
     for s in range(steps):
-        before = read() if after is None else after  # nothing moves the weights between one step's end and the next
-        if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
-            break
-        logged, gathered = take_step(s, shape.micro_batches(seed, r, ga, micro_batch, hidden, s))
-        after, taken = read(), s + 1
+        with phase("read weights"):
+            before = read() if after is None else after  # nothing moves the weights between a step's end and the next
+            if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
+                break
+        with phase("steps"):
+            logged, gathered = take_step(s, shape.micro_batches(seed, r, ga, micro_batch, hidden, s))
+        with phase("read weights"):
+            after, taken = read(), s + 1
         first, last = (before["module"] if first is None else first), after["module"]
         agree = before["agree"] and after["agree"]
         effective = before["masters"] - after["masters"] if agree else before["module"] - after["module"]
-        start = load_flat(shape.build(seed, hidden, depth), before["module"])  # the weights the model stepped from
         try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
-            judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev, clip,
-                                                      loss_scale, shape)  # its one collective comes first
+            with phase("judge"):
+                start = load_flat(shape.build(seed, hidden, depth), before["module"]) if r == 0 else None
+                judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev,
+                                                          clip, loss_scale, shape)  # its one collective comes first
             if r != 0 or failed is not None:
                 continue
-            judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
-                                            logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra))
+            with phase("judge"):
+                judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
+                                                logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra))
             prev = basis[:k]
         except Exception as e:  # noqa: BLE001 - raised below, once every rank is past its collectives
             if r != 0:
@@ -304,9 +309,9 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     if failed is not None:
         raise failed
     worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
-    return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst,
-            "trajectory": trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale,
-                                     shape=shape)}
+    with phase("trajectory"):
+        path = trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale, shape=shape)
+    return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst, "trajectory": path}
 
 
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,

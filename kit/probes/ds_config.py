@@ -383,7 +383,8 @@ def run_case(case: dict) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         model = model.to(dtype)
         ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY)}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
+        with c.phase("initialize"):
+            engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
         if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
             c.release(engine)
             raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
@@ -417,7 +418,8 @@ def run_case(case: dict) -> dict:
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
     if engine is not None:
-        c.release(engine)
+        with c.phase("release"):
+            c.release(engine)
     if state["skipped"]:
         raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
     return {**out, "optimizer": optimizer, "engine_ga": engine_ga} if r == 0 else {}
