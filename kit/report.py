@@ -41,7 +41,8 @@ def verdict_rows(recs: list[dict]) -> list[dict]:
                      "optimizer": r.get("optimizer", "-"),
                      "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "rel_err": m.get("rel_l2"),
                      "misplaced": a.get("misplaced_weight"), "ratio per step (* off)": per_step(r),
-                     "verdict": r["verdict"], "reason": r["reason"]})
+                     "verdict": r["verdict"], "reason": r["reason"],
+                     "model": (r.get("config") or {}).get("model") or "mlp"})
     return rows
 
 
@@ -62,7 +63,10 @@ def cannot_run_summary(recs: list[dict]) -> str:
 
 
 def verdict_table(recs: list[dict]) -> str:
-    return markdown_table(verdict_rows(recs), VERDICT_COLUMNS)
+    """``verdict_rows`` as markdown; a ``model`` column where the records ran on more than one model shape."""
+    rows = verdict_rows(recs)
+    several = len({r["model"] for r in rows}) > 1
+    return markdown_table(rows, (["model"] if several else []) + VERDICT_COLUMNS)
 
 
 # Named columns any probe's records can be tabled by: name -> function of a record.

@@ -403,7 +403,7 @@ def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max
                                   for a in range(last + 1, len(names)) for values, m in literals[a] if mask & m & uncovered]
             if best is not None or not following:
                 break
-            level = following
+            level = _beam(following, uncovered, affected)
         if best is None:  # what no conjunction of max_keys conditions isolates: one group per point
             for i, r in enumerate(ran):
                 if uncovered >> i & 1:
@@ -412,6 +412,24 @@ def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max
         _, combo, mask = best
         out.append(_group(ran, mask & uncovered, {axis: list(values) for axis, values in combo}))  # a partition
         uncovered &= ~mask
+    return out
+
+
+BEAM = 1000  # conjunctions kept from one size to the next (the search grows as values ** conditions)
+
+
+def _beam(level: list, uncovered: int, affected: int) -> list:
+    """One size's conjunctions, each selection once (the first, i.e. the one in axis order), and at most ``BEAM``:
+    those that cover the most uncovered points per point they wrongly select (one that is not affected with this
+    label). The search stays exact wherever a size has fewer distinct selections than that."""
+    seen, out = set(), []
+    for combo in level:
+        if combo[1] not in seen:
+            seen.add(combo[1])
+            out.append(combo)
+    if len(out) > BEAM:
+        out.sort(key=lambda c: -bin(c[1] & uncovered).count("1") / (1 + bin(c[1] & ~affected).count("1")))
+        out = out[:BEAM]
     return out
 
 
@@ -517,7 +535,10 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
        the manual loop, ZeRO-1/2's ``DeepSpeedZeroOptimizer``, N > 1, no offload, on a release it pins as
        affected) the point is affected;
     3. every group of known-bug points is explained by that bug at every point, and every unknown group's
-       standalone reproduction reproduced.
+       standalone reproduction reproduced;
+    4. the kit's own findings hold where the table pins them: every ``no_grad_step`` point on ZeRO-3 is B6 (its
+       head is stepped at step 3 with no gradient), every ``conditional`` point of DeepSpeed's own loop with
+       optimizer offload on ZeRO-2/3 is B7 (the experts the last micro-batch skips get nothing), wherever they ran.
     """
     from kit import expectations
 
@@ -541,6 +562,16 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
                 and expectations.expected("B3", r.get("versions") or {}, "manual", r.get("zero_stage")) == oracle.AFFECTED
                 and r["verdict"] != oracle.AFFECTED):
             bad.append(f"{r['id']} {p}: the upstream table says B3 hits here, measured {r['verdict']}")
+    for r in recs:
+        p, ran = r.get("point") or {}, r["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED)
+        offload = p.get("zero_optimization.offload_optimizer.device", "none")
+        for bug, hit in (("B6", r.get("zero_stage") == 3 and p.get("model") == "no_grad_step"),
+                         ("B7", r.get("zero_stage") in (2, 3) and offload == "cpu" and p.get("loop") == "engine"
+                          and p.get("model") == "conditional")):
+            if hit and ran and expectations.expected(bug, r.get("versions") or {}) == oracle.AFFECTED \
+                    and r.get("explained_by") != bug:
+                bad.append(f"{r['id']} {p}: the table pins {bug} here, measured {r['verdict']} "
+                           f"({r.get('explained_by') or r.get('matches')})")
     for s in summary["stacks"]:
         for g in s["groups"]:
             if g["known_bug"] and g["explained_by"] != [g["known_bug"]]:
@@ -600,6 +631,38 @@ def one_at_a_time_table(spec: dict, recs: list[dict]) -> str:
                              **{v: counts[v] for v in oracle.VERDICTS},
                              "why a point could not run": (refused["reason"].replace("|", "/")[:160] if refused else "")})
     return markdown_table(rows, list(rows[0])) if rows else "no one-at-a-time keys in this spec"
+
+
+def model_table(spec: dict, recs: list[dict]) -> str:
+    """Per model shape other than the MLP, ZeRO stage, loop and optimizer offload: each precision's verdict per
+    release, as the known bug that explains it (``B6``), ``ok`` (not affected), ``?`` (affected, unexplained),
+    ``x`` (cannot run), ``~`` (inconclusive). Markdown; what a reader scans for the parts some micro-batches miss."""
+    from kit.report import markdown_table
+
+    def cell(r):
+        if r is None:
+            return "-"
+        return {oracle.NOT_AFFECTED: "ok", oracle.CANNOT_RUN: "x", oracle.INCONCLUSIVE: "~"}.get(
+            r["verdict"], r.get("explained_by") or "?")
+
+    shaped = [r for r in recs if (r.get("point") or {}).get("model") not in (None, DEFAULT, "mlp")]
+    keys = sorted({(r["point"]["model"], r["zero_stage"], r["point"].get("loop", "engine"),
+                    str(r["point"].get("zero_optimization.offload_optimizer.device", "none"))) for r in shaped},
+                  key=lambda k: (list(spec["axes"].get("model", [])).index(k[0]) if k[0] in spec["axes"].get("model", [])
+                                 else 99, k[1:]))
+    dtypes = sorted({r["dtype"] for r in shaped})
+    rows = []
+    for model, stage, loop, offload in keys:
+        row = {"model": model, "ZeRO": stage, "loop": loop, "offload": offload}
+        for st in spec["stacks"]:
+            mine = {r["dtype"]: r for r in shaped if r["stack"] == st and (r["point"]["model"], r["zero_stage"],
+                    r["point"].get("loop", "engine"), str(r["point"].get("zero_optimization.offload_optimizer.device",
+                                                                           "none"))) == (model, stage, loop, offload)}
+            row[f"DeepSpeed {release_of(st)}"] = " / ".join(cell(mine.get(d)) for d in dtypes)
+        rows.append(row)
+    if not rows:
+        return "no model shape other than the MLP in this spec"
+    return f"cells: {' / '.join(dtypes)}\n\n" + markdown_table(rows, list(rows[0]))
 
 
 def table(summary: dict, command: str) -> str:

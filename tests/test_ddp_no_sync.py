@@ -26,6 +26,21 @@ def test_ddp_no_sync_matches_the_reference_and_a_loop_bug_does_not(ddp_records):
 
 
 @pytest.mark.world
+def test_ddp_is_exact_on_models_some_micro_batches_do_not_use_all_of():
+    """find_unused_parameters=True where a shape has parts a micro-batch misses; each part judged on its own."""
+    recs = ddp_no_sync.run(world_sizes=(2,), ga_values=(4,), models=("frozen", "conditional", "no_grad_step"),
+                           timeout_s=180)
+    for r in recs:
+        if r["case"] != "sum_not_mean":
+            assert r["verdict"] == oracle.NOT_AFFECTED, (r["model"], r["case"], r["reason"])
+    bug = records.one(recs, case="sum_not_mean", model="conditional")
+    assert bug["verdict"] == oracle.AFFECTED and bug["shape"] == "every micro-batch x4"  # the parts add nothing
+    assert bug["steps"][0]["groups"]["expert skip_first"]["shape"] == "every micro-batch reaching it x4"
+    assert bug["steps"][0]["groups"]["expert idle"]["rel_err"] == 0.0  # a part no micro-batch reached stays put
+    assert ddp_no_sync.violations(recs) == []
+
+
+@pytest.mark.world
 def test_its_ranks_never_import_deepspeed_and_the_matrix_shows_its_own_stack(ddp_records):
     assert not any(r["imported_deepspeed"] for r in ddp_records)
     assert all("deepspeed" not in r["versions"] and r["versions"]["torch"] for r in ddp_records)

@@ -69,7 +69,8 @@ def ds_config(case: dict, world_size: int) -> dict:
 
 
 def _bf16_accumulator(engine, module):
-    """This rank's fp32 accumulator of a BF16_Optimizer, flat in module parameter order (else None)."""
+    """This rank's fp32 accumulator of a BF16_Optimizer, flat in module parameter order (else None); a parameter the
+    optimizer does not hold (frozen) is 0 there."""
     opt = engine.optimizer
     if type(opt).__name__ != "BF16_Optimizer":
         return None
@@ -78,7 +79,8 @@ def _bf16_accumulator(engine, module):
     for group_params, group_grads in zip(opt.bf16_groups, opt.fp32_groups_gradients):
         for p, g in zip(group_params, group_grads):
             by_param[id(p)] = g
-    return torch.cat([by_param[id(p)].detach().float().reshape(-1).cpu() for p in module.parameters()]).double()
+    return torch.cat([(by_param[id(p)].detach() if id(p) in by_param else torch.zeros(p.numel())).float().reshape(-1).cpu()
+                      for p in module.parameters()]).double()
 
 
 def run_case(case: dict) -> dict:

@@ -81,13 +81,15 @@ def average_grads(model: nn.Module) -> None:
         p.grad /= world_size()
 
 
-def full_fp32_params(module: nn.Module, optimizer=None) -> torch.Tensor:
+def full_fp32_params(module: nn.Module, optimizer=None, fallback: list | None = None) -> torch.Tensor:
     """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
 
     ZeRO and BF16_Optimizer expose their masters through ``safe_get_full_fp32_param``; the
     unfused fp16/bf16 optimizer of ZeRO-0 keeps them in ``fp32_groups`` (pass ``optimizer``),
     otherwise a bf16 model's own rounded weights would hide the update's low bits.
-    A collective under ZeRO: every rank must call it.
+    A collective under ZeRO: every rank must call it. A parameter with no master (frozen: the optimizer does not
+    hold it) is read as the model holds it: ``fallback[i]`` (``module_weights``' part, full under ZeRO-3, where
+    ``p.data`` is an empty partition), else ``p`` itself.
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -96,10 +98,10 @@ def full_fp32_params(module: nn.Module, optimizer=None) -> torch.Tensor:
         if isinstance(lows, (list, tuple)) and isinstance(highs, (list, tuple)):
             masters.update({id(lo): hi for lo, hi in zip(lows, highs)})
     parts = []
-    for p in module.parameters():
+    for i, p in enumerate(module.parameters()):
         full = safe_get_full_fp32_param(p)
         if full is None:
-            full = masters.get(id(p), p.detach())
+            full = masters.get(id(p), fallback[i] if fallback is not None else p.detach())
         parts.append(full.detach().float().reshape(-1).cpu().clone())
     return torch.cat(parts).double()
 
@@ -150,14 +152,19 @@ def module_weights(module: nn.Module) -> torch.Tensor:
     must call it), never through DeepSpeed's own gathering, which would touch the engine's parameter state (its
     prefetch and release bookkeeping) between steps. A persistent parameter is read from its partitions too: its
     full ``p.data`` exists before its first fetch but is not filled yet (0.18.6 showed values of 1e38 there)."""
+    return torch.cat(module_parts(module))
+
+
+def module_parts(module: nn.Module) -> list:
+    """``module_weights``, one float64 tensor per parameter (a collective under ZeRO-3)."""
     params = list(module.parameters())
     if not (params and hasattr(params[0], "ds_id")):
-        return torch.cat([p.detach().double().reshape(-1).cpu().clone() for p in params])
+        return [p.detach().double().reshape(-1).cpu().clone() for p in params]
     parts = []
     for p in params:
         shards = all_gather_flat(p.ds_tensor.detach().reshape(-1))
         parts.append(torch.cat(shards)[:p.ds_numel].double())
-    return torch.cat(parts)
+    return parts
 
 
 def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
@@ -167,7 +174,8 @@ def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     the step must be judged from the weights the model really uses."""
     from kit import oracle
 
-    mod, mast = module_weights(module), full_fp32_params(module, optimizer)
+    parts = module_parts(module)
+    mod, mast = torch.cat(parts), full_fp32_params(module, optimizer, parts)
     diff = (mod - mast).abs()
     limit = oracle.ROUNDING[dtype] * mast.abs() + 1e-30
     return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}

@@ -134,6 +134,8 @@ PROBE = Probe(
 
 
 def oracle_steps(rec: dict) -> dict:
+    """Each step named and described (per parameter group where the shape has several); ``model``: its shape."""
     from kit import oracle
 
+    rec["model"] = rec["config"].get("model") or "mlp"
     return oracle.annotate_steps(rec) if rec.get("steps") else rec
