@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kit import config, launch, oracle, records, repro, sweep
+from kit import config, launch, oracle, records, repro, shapes, sweep
 
 SPEC = {
     "world_size": 2,
@@ -62,7 +62,10 @@ def test_the_reproduction_script_reproduces_b3_and_not_a_correct_loop(swept, tmp
                                                                  and r["point"]["loop"] == "engine" and r["ga"] == 4))
     script = repro.write(bad, tmp_path / "repro_b3.py", "ZeRO-2, config GA = 1, 4 backward() per step()")
     text = script.read_text()
-    assert "import kit" not in text and "from kit" not in text and len(text.splitlines()) <= 80
+    model = shapes.of_case(bad["config"]).source()
+    assert model in text  # the model is the shape's own code, embedded
+    assert "import kit" not in text and "from kit" not in text
+    assert len(text.replace(model, "").splitlines()) <= 100  # the harness around it stays short enough to read
     rc, output = repro.verify(script)
     assert rc == 1 and "REPRODUCED" in output, output
     # judged by what it printed, step by step: B3's shape (each rank's last micro-batch at its right weight 1/(W N),
