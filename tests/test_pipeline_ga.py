@@ -98,3 +98,15 @@ def test_a_record_takes_the_verdict_of_its_worst_stage_not_of_the_whole_model():
     # replicas that disagree are judged too
     split = [_stage(0, 1.0, 0.01), {**_stage(1, 1.0, 0.99), "rank_spread": {"data-parallel replicas": 1e-3}}]
     assert pg._annotate({**rec, "stages": split}, control)["verdict"] == oracle.AFFECTED
+
+
+@pytest.mark.world
+def test_a_bf16_pipeline_that_keeps_its_gradient_is_found_at_step_2_and_is_not_called_b2():
+    """DeepSpeed 0.18.2, bf16, ZeRO-0 (FP16_UnfusedOptimizer), GA = 1: step 1 is the mean; step 2 applies its own
+    gradient and step 1's again. One step from a fresh engine never sees it; it is a finding, not B2."""
+    recs = pg.run(world_sizes=(2,), splits=((8, 1),), dtypes=("bf16",), zero_stages=(0,), versions=(OLD,),
+                  timeout_s=400)
+    control = records.one(recs, case="control")
+    assert control["first_step_verdict"] == oracle.NOT_AFFECTED
+    assert [s["matches"] for s in control["steps"][1]["stages"]] == ["mean" + pg.STALE] * 2
+    assert pg.violations(recs) == [] and len(pg.stale_findings(recs)) == 1
