@@ -181,6 +181,13 @@ def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
 
 
+def applied(before: dict, after: dict):
+    """One step's update (lr = 1) between two ``read_weights`` reads: ``(effective, agree)``, from the fp32 masters
+    where both reads agree with the module's weights, else from the weights the model uses."""
+    agree = before["agree"] and after["agree"]
+    return (before["masters"] - after["masters"] if agree else before["module"] - after["module"]), agree
+
+
 def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
     """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
     a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
@@ -295,8 +302,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         with phase("read weights"):
             after, taken = read(), s + 1
         first, last = (before["module"] if first is None else first), after["module"]
-        agree = before["agree"] and after["agree"]
-        effective = before["masters"] - after["masters"] if agree else before["module"] - after["module"]
+        effective, agree = applied(before, after)
         try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
             with phase("judge"):
                 start = load_flat(shape.build(seed, hidden, depth), before["module"]) if r == 0 else None

@@ -133,8 +133,7 @@ def run_case(case: dict) -> dict:
         after = c.read_weights(engine.module, engine.optimizer, case["dtype"])
         # lr = 1; from the fp32 masters where they agree with the weights the model uses, else from those weights
         # (known to within their rounding: read_floor), as every probe of common.judge_steps reads a step
-        agree = before["agree"] and after["agree"]
-        effective = before["masters"] - after["masters"] if agree else before["module"] - after["module"]
+        effective, agree = c.applied(before, after)
         floor = 0.0 if agree else c.rounding_floor(after["module"], case["dtype"], effective.norm().item())
         before = after
         reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None

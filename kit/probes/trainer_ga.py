@@ -158,7 +158,7 @@ def run_case(case: dict) -> dict:
         logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
         accel_gas = getattr(trainer.accelerator, "gradient_accumulation_steps", None)
         engine_gas = engine.gradient_accumulation_steps() if engine is not None else None
-    effective = [_applied(reads[s], reads[s + 1]) for s in range(len(reads) - 1)]
+    effective = [c.applied(reads[s], reads[s + 1])[0] for s in range(len(reads) - 1)]
     per_rank = [c.all_gather_flat(e) for e in effective]  # every rank must have applied the same update
     rank_traces = [None] * c.world_size()  # the token count is a matter of every rank's micro-batches
     if c.world_size() > 1:
@@ -175,12 +175,6 @@ def run_case(case: dict) -> dict:
     if engine is not None:
         c.release(engine)
     return out
-
-
-def _applied(before: dict, after: dict):
-    """One step's update (lr = 1): from the fp32 masters where they agree with the module, else the module's."""
-    agree = before["agree"] and after["agree"]
-    return before["masters"] - after["masters"] if agree else before["module"] - after["module"]
 
 
 def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces, seed: int, logged) -> dict:
@@ -260,7 +254,7 @@ def run_harness(case: dict) -> dict:
                 p -= p.grad  # SGD, lr = 1
                 p.grad = None
         reads.append(c.plain_read(model))
-    effective = [_applied(reads[s], reads[s + 1]) for s in range(steps)]
+    effective = [c.applied(reads[s], reads[s + 1])[0] for s in range(steps)]
     per_rank = [c.all_gather_flat(e) for e in effective]
     rank_traces = [None] * w
     if w > 1:
