@@ -465,14 +465,16 @@ def describe(group: dict) -> str:
     return f"[{name}] {when_text(group['when'])}: {group['count']} configs{ratio}; the step is {step}"
 
 
-def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path) -> None:
-    """For each unknown group: a standalone script next to the results, run to check that it reproduces."""
+def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path, jobs: int = JOBS) -> None:
+    """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
+    scripts at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from kit import repro
 
     by_id = {r["id"]: r for r in mine}
-    for k, g in enumerate(gs):
-        if g["known_bug"]:
-            continue
+
+    def one(k, g):
         tag = runner.stack_label(stack).replace(" ", "_").replace("=", "-")
         path = out / f"repro_{tag}_{k + 1}.py"
         repro.write(by_id[g["example"]], path, f"DeepSpeed gradient accumulation: {describe(g)}")
@@ -480,6 +482,10 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
         shape = repro.shape_of(by_id[g["example"]])
         g["repro"] = {"script": path.name, "exit": rc, "shape": shape, "output": text,
                       "reproduced": repro.reproduced(rc, text, shape)}
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # each script is a world of its own, as the sweep's are
+        for done in [pool.submit(one, k, g) for k, g in enumerate(gs) if not g["known_bug"]]:
+            done.result()
 
 
 def separate(recs: list[dict]) -> list[dict]:

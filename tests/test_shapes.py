@@ -2,6 +2,7 @@
 groups on purpose is `affected` with that group's fitted weights naming the lost part, and the user's own
 architecture (a Hugging Face config at toy size, with a PEFT adapter) builds, runs and says what it shrank."""
 import json
+import os
 
 import pytest
 import torch
@@ -150,6 +151,34 @@ def test_a_hugging_face_config_builds_at_toy_size_and_says_what_it_shrank(tmp_pa
     assert sorted(n for g in groups.values() for n in g) == sorted(n for n, _ in model.named_parameters())
     if name == "qwen3_moe":
         assert "router" in groups and any(g.startswith("expert") for g in groups)
+
+
+def test_a_model_id_whose_config_is_in_the_local_hugging_face_cache_builds_without_a_download(tmp_path):
+    """``--model org/name`` reads the config from the local cache as huggingface_hub lays it out (refs/main names a
+    snapshot), in a fresh process whose cache is that folder and which may not reach the hub."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig
+
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-qwen3"
+    snap = repo / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    (snap / "config.json").write_text(json.dumps(AutoConfig.for_model("qwen3").to_dict()))
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    code = ("import json; from kit.shapes import _hf; keys, notes = _hf.user_model('tiny-org/tiny-qwen3'); "
+            "print(json.dumps({'type': keys['model_config']['model_type'], "
+            "'layers': keys['model_config']['num_hidden_layers'], 'notes': notes}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["type"] == "qwen3" and got["layers"] == 2
+    assert any(n.startswith("model: num_hidden_layers") for n in got["notes"])
+    missing = subprocess.run([sys.executable, "-c", code.replace("tiny-qwen3", "not-cached")], capture_output=True,
+                             text=True, env=env, timeout=300)
+    assert missing.returncode != 0 and "not a model whose config is in the local" in missing.stderr
 
 
 def test_model_and_adapter_mistakes_exit_2_before_any_launch(tmp_path):

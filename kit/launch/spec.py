@@ -198,6 +198,9 @@ def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
     })
     if world.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
+        # DeepSpeed's CPU accelerator counts its "devices" from LOCAL_SIZE (as its own launcher sets it); without it
+        # every device_count() forks `numactl --hardware`, four times per engine
+        env.setdefault("LOCAL_SIZE", str(world.world_size))
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["CUDA_VISIBLE_DEVICES"] = ""
     paths = [*world.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH", "")]

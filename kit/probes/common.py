@@ -225,7 +225,7 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     if rank() != 0:
         return {}, None, None, None
     every = [b for rr in range(world_size()) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
-    basis, weights, reference = oracle.reference_gradients(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale)
+    basis, weights, reference = reference_at(start, every, shape, loss_scale, (seed, ga, micro_batch, hidden, step))
     coef = oracle.clipped(reference, clip).norm().item() / reference.norm().item()
     full, expected = basis, weights * coef
     if prev_basis is not None:
@@ -242,6 +242,44 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
         out["groups"] = oracle.judge_groups(effective, full, expected, reference * coef, groups, world_size(), ga,
                                             {g: {u: v * coef for u, v in by.items()} for g, by in uses.items()})
     return out, full, weights, reference
+
+
+_SKELETONS: dict = {}  # (id(shape), seed, hidden, depth) -> (shape, module): rank 0 rebuilds no model per judged step
+_REFERENCES: dict = {}  # key -> (basis, weights, reference, shape), newest last, at most _REFERENCE_BYTES in all
+_REFERENCE_BYTES = 256 << 20
+
+
+def skeleton(shape, seed: int, hidden: int, depth: int, flat: torch.Tensor) -> nn.Module:
+    """The shape's model holding the weights ``flat`` (module order): one module per shape and size in this
+    process, its weights set anew each time (a step's reference starts from them). Building it again for every
+    judged step cost rank 0 more than judging did (the build seeds torch's RNG, which formats a stack per device
+    kind)."""
+    key = (id(shape), seed, hidden, depth)
+    if key not in _SKELETONS:
+        while len(_SKELETONS) >= 8:  # a world of user models (check --model) builds one shape per case
+            del _SKELETONS[next(iter(_SKELETONS))]
+        _SKELETONS[key] = (shape, shape.build(seed, hidden, depth))  # the shape is kept alive: its id stays its own
+    return load_flat(_SKELETONS[key][1], flat)
+
+
+def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_key: tuple):
+    """``oracle.reference_gradients`` of ``start`` over the micro-batches ``every`` (the data named by
+    ``data_key``), remembered by the exact starting weights: every point of a sweep world starts from the same
+    weights, so step 1's reference and the whole reference trajectory are computed once per shape, GA and
+    precision, not once per point. The same weights, data and loss give the same numbers: nothing is approximated."""
+    import hashlib
+
+    from kit import oracle
+
+    flat = flat_params(start)
+    key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(flat.numpy().tobytes()).hexdigest())
+    hit = _REFERENCES.pop(key, None)
+    if hit is None:  # the shape is kept with its numbers: its id stays its own while the key lives
+        hit = (*oracle.reference_gradients(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale), shape)
+    _REFERENCES[key] = hit
+    while sum(h[0].numel() * 8 for h in _REFERENCES.values()) > _REFERENCE_BYTES and len(_REFERENCES) > 1:
+        del _REFERENCES[next(iter(_REFERENCES))]
+    return hit[:3]
 
 
 def _mlp():
@@ -305,7 +343,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         effective, agree = applied(before, after)
         try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
             with phase("judge"):
-                start = load_flat(shape.build(seed, hidden, depth), before["module"]) if r == 0 else None
+                start = skeleton(shape, seed, hidden, depth, before["module"]) if r == 0 else None
                 judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev,
                                                           clip, loss_scale, shape)  # its one collective comes first
             if r != 0 or failed is not None:
@@ -359,8 +397,8 @@ def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, d
     for s in range(steps):
         every = [b for rr in range(replicas or world_size())
                  for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, s)]
-        model = load_flat(shape.build(seed, hidden, depth), ref)
-        _, _, reference = oracle.reference_gradients(model, every, lambda o, y: shape.loss_fn(o, y) * loss_scale)
+        model = skeleton(shape, seed, hidden, depth, ref)
+        _, _, reference = reference_at(model, every, shape, loss_scale, (seed, ga, micro_batch, hidden, s, replicas))
         ref = ref - oracle.clipped(reference, clip)
     return {"steps": steps, **oracle.compare(first - last, first - ref)}
 
