@@ -1,6 +1,7 @@
 """``gradkit <command>`` / ``python -m kit <command>``.
 
     gradkit check ds_config.json [--world-size 2] [--loop all] [--deepspeed 0.18.9] [--json out.json]
+    gradkit bisect ds_config.json --loop manual [--from 0.14.0] [--to installed] [--json out.json]
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 from kit import config as kconfig
 
-COMMANDS = {"check": "kit.check"}
+COMMANDS = {"check": "kit.check", "bisect": "kit.bisect"}
 
 
 def main(argv=None) -> int:
