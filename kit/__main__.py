@@ -2,6 +2,7 @@
 
     gradkit check ds_config.json [--world-size 2] [--loop all] [--deepspeed 0.18.9] [--json out.json]
     gradkit bisect ds_config.json --loop manual [--from 0.14.0] [--to installed] [--json out.json]
+    gradkit report check.json [--bisect bisect.json]  |  gradkit report runs/sweep --group repro_0.18.6_18
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 from kit import config as kconfig
 
-COMMANDS = {"check": "kit.check", "bisect": "kit.bisect"}
+COMMANDS = {"check": "kit.check", "bisect": "kit.bisect", "report": "kit.upstream"}
 
 
 def main(argv=None) -> int:

@@ -343,7 +343,8 @@ def main(argv=None) -> int:
               + f" -> {worst} (exit {EXIT[worst]})")
     if a.json:
         first = next(iter(out.values()))
-        doc = {"summary": {**first["summary"], "verdict": worst, "exit": EXIT[worst]} if len(out) == 1 else
+        doc = {"config_file": str(Path(a.config).resolve()),
+               "summary": {**first["summary"], "verdict": worst, "exit": EXIT[worst]} if len(out) == 1 else
                {"verdict": worst, "exit": EXIT[worst]}, "records": first["records"] if len(out) == 1 else [],
                "precisions": out}
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str))

@@ -157,17 +157,24 @@ def is_main(spec: dict, point: dict) -> bool:
     return all(point.get(k, DEFAULT) == DEFAULT for k in (spec.get("one_at_a_time") or {}).get("keys") or {})
 
 
-def point_case(spec: dict, point: dict) -> dict:
-    """The ds_config case of one point (its config resolved the way ``gradkit check`` resolves one)."""
+def user_config(spec: dict, point: dict) -> dict:
+    """The DeepSpeed config of one point as a user would write it (before the loop style sets anything): what
+    ``gradkit check`` or ``gradkit bisect`` takes, with the point's ``loop``."""
     cfg = copy.deepcopy(spec["base"])
     for axis, value in point.items():
         if axis not in SPECIAL_AXES and value != DEFAULT:
             _set(cfg, axis, value)
-    ga = point.get("ga", cfg.get("gradient_accumulation_steps", 4))
-    cfg["gradient_accumulation_steps"] = ga
+    cfg["gradient_accumulation_steps"] = point.get("ga", cfg.get("gradient_accumulation_steps", 4))
     dtype = point.get("dtype")
     if dtype in ("bf16", "fp16"):
         cfg[dtype] = {**cfg.get(dtype, {}), "enabled": True}
+    return cfg
+
+
+def point_case(spec: dict, point: dict) -> dict:
+    """The ds_config case of one point (its config resolved the way ``gradkit check`` resolves one)."""
+    cfg = user_config(spec, point)
+    ga = cfg["gradient_accumulation_steps"]
     resolved = ds_config.resolve(cfg, spec["world_size"], ga=ga)
     loop = point.get("loop", "engine")
     model = point.get("model")
@@ -467,10 +474,10 @@ def describe(group: dict) -> str:
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path, jobs: int = JOBS) -> None:
     """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
-    scripts at a time)."""
+    scripts at a time), and its upstream report (``report_<...>.md``, ``kit.upstream``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kit import repro
+    from kit import repro, upstream
 
     by_id = {r["id"]: r for r in mine}
 
@@ -482,6 +489,14 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
         shape = repro.shape_of(by_id[g["example"]])
         g["repro"] = {"script": path.name, "exit": rc, "shape": shape, "output": text,
                       "reproduced": repro.reproduced(rc, text, shape)}
+        rec = by_id[g["example"]]
+        config = path.with_name(path.name.replace("repro_", "config_").replace(".py", ".json"))
+        config.write_text(json.dumps(user_config(spec, rec["point"]), indent=1, sort_keys=True))
+        report = path.with_name(path.name.replace("repro_", "report_").replace(".py", ".md"))
+        report.write_text(upstream.render(rec, path.name, path.read_text(), text, rc, when_text(g["when"]), None,
+                                          upstream.bisect_command(config, rec)))
+        g["config"] = config.name
+        g["report"] = report.name  # ready to paste upstream (gradkit report adds a bisect's range to it)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:  # each script is a world of its own, as the sweep's are
         for done in [pool.submit(one, k, g) for k, g in enumerate(gs) if not g["known_bug"]]:

@@ -134,6 +134,19 @@ def test_b4_fix_is_found_exactly_between_0_18_9_and_0_19_0_with_the_change_in_th
     epilogue = next(f for f in engine["functions"] if f["name"] == "DeepSpeedEngine._backward_epilogue")
     assert "+        if bf16_optimizer:" in epilogue["diff"] and "self.optimizer.backward_epilogue()" in epilogue["diff"]
     assert "git log --oneline v0.18.9..v0.19.0 -- deepspeed/runtime/bf16_optimizer.py" in text
+    # the report of the check on the bad release: config, range, the change, the reproduction and what it printed
+    from kit import check, upstream
+
+    checked = tmp_path / "check.json"
+    assert check.main([str(cfg), "--deepspeed", "0.18.9", "--loop", "engine", "--json", str(checked)]) == 1
+    report = tmp_path / "report.md"
+    assert upstream.main([str(checked), "--bisect", str(out), "--out", str(report)]) == 0
+    md = report.read_text()
+    assert md.startswith("# [DeepSpeed 0.18.9] ZeRO-1 bf16, GA 4, engine loop")
+    assert '"grad_accum_dtype": "fp32"' in md and "- torch " in md and "world size 2" in md
+    assert "**0.18.9 -> 0.19.0: last bad 0.18.9 (own rank's boundary micro-batch), first good 0.19.0**" in md
+    assert "DeepSpeedEngine._backward_epilogue" in md and "| 0.19.0 | not-affected | global mean |" in md
+    assert "REPRODUCED" in md and "(exit status 1)" in md and md.count("| 3 | ") == 1
 
 
 @pytest.mark.world

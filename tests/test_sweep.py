@@ -101,3 +101,34 @@ def test_the_default_spec_has_at_least_200_points_that_run_on_cpu():
     pts = sweep.points(spec)
     assert len(pts) >= 200 and spec["world_size"] == 2
     assert not any(p.get("dtype") == "fp16" for p in pts)
+
+
+@pytest.mark.world
+def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_and_verified_reproduction(swept,
+                                                                                                        tmp_path):
+    """The sweep writes, for a group no known bug explains, the config a user would bisect, the reproduction it ran
+    and a report that holds both; ``gradkit report`` rebuilds it from the folder (here B3's group, its name taken
+    away, stands for an unknown one)."""
+    from kit import upstream
+
+    spec, out, recs = swept
+    (group,) = sweep.groups(recs, spec["axes"])
+    group["known_bug"] = None
+    sweep.reproduce(spec, {}, recs, [group], tmp_path)
+    assert group["repro"]["reproduced"] and group["report"] == "report_installed_1.md"
+    user = json.loads((tmp_path / group["config"]).read_text())
+    assert user["gradient_accumulation_steps"] == 4 and user["zero_optimization"]["stage"] == 2
+    (tmp_path / "summary.json").write_text(json.dumps({"stacks": [{"stack": {}, "groups": [group]}]}, default=str))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in recs))
+    assert upstream.main([str(tmp_path), "--group", "repro_installed_1", "--out", str(tmp_path / "again.md")]) == 0
+    for name in (group["report"], "again.md"):
+        text = (tmp_path / name).read_text()
+        assert text.startswith("# [DeepSpeed ") and "ZeRO-2 fp32, GA 4, manual loop" in text.splitlines()[0]
+        assert ("the affected ones are exactly: zero_optimization.stage = 2 x gradkit_fault_kill_rank = -1 x ga = 4 x "
+                "loop = manual") in text
+        assert '"gradient_accumulation_steps": 1' in text  # the config as run: the manual loop's GA 1
+        assert "| 1 | 0." in text and "micro-batch 4 x1, the others x0" in text  # each step, in words
+        assert f"gradkit bisect {tmp_path / group['config']} --loop manual" in text
+        assert "REPRODUCED" in text and "engine, *_ = deepspeed.initialize(" in text  # the script inline, with what it printed
+    with pytest.raises(config.ConfigError, match="no unknown group with the reproduction repro_x.py"):
+        upstream.main([str(tmp_path), "--group", "repro_x"])
