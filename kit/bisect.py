@@ -146,12 +146,68 @@ def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float,
     return measure
 
 
+def step_words(rec: dict) -> str | None:
+    """A probe record's step in words: per stage for a pipeline (``stage 0: sum (x GA); stage 1: ...``), else the
+    named hypothesis it matches."""
+    if rec.get("stages"):
+        return "; ".join(f"stage {s['stage']}: {s.get('matches')}" for s in rec["stages"])
+    return rec.get("matches")
+
+
+def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words=step_words):
+    """``measure(release)`` for any registered probe (``kit.probes``): ``probe.run(**run_kwargs)`` on a stack
+    holding that release of ``axis`` (``deepspeed``, ``transformers`` or ``accelerate``: a package the probe's stack
+    names), judged on its record of ``case`` by the probe's own verdict. This is how the known bugs' boundaries
+    are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's."""
+    from kit import versions
+
+    if axis not in probe.packages:
+        raise kconfig.ConfigError(f"the {probe.id} probe's stack names {list(probe.packages)}, not {axis!r}")
+    installed = versions.installed_version(axis).split("+")[0]
+
+    def measure(release: str) -> dict:
+        stack = {} if release == installed else {axis: release}
+        try:
+            recs = probe.run(**run_kwargs, stacks=[stack])
+        except versions.CannotRun as e:
+            return {"release": release, "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": e.reason}
+        rec = next((r for r in recs if r.get("case") == case), None)
+        if rec is None:
+            return {"release": release, "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [],
+                    "reason": f"the probe gave no record of the case {case!r}"}
+        verdict = rec.get(probe.verdict_key, rec["verdict"])
+        return {"release": release, "verdict": verdict, "step": words(rec) if verdict == oracle.AFFECTED else None,
+                "ratios": [(st.get("metrics") or {}).get("norm_ratio") for st in rec.get("steps") or [rec]],
+                "reason": rec.get(probe.reason_key()) if verdict in SKIPPED else None, "optimizer": rec.get("optimizer")}
+
+    return measure
+
+
 def signature(res: dict) -> tuple:
     """What a change is a change of: the verdict, and the step's shape where it is off."""
     return res["verdict"], res.get("step")
 
 
 # ---------------------------------------------------------------------------------------------- the search
+
+def grid(n: int, stride: int) -> list[int]:
+    """The first pass: every ``stride``-th of ``n`` releases, and the last."""
+    return sorted({*range(0, n, max(1, stride)), n - 1})
+
+
+def prefetch(order: list[str], stride: int, progress: bool = True) -> list[str]:
+    """The first pass's releases installed and their comm ops built up front, in parallel (``kit.prefetch``);
+    the binary search's few releases install as it reaches them. Returns what could not be prepared (those
+    releases are then measured ``cannot-run``, i.e. skipped)."""
+    from kit import prefetch as kprefetch
+    from kit import versions
+    from kit.probes import ds_config
+
+    installed = versions.installed_version(PACKAGE).split("+")[0]
+    stacks = [{PACKAGE: order[i]} for i in grid(len(order), stride) if order[i] != installed]
+    _, problems = kprefetch.prefetch(kprefetch.needs_of([(ds_config.CHECK, st) for st in stacks]), progress=progress)
+    return problems
+
 
 def search(order: list[str], measure, stride: int = STRIDE, confirm: bool = True, progress=None) -> dict:
     """Find every release in ``order`` where the result changes. ``measure(release)`` -> result (``result_of``).
@@ -175,8 +231,7 @@ def search(order: list[str], measure, stride: int = STRIDE, confirm: bool = True
         return next((i for i in candidates if runs(i)), None)
 
     n = len(order)
-    grid = sorted({*range(0, n, max(1, stride)), n - 1})
-    anchors = [i for i in grid if runs(i)]
+    anchors = [i for i in grid(n, stride) if runs(i)]
     if not anchors:  # no grid release runs: look at every other one before giving up
         anchors = [i for i in range(n) if runs(i)]
     changes = []
@@ -387,6 +442,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-dtype", default=None, help="what \"auto\" in bf16/fp16.enabled resolves to")
     p.add_argument("--model", default=None, help="a model shape or your architecture (as gradkit check --model)")
     p.add_argument("--no-confirm", action="store_true", help="no second run on both sides of a change")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while the first pass is prepared")
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the table, the changes and their diffs here")
@@ -420,6 +476,9 @@ def main(argv=None) -> int:
           f"({order[0]} .. {order[-1]}), every {a.stride}th first, {a.steps} judged steps each")
     for n in list(cfg.notes) + notes:
         print(f"  as run: {n}")
+
+    for problem in prefetch(order, a.stride, progress=not a.no_progress):
+        print(f"  not prepared: {problem}")
 
     def said(rel, res):
         extra = res.get("step") or (res.get("reason") or "")[:120]
