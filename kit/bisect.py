@@ -307,18 +307,32 @@ GRADIENT_PATH = ("grad", "reduce", "boundary", "accumul", "offload", "partition"
 
 def _functions(source: str, cls: str | None) -> dict[str, str]:
     """``{name: source}`` of the methods of class ``cls`` in ``source`` (module-level functions when ``cls`` is
-    None) whose name is on the gradient path."""
+    None) whose name is on the gradient path, and of the file's module-level functions they call (a helper such as
+    ``split_half_float_double`` decides what a reduction reduces, whatever its name says)."""
     tree = ast.parse(source)
     lines = source.splitlines()
+
+    def text(n):
+        start = min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1
+        return "\n".join(lines[start:n.end_lineno])
+
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
     body = tree.body
     if cls:
         body = next((n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), [])
-    out = {}
-    for n in body:
-        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(k in n.name.lower() for k in GRADIENT_PATH):
-            start = min([n.lineno, *(d.lineno for d in n.decorator_list)]) - 1
-            out[n.name] = "\n".join(lines[start:n.end_lineno])
+    chosen = [n for n in body if isinstance(n, funcs) and any(k in n.name.lower() for k in GRADIENT_PATH)]
+    out = {n.name: text(n) for n in chosen}
+    called = {x.id for n in chosen for x in ast.walk(n) if isinstance(x, ast.Name)}
+    for n in tree.body:
+        if cls and isinstance(n, funcs) and n.name in called:
+            out[n.name] = text(n)
     return out
+
+
+def _is_method(source: str, cls: str, name: str) -> bool:
+    tree = ast.parse(source)
+    body = next((n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), [])
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in body)
 
 
 def _source_root(release: str) -> Path | None:
@@ -380,7 +394,8 @@ def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60) ->
             changed = sum(1 for x in lines if x[:1] in "+-" and not x.startswith(("+++", "---")))
             text = "\n".join(lines[:max_lines]) + (f"\n... ({len(lines) - max_lines} more lines)"
                                                    if len(lines) > max_lines else "")
-            funcs.append({"name": f"{cls}.{name}", "diff": text, "lines": changed,
+            funcs.append({"name": f"{cls}.{name}" if _is_method(texts[after] or texts[before], cls, name) else name,
+                          "diff": text, "lines": changed,
                           "status": "added" if name not in fa else "removed" if name not in fb else "changed"})
         files.append({"file": f"deepspeed/{rel_path}", "class": cls, "functions": funcs})
     return {"before": before, "after": after, "files": files, "commits": (git_hash(before), git_hash(after))}
@@ -473,7 +488,7 @@ def main(argv=None) -> int:
     ds_config.plan(cfg, (a.loop,), steps=a.steps, model=model)  # bad input is refused here, before any launch
     order, where = release_list(a.frm, a.to, a.releases)
     print(f"gradkit bisect {a.config}: loop {a.loop}, {len(order)} DeepSpeed releases from {where} "
-          f"({order[0]} .. {order[-1]}), every {a.stride}th first, {a.steps} judged steps each")
+          f"({order[0]} .. {order[-1]}), every {a.stride} releases first, {a.steps} judged steps each")
     for n in list(cfg.notes) + notes:
         print(f"  as run: {n}")
 

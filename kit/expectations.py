@@ -26,7 +26,9 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   only at ``micro_step_id == 0`` (deepspeedai/DeepSpeed#6550); the micro-steps between the first and the boundary
   are added on the device and never copied back, so only the first and the boundary micro-batch reach the step.
   deepspeedai/DeepSpeed#7967 copies on every micro-step, first released in 0.19.0 (read in the 0.18.9 and 0.19.0
-  sources: 0.18.9 still has the ``else``, 0.19.0 does not).
+  sources: 0.18.9 still has the ``else``, 0.19.0 does not). Its start was found by ``gradkit bisect`` over every
+  release from 0.14.0 (2026-11-25): 0.14.4 - 0.15.1 exact, 0.15.2 the first affected, and the diff between them is
+  #6550's ``else: copy_gradients_to_cpu()``; 0.14.0 - 0.14.3 do not import on torch 2.13.
 - B6 (ZeRO-3: a parameter with no gradient in a step is stepped with an old one): found by the kit's sweep on the
   ``no_grad_step`` and ``conditional`` shapes (0.18.6 and 0.19.8; no upstream report found, 2026-11-25). Stage 3
   keeps every reduced gradient partition in ``grad_partitions_flat_buffer``, which nothing zeroes after
@@ -41,6 +43,14 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   zeroes that buffer or ``accumulated_grads_in_cpu`` between steps (ZeRO-3: ``fp32_partitioned_groups_flat[i].grad``
   and ``_offload_grad_partition_at_boundary``). A part the boundary micro-batch misses loses its window's
   gradient and keeps its last one.
+- B8 (DeepSpeed's CPU accelerator, ZeRO-1/2 with ``contiguous_gradients: false``: no all-reduce at all): found by the
+  kit's sweep on 0.18.6 as an unknown group, its end found by ``gradkit bisect`` (0.19.7 affected, 0.19.8 exact;
+  measured affected on 0.18.3 - 0.19.7 wherever those run here) and its change read in the two releases' sources
+  (notebook 08). ``buffered_reduce_fallback`` sorts the gradients with ``split_half_float_double``, which compares
+  ``t.type()`` with ``"torch.{device}.FloatTensor"``; on the CPU accelerator that is ``"torch.cpu.FloatTensor"``,
+  which no CPU tensor's type (``"torch.FloatTensor"``) matches, so no bucket is reduced and each rank steps its
+  partition with its own local gradient. deepspeedai/DeepSpeed#8382 compares ``t.dtype`` instead, first released in
+  0.19.8. A GPU run matches ``"torch.cuda.FloatTensor"`` and is not affected.
 """
 from __future__ import annotations
 
@@ -73,6 +83,7 @@ class Known:
     newest_pinned: str  # the newest release this table vouches for; later ones are findings
     prs: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    introduced_in: str | None = None  # the first release with the bug, where a bisect found it (the one before is exact)
 
     def expected_for_release(self, version: str) -> str | None:
         """The verdict upstream implies for ``version`` of ``package`` (None: not pinned here)."""
@@ -104,9 +115,12 @@ KNOWN = {k.bug: k for k in (
           notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop")),
     Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.6", fixed_in="0.19.0", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",)),
-    Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from=None, fixed_in="0.19.0", last_affected="0.18.9",
+    Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from="0.15.2", fixed_in="0.19.0", last_affected="0.18.9",
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#6550 (the regression)", "deepspeedai/DeepSpeed#7967 (the fix)"),
-          notes=("ZeRO-1/2 with offload_optimizer only, GA > 2, DeepSpeed's own loop",)),
+          notes=("ZeRO-1/2 with offload_optimizer only, GA > 2, DeepSpeed's own loop",
+                 "introduced in 0.15.2 (gradkit bisect: 0.15.1 exact, 0.15.2 'first and last micro-batch'; the diff is "
+                 "#6550's else: copy_gradients_to_cpu() in async_accumulate_grad_in_cpu_via_gpu)"),
+          introduced_in="0.15.2"),
     Known("B6", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("ZeRO-3; only a model whose parameters some step or micro-batch does not reach shows it",)),
@@ -114,6 +128,10 @@ KNOWN = {k.bug: k for k in (
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
                  "shows it in DeepSpeed's own loop",)),
+    Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from="0.18.3", fixed_in="0.19.8", last_affected=None,
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
+          notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",
+                 "found by gradkit's sweep (0.18.6), its fix release by gradkit bisect (notebook 08)")),
 )}
 
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently

@@ -453,3 +453,54 @@ def sweep_heatmaps(recs: list[dict], rows: str, cols: tuple, facets: tuple = (),
                  ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
+
+
+def fitted_weights_per_step(rec: dict, title: str = ""):
+    """Each judged step of one record: every (rank, micro-batch)'s fitted weight as a multiple of its right weight
+    (1 = the micro-batch counted as it should be, 0 = lost), and the previous step's micro-batches (right weight 0:
+    a bar there is a gradient applied again). One panel per step."""
+    steps = rec.get("steps") or [rec]
+    n, w = rec["ga"], rec["world_size"]
+    k = n * w
+    fig, axes = _panels(len(steps), 4.0, 3.0, sharey=True)
+    for ax, st in zip(axes[0], steps):
+        a = st["attribution"]
+        weights, expected = a["weights"], a["expected_weights"]
+        right = expected[0] if expected and expected[0] else 1.0 / k
+        xs = [x / right for x in weights]
+        ax.bar(range(k), xs[:k], color=[f"C{i // n}" for i in range(k)])
+        if len(xs) > k:
+            ax.bar(range(k, len(xs)), xs[k:], color="#999999")
+        ax.axhline(1.0, color="black", ls="--", lw=1)
+        ax.axhline(0.0, color="black", lw=0.5)
+        ax.set_xticks(range(len(xs)))
+        ax.set_xticklabels([f"r{i // n}\n{i % n + 1}" if i < k else f"p{(i - k) // n}\n{(i - k) % n + 1}"
+                            for i in range(len(xs))], fontsize=SMALL)
+        m = st["metrics"]
+        ax.set_title(f"step {st.get('step', 0) + 1}: ratio {m['norm_ratio']:.3f}, cosine {m['cosine']:.3f}", fontsize=9)
+    axes[0][0].set_ylabel("fitted weight / right weight")
+    fig.suptitle(title or f"{rec.get('case')} (rank r, micro-batch; p = the previous step's, grey)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def bisect_strip(found: dict, title: str = ""):
+    """A bisect's releases left to right, coloured by verdict (grey: skipped, white: not run), each change marked
+    between its two releases."""
+    order = found["order"]
+    fig, ax = plt.subplots(figsize=(min(12.0, 1.0 + 0.8 * len(order)), 1.9))
+    for i, rel in enumerate(order):
+        r = found["measured"].get(rel)
+        colour = VERDICT_COLOURS.get(r["verdict"], "#cccccc") if r else "#ffffff"
+        ax.add_patch(plt.Rectangle((i, 0), 0.92, 1, facecolor=colour, edgecolor="black", lw=0.5))
+        ax.text(i + 0.46, 0.5, rel, ha="center", va="center", fontsize=SMALL, rotation=90 if len(order) > 10 else 0)
+    for ch in found["changes"]:
+        x = order.index(ch["after"]) - 0.04
+        ax.axvline(x, color="black", lw=2.5)
+    ax.set_xlim(-0.1, len(order))
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    ax.set_title(title or "releases (red affected, green not affected, grey skipped, white not run; bar: a change)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig

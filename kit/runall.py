@@ -111,7 +111,8 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 
 
 # The kit's notebooks that are not a probe's, and the module whose ``check_notebook`` checks their parameters.
-TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore", "06_sweep.ipynb": "kit.sweep"}
+TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore", "06_sweep.ipynb": "kit.sweep",
+                  "08_new_bug.ipynb": "kit.bisect_known"}
 
 
 def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> list:

@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
     .venv/bin/python scripts/bench.py --suite      # the README's test command, timed (runs/bench_suite.json)
+    .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
     .venv/bin/python scripts/bench.py --readme README.md   # the README's performance table from those files
 
 Measures, side by side in one run, on this machine:
@@ -275,12 +276,15 @@ PERF_ROWS = [
      "{sweep_steps} judged steps each, 0.18.6 and installed), two worlds at a time", "≤ 300 s", "s"),
     ("bench_sweep.json", "sweep_configs_per_min", "the same, configurations per minute", "≥ 1000", "/min"),
     ("bench_sweep.json", "speedup", "configurations per minute, the sweep: one world / one launch each", "≥ 20×", "×"),
+    ("bench_bisect.json", "bisect_s", "`gradkit bisect`, B5's config over {bisect_releases} releases "
+     "({bisect_measured} measured, each change confirmed), overlays cached", "≤ 180 s", "s"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
      "≤ 360 s", "s"),
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
-                 "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite"}
+                 "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
+                 "bench_bisect.json": "--bisect"}
 
 
 def runall_bench(json_path: str, cold: bool) -> int:
@@ -316,6 +320,39 @@ def runall_bench(json_path: str, cold: bool) -> int:
     path.write_text(json.dumps(res, indent=1))
     print(f"written to {path}")
     return 0 if all(res.get(f"runall_default_{k}_ok", True) for k in ("warm", "cold")) else 1
+
+
+BISECT_FROM = "0.14.0"  # B5's config from here to the installed release: 47 releases on the index (2026-11)
+BISECT_TARGET_S = 180.0
+
+
+def bisect_bench(json_path: str) -> int:
+    """``gradkit bisect`` of B5's config (``kit.bisect_known``) from ``BISECT_FROM`` to the installed release, as a
+    user runs it: once to fill the kit's cache (overlays, comm ops; not timed), then timed with them cached."""
+    import subprocess
+
+    from kit import bisect_known
+
+    res = {"cpus": os.cpu_count(), "target_s": BISECT_TARGET_S}
+    with tempfile.TemporaryDirectory(prefix="gradkit-bench-bisect-") as tmp:
+        cfg = Path(tmp) / "b5.json"
+        user, loop = bisect_known.CONFIGS["B5"]
+        cfg.write_text(json.dumps(user))
+        out = Path(tmp) / "bisect.json"
+        cmd = [sys.executable, "-m", "kit", "bisect", str(cfg), "--loop", loop, "--from", BISECT_FROM, "--no-progress",
+               "--json", str(out)]
+        res["cold_s"], first = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
+        res["bisect_s"], again = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
+        doc = json.loads(out.read_text())
+    res.update(exit=again.returncode, bisect_releases=len(doc["order"]), bisect_measured=len(doc["measured"]),
+               skipped=len(doc["skipped"]), changes=[c["before"] + " -> " + c["after"] for c in doc["changes"]],
+               output=again.stdout[-3000:])
+    res["meets"] = res["bisect_s"] <= BISECT_TARGET_S
+    print("\n".join(f"{k:20s} {v}" for k, v in res.items() if k != "output"))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"written to {json_path}")
+    return 0
 
 
 def suite_bench(json_path: str) -> int:
@@ -385,6 +422,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
     ap.add_argument("--suite", action="store_true", help="only time the README's test command (runs/bench_suite.json)")
+    ap.add_argument("--bisect", action="store_true", help="only time gradkit bisect of B5's config (runs/bench_bisect.json)")
     ap.add_argument("--readme", help="write the performance table of this file from the JSON files in runs/")
     a = ap.parse_args()
     if a.readme:
@@ -395,6 +433,8 @@ def main() -> int:
         return sweep_bench(a.json or str(REPO / "runs" / "bench_sweep.json"))
     if a.noise:
         return noise(a.json or str(REPO / "runs" / "noise.json"))
+    if a.bisect:
+        return bisect_bench(a.json or str(REPO / "runs" / "bench_bisect.json"))
     if a.suite:
         return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"))
     if a.runall:

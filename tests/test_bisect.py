@@ -108,6 +108,12 @@ def test_the_changed_functions_are_read_from_both_sources_on_the_gradient_path(t
     after = "class BF16_Optimizer:\n    def step(self):\n        a = 2\n    def describe(self):\n        return 2\n"
     fa, fb = bisect._functions(before, "BF16_Optimizer"), bisect._functions(after, "BF16_Optimizer")
     assert set(fa) == {"step"} and fa["step"] != fb["step"]  # describe() is not on the gradient path
+    # a module-level helper a gradient-path method calls is on the path too (B8's split_half_float_double)
+    helper = ("def split_half_float_double(tensors):\n    return [tensors]\n\ndef unrelated():\n    pass\n\n"
+              "class DeepSpeedZeroOptimizer:\n    def buffered_reduce_fallback(self, grads):\n"
+              "        return split_half_float_double(grads)\n")
+    assert set(bisect._functions(helper, "DeepSpeedZeroOptimizer")) == {"buffered_reduce_fallback",
+                                                                         "split_half_float_double"}
 
 
 B4_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
@@ -167,3 +173,25 @@ def test_a_release_that_crashes_here_is_skipped_with_its_reason_never_good(tmp_p
     assert {r: m["verdict"] for r, m in doc["measured"].items() if r != "0.18.9"} == \
         {"0.18.6": oracle.AFFECTED, doc["order"][-1]: oracle.AFFECTED}
     assert "| 0.18.9 | cannot-run | skipped:" in capsys.readouterr().out
+
+
+def _found(bug, measured, changes):
+    return {"bug": bug, "order": list(measured), "measured": {r: {"release": r, **v} for r, v in measured.items()},
+            "changes": changes, "skipped": []}
+
+
+def test_a_known_bugs_bisect_agrees_with_the_table_only_where_its_boundary_lies_inside_a_change():
+    from kit import bisect_known
+
+    ok = _found("B4", {"0.18.9": bad("own rank's boundary micro-batch"), "0.19.0": GOOD},
+                [{"before": "0.18.9", "after": "0.19.0", "between": [], "from": bad(), "to": GOOD}])
+    assert bisect_known.violations(ok) == []
+    # a change the table does not have (B4 fixed in 0.19.0, not 0.19.4)
+    late = _found("B4", {"0.19.3": bad(), "0.19.4": GOOD},
+                  [{"before": "0.19.3", "after": "0.19.4", "between": [], "from": bad(), "to": GOOD}])
+    assert any("pinned" not in v and "a change the table does not have" in v for v in bisect_known.violations(late))
+    assert any("0.19.3: measured affected, the table says not-affected" in v for v in bisect_known.violations(late))
+    # the table's boundary between two releases that ran, and no change found there
+    missed = _found("B2", {"0.18.2": bad("stage 0: sum (x GA); stage 1: sum (x GA)"),
+                           "0.18.3": bad("stage 0: sum (x GA); stage 1: sum (x GA)")}, [])
+    assert any("boundary at 0.18.3" in v for v in bisect_known.violations(missed))

@@ -1,0 +1,161 @@
+"""The known bugs' releases, found again by ``gradkit bisect``: the proof that bisect is right (notebook 08).
+
+Each known bug is bisected with the configuration (or the probe) that shows it, and what bisect finds is checked
+against ``kit.expectations.KNOWN``: every release it measured that the table pins must have the table's verdict,
+and a change it finds between two releases must hold the table's boundary in between (``(before, after]``; exact
+where the two are neighbours on the index). A boundary bisect finds that the table does not have is a finding.
+
+- B4: bf16 + ``grad_accum_dtype: fp32`` + ZeRO-1, DeepSpeed's own loop (fixed in 0.19.0);
+- B5: ZeRO-2 + ``offload_optimizer`` cpu, GA 8, DeepSpeed's own loop (#6550 brought it, fixed in 0.19.0);
+- B3: ZeRO-1 fp32, config GA = 1 with 4 manual ``backward()`` per step (never fixed); its opt-out loop
+  (``managed_gradient_accumulation: false``) runs from 0.19.4 and is exact there;
+- B2: the pipeline probe itself (2 stages, GA 4): every stage sums until 0.18.2, the earlier stage is divided by
+  GA twice from 0.18.3, fixed in 0.19.3 -- a change of shape, then a fix;
+- B8: ZeRO-1 fp32 with ``contiguous_gradients: false`` on the CPU accelerator (fixed in 0.19.8): the group the sweep
+  marked unknown, whose end notebook 08 finds.
+"""
+from __future__ import annotations
+
+from kit import config as kconfig
+from kit import oracle
+
+CONFIGS = {
+    "B4": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+            "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}}, "engine"),
+    "B5": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "engine"),
+    "B3": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+            "zero_optimization": {"stage": 1}}, "manual"),
+    "B3 opt-out": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+                    "zero_optimization": {"stage": 1}}, "unmanaged"),
+    "B8": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "communication_data_type": "fp32",
+            "zero_optimization": {"stage": 1, "contiguous_gradients": False}}, "engine"),
+}
+PIPELINE = {"splits": ((2, 4),), "dtypes": ("fp32",), "zero_stages": (0,)}  # B2: 2 stages, GA 4, fp32, ZeRO-0
+BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")
+
+
+def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
+    """``measure(release)`` for one known bug."""
+    from kit import bisect
+    from kit.probes import ds_config, pipeline_ga
+
+    if bug == "B2":
+        return bisect.probe_measure(pipeline_ga.PROBE, {**PIPELINE, "world_sizes": (world_size,), "device": device,
+                                                        "timeout_s": timeout_s}, "pipeline")
+    user, loop = CONFIGS[bug]
+    cfg = ds_config.resolve(user, world_size, user["gradient_accumulation_steps"], ds_config.dtype_of(user))
+    return bisect.measure_with(cfg, loop, world_size, device, timeout_s, steps)
+
+
+def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
+    """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed."""
+    from kit import bisect
+
+    order, _ = bisect.release_list(None, kconfig.INSTALLED, ",".join(releases))
+    return {"bug": bug, **bisect.search(order, measure(bug, **kw), stride)}
+
+
+def needs(releases_by_bug: dict) -> list:
+    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.prefetch``)."""
+    from kit import versions
+    from kit.probes import ds_config, pipeline_ga
+
+    installed = versions.installed_version("deepspeed").split("+")[0]
+    out = []
+    for bug, releases in releases_by_bug.items():  # "story": a config through the check's probe
+        probe = pipeline_ga.PROBE if bug == "B2" else ds_config.CHECK
+        out += [(probe, {} if r in (kconfig.INSTALLED, installed) else {"deepspeed": r}) for r in releases]
+    return out
+
+
+def _expected(bug: str, release: str) -> str | None:
+    from kit import expectations as ex
+
+    if bug == "B3 opt-out":
+        return oracle.NOT_AFFECTED if ex.version_key(release) >= ex.version_key(ex.UNMANAGED_SINCE) else None
+    return ex.KNOWN[bug].expected_for_release(release)
+
+
+def _boundaries(bug: str) -> list[tuple[str, str]]:
+    """The releases where the table says the result changes: ``(release, what)``, what starts there."""
+    from kit import expectations as ex
+
+    k = ex.KNOWN["B3" if bug.startswith("B3") else bug]
+    out = []
+    if bug == "B2":
+        out.append(("0.18.3", "the earlier stage divided by GA twice instead of every stage summed"))
+    if bug == "B3 opt-out":
+        return [(ex.UNMANAGED_SINCE, "the opt-out key exists")]
+    if k.introduced_in:
+        out.append((k.introduced_in, "introduced"))
+    if k.fixed_in:
+        out.append((k.fixed_in, "fixed"))
+    return out
+
+
+def violations(found: dict) -> list[str]:
+    """Where a bisect disagrees with the table: a pinned release measured otherwise, a change with no boundary of
+    the table inside it, a boundary of the table between two measured releases with no change found there."""
+    from kit import bisect
+    from kit.expectations import version_key
+
+    bug, out = found["bug"], []
+    runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in bisect.SKIPPED]
+    for rel, r in runs:
+        want = _expected(bug, rel)
+        if want is not None and r["verdict"] != want:
+            out.append(f"{bug} on {rel}: measured {r['verdict']}, the table says {want}")
+    bounds = _boundaries(bug)
+    for ch in found["changes"]:
+        lo, hi = version_key(ch["before"]), version_key(ch["after"])
+        if not any(lo < version_key(b) <= hi for b, _ in bounds):
+            out.append(f"{bug}: a change the table does not have: {bisect.describe(ch)}")
+    ran = sorted(version_key(rel) for rel, _ in runs)
+    for b, what in bounds:
+        below = [v for v in ran if v < version_key(b)]
+        above = [v for v in ran if v >= version_key(b)]
+        if below and above and not any(version_key(c["before"]) < version_key(b) <= version_key(c["after"])
+                                       for c in found["changes"]):
+            if bug == "B3 opt-out":
+                continue  # below the key the loop cannot run at all: skipped, so no change can be seen there
+            out.append(f"{bug}: the table's boundary at {b} ({what}) lies between releases that ran, but no change "
+                       "was found there")
+    return out
+
+
+def summary_rows(founds: list[dict]) -> list[dict]:
+    """One row per known bug: the changes in words, what was skipped, and whether the table agrees."""
+    from kit import bisect
+
+    return [{"bug": f["bug"], "releases": f"{f['order'][0]} .. {f['order'][-1]} ({len(f['measured'])} measured)",
+             "changes": "; ".join(bisect.describe(c) for c in f["changes"]) or "none",
+             "skipped": ", ".join(s["release"] for s in f["skipped"]) or "-",
+             "agrees with kit/expectations.py": "yes" if not violations(f) else "; ".join(violations(f))}
+            for f in founds]
+
+
+def check_notebook(p: dict) -> list:
+    """Every parameter of notebook 08, by its name there (the notebook and ``kit.runall`` call it first); returns
+    the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    from kit import bisect
+    from kit.probes import ds_config
+
+    if not isinstance(p["STORY_CONFIG"], dict):
+        raise kconfig.ConfigError(f"STORY_CONFIG must be a DeepSpeed config (a mapping), got {p['STORY_CONFIG']!r}")
+    if p["STORY_LOOP"] not in ds_config.LOOPS:
+        raise kconfig.ConfigError(f"STORY_LOOP must be one of {', '.join(ds_config.LOOPS)}, got {p['STORY_LOOP']!r}")
+    known = p["KNOWN_RELEASES"]
+    if not isinstance(known, dict) or not set(known) <= set(BUGS):
+        raise kconfig.ConfigError(f"KNOWN_RELEASES maps some of {', '.join(BUGS)} to release lists, got {known!r}")
+    for name, rels in [("STORY_RELEASES", p["STORY_RELEASES"]), *((f"KNOWN_RELEASES[{b!r}]", r) for b, r in known.items())]:
+        if not isinstance(rels, list) or len(rels) < 2:
+            raise kconfig.ConfigError(f"{name} must list at least two releases, got {rels!r}")
+        for v in rels:
+            kconfig.check_version(v)
+    kconfig.check_positive_int("STRIDE", p["STRIDE"])
+    kconfig.check_positive_int("STEPS", p["STEPS"])
+    ds_config.resolve(p["STORY_CONFIG"], p["WORLD_SIZE"], p["STORY_CONFIG"].get("gradient_accumulation_steps", 4),
+                      ds_config.dtype_of(p["STORY_CONFIG"]))
+    bisect.release_list(None, kconfig.INSTALLED, ",".join(p["STORY_RELEASES"]))
+    return needs({"story": p["STORY_RELEASES"], **known})
