@@ -2,6 +2,7 @@
 
     gradkit bisect ds_config.json --loop manual [--from 0.14.0] [--to installed] [--steps 3] [--json out.json]
     gradkit bisect ds_config.json --releases 0.18.9,0.19.0        # exactly these releases, in this order
+    gradkit bisect --probe B1 --axis transformers --releases 4.46.0,5.3.0,installed   # a probe, another package
 
 Every release measured is ``gradkit check``'s probe on that release (the same oracle, control and fitted weights,
 one world each, the release as an overlay). A release's **result** is the loop's verdict and the step it applied
@@ -76,13 +77,13 @@ def index_releases(package: str = PACKAGE) -> tuple[list[str], str]:
     return found, "the releases already in the kit's cache and the installed one (the package index cannot be reached)"
 
 
-def release_list(frm: str | None, to: str, given: str | None = None) -> tuple[list[str], str]:
-    """The ordered releases to bisect: ``given`` (a comma list, in its order) or the index's between ``frm`` and
-    ``to`` (both included; ``installed`` is the installed release)."""
+def release_list(frm: str | None, to: str, given: str | None = None, package: str = PACKAGE) -> tuple[list[str], str]:
+    """The ordered releases of ``package`` to bisect: ``given`` (a comma list, in its order) or the index's between
+    ``frm`` and ``to`` (both included; ``installed`` is the installed release)."""
     from kit import versions
     from kit.expectations import version_key
 
-    installed = versions.installed_version(PACKAGE).split("+")[0]
+    installed = versions.installed_version(package).split("+")[0]
     if given:
         out = [installed if v.strip() == kconfig.INSTALLED else v.strip() for v in given.split(",") if v.strip()]
         for v in out:
@@ -90,17 +91,17 @@ def release_list(frm: str | None, to: str, given: str | None = None) -> tuple[li
         if len(out) < 2:
             raise kconfig.ConfigError(f"--releases needs at least two releases to compare, got {given!r}")
         return out, "--releases"
-    for name, v in (("--from", frm), ("--to", to)):
+    for v in (frm, to):
         if v is not None:
             kconfig.check_version(v)
     hi = installed if to == kconfig.INSTALLED else to
-    found, where = index_releases()
+    found, where = index_releases(package)
     if installed not in found and _final(installed):
         found = sorted([*found, installed], key=version_key)
     out = [v for v in found if (frm is None or version_key(v) >= version_key(frm)) and version_key(v) <= version_key(hi)]
     if len(out) < 2:
         raise kconfig.ConfigError(f"between {frm or 'the first release'} and {hi} {where} has {len(out)} "
-                                  f"release(s) of {PACKAGE}: nothing to bisect")
+                                  f"release(s) of {package}: nothing to bisect")
     return out, where
 
 
@@ -151,7 +152,7 @@ def step_words(rec: dict) -> str | None:
     named hypothesis it matches."""
     if rec.get("stages"):
         return "; ".join(f"stage {s['stage']}: {s.get('matches')}" for s in rec["stages"])
-    return rec.get("matches")
+    return rec.get("matches") or rec.get("shape") or "off (this probe names no step)"
 
 
 def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words=step_words):
@@ -171,12 +172,16 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
             recs = probe.run(**run_kwargs, stacks=[stack])
         except versions.CannotRun as e:
             return {"release": release, "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": e.reason}
-        rec = next((r for r in recs if r.get("case") == case), None)
-        if rec is None:
+        mine = [r for r in recs if r.get("case") == case]
+        if not mine:
             return {"release": release, "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [],
                     "reason": f"the probe gave no record of the case {case!r}"}
-        verdict = rec.get(probe.verdict_key, rec["verdict"])
-        return {"release": release, "verdict": verdict, "step": words(rec) if verdict == oracle.AFFECTED else None,
+        verdicts = [r.get(probe.verdict_key, r["verdict"]) for r in mine]  # the case's worst configuration
+        verdict = min(verdicts, key=lambda v: oracle.WORST_FIRST.index(v) if v in oracle.WORST_FIRST else 99)
+        worst = [r for r, v in zip(mine, verdicts) if v == verdict]
+        rec = worst[0]
+        steps = sorted({str(words(r)) for r in worst}) if verdict == oracle.AFFECTED else []
+        return {"release": release, "verdict": verdict, "step": "; ".join(steps) or None,
                 "ratios": [(st.get("metrics") or {}).get("norm_ratio") for st in rec.get("steps") or [rec]],
                 "reason": rec.get(probe.reason_key()) if verdict in SKIPPED else None, "optimizer": rec.get("optimizer")}
 
@@ -195,17 +200,18 @@ def grid(n: int, stride: int) -> list[int]:
     return sorted({*range(0, n, max(1, stride)), n - 1})
 
 
-def prefetch(order: list[str], stride: int, progress: bool = True) -> list[str]:
-    """The first pass's releases installed and their comm ops built up front, in parallel (``kit.prefetch``);
-    the binary search's few releases install as it reaches them. Returns what could not be prepared (those
-    releases are then measured ``cannot-run``, i.e. skipped)."""
+def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, axis: str = PACKAGE) -> list[str]:
+    """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.prefetch``),
+    for ``probe`` (the check's by default); the binary search's few releases install as it reaches them. Returns
+    what could not be prepared (those releases are then measured ``cannot-run``, i.e. skipped)."""
     from kit import prefetch as kprefetch
     from kit import versions
     from kit.probes import ds_config
 
-    installed = versions.installed_version(PACKAGE).split("+")[0]
-    stacks = [{PACKAGE: order[i]} for i in grid(len(order), stride) if order[i] != installed]
-    _, problems = kprefetch.prefetch(kprefetch.needs_of([(ds_config.CHECK, st) for st in stacks]), progress=progress)
+    installed = versions.installed_version(axis).split("+")[0]
+    stacks = [{axis: order[i]} for i in grid(len(order), stride) if order[i] != installed]
+    _, problems = kprefetch.prefetch(kprefetch.needs_of([(probe or ds_config.CHECK, st) for st in stacks]),
+                                     progress=progress)
     return problems
 
 
@@ -299,10 +305,12 @@ OPTIMIZER_FILES = {
     "FP16_UnfusedOptimizer": "runtime/fp16/unfused_optimizer.py",
 }
 ENGINE = ("runtime/engine.py", "DeepSpeedEngine")
+# the files a run through another package's accumulation goes through (``--axis``), under that package
+AXIS_FILES = {"transformers": [("trainer.py", "Trainer")], "accelerate": [("accelerator.py", "Accelerator")]}
 # A function is on the gradient path when its name says it touches gradients, their reduction, the boundary,
 # the accumulation or the offload, or it is the step itself.
 GRADIENT_PATH = ("grad", "reduce", "boundary", "accumul", "offload", "partition", "average", "allreduce", "backward",
-                 "step", "epilogue", "ipg", "bucket", "copy", "zero_")
+                 "step", "epilogue", "ipg", "bucket", "copy", "zero_", "loss", "num_items", "sync")
 
 
 def _functions(source: str, cls: str | None) -> dict[str, str]:
@@ -335,20 +343,20 @@ def _is_method(source: str, cls: str, name: str) -> bool:
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in body)
 
 
-def _source_root(release: str) -> Path | None:
+def _source_root(release: str, package: str = PACKAGE) -> Path | None:
     from kit import versions
 
     try:
-        root = versions.resolve_stack({} if release == versions.installed_version(PACKAGE).split("+")[0]
-                                      else {PACKAGE: release}, (PACKAGE,)).roots.get(PACKAGE)
+        root = versions.resolve_stack({} if release == versions.installed_version(package).split("+")[0]
+                                      else {package: release}, (package,)).roots.get(package)
     except versions.CannotRun:
         return None
-    return Path(root) / PACKAGE if root else None
+    return Path(root) / versions.module_name(package) if root else None
 
 
-def git_hash(release: str) -> str | None:
+def git_hash(release: str, package: str = PACKAGE) -> str | None:
     """The commit a release was built from, as its package says (``deepspeed/git_version_info_installed.py``)."""
-    root = _source_root(release)
+    root = _source_root(release, package)
     for name in ("git_version_info_installed.py", "git_version_info.py"):
         try:
             text = (root / name).read_text() if root else ""
@@ -362,15 +370,15 @@ def git_hash(release: str) -> str | None:
     return None
 
 
-def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60) -> dict:
+def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60, package: str = PACKAGE) -> dict:
     """The code that changed between two releases on the gradient path the measured run went through: the engine's
     and the optimizer class's functions whose names are on it, read from the two releases' installed sources (the
     kit's overlays; nothing is downloaded). ``{"files": [{"file", "class", "functions": [{"name", "diff",
     "lines"}]}], "commits": (hash, hash)}``; each function's unified diff is cut at ``max_lines`` lines."""
-    roots = {r: _source_root(r) for r in (before, after)}
-    targets = [ENGINE]
-    if optimizer in OPTIMIZER_FILES:
-        targets.insert(0, (OPTIMIZER_FILES[optimizer], optimizer))
+    roots = {r: _source_root(r, package) for r in (before, after)}
+    targets = AXIS_FILES.get(package) or [ENGINE]
+    if package == PACKAGE and optimizer in OPTIMIZER_FILES:
+        targets = [(OPTIMIZER_FILES[optimizer], optimizer), *targets]
     files = []
     for rel_path, cls in targets:
         texts = {}
@@ -380,7 +388,7 @@ def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60) ->
             except OSError:
                 texts[r] = ""
         if not texts[before] or not texts[after]:
-            files.append({"file": f"deepspeed/{rel_path}", "class": cls, "functions": [],
+            files.append({"file": f"{package}/{rel_path}", "class": cls, "functions": [],
                           "note": "not in both releases"})
             continue
         fa, fb = _functions(texts[before], cls), _functions(texts[after], cls)
@@ -389,7 +397,7 @@ def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60) ->
             if fa.get(name) == fb.get(name):
                 continue
             lines = list(difflib.unified_diff((fa.get(name) or "").splitlines(), (fb.get(name) or "").splitlines(),
-                                              f"{before}/deepspeed/{rel_path}", f"{after}/deepspeed/{rel_path}",
+                                              f"{before}/{package}/{rel_path}", f"{after}/{package}/{rel_path}",
                                               lineterm="", n=2))
             changed = sum(1 for x in lines if x[:1] in "+-" and not x.startswith(("+++", "---")))
             text = "\n".join(lines[:max_lines]) + (f"\n... ({len(lines) - max_lines} more lines)"
@@ -397,8 +405,9 @@ def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60) ->
             funcs.append({"name": f"{cls}.{name}" if _is_method(texts[after] or texts[before], cls, name) else name,
                           "diff": text, "lines": changed,
                           "status": "added" if name not in fa else "removed" if name not in fb else "changed"})
-        files.append({"file": f"deepspeed/{rel_path}", "class": cls, "functions": funcs})
-    return {"before": before, "after": after, "files": files, "commits": (git_hash(before), git_hash(after))}
+        files.append({"file": f"{package}/{rel_path}", "class": cls, "functions": funcs})
+    return {"before": before, "after": after, "files": files, "package": package,
+            "commits": (git_hash(before, package), git_hash(after, package))}
 
 
 def diff_text(d: dict, max_functions: int = 6) -> str:
@@ -427,7 +436,7 @@ def diff_text(d: dict, max_functions: int = 6) -> str:
 
 def table(found: dict) -> str:
     """release -> verdict, the step, the ratio per step (measured releases; skipped ones with their reason)."""
-    lines = ["| DeepSpeed | verdict | the step is | ratio per step |", "|---|---|---|---|"]
+    lines = [f"| {found.get('axis', 'DeepSpeed')} | verdict | the step is | ratio per step |", "|---|---|---|---|"]
     for rel in found["order"]:
         r = found["measured"].get(rel)
         if r is None:
@@ -445,7 +454,11 @@ def parser() -> argparse.ArgumentParser:
     from kit.probes import ds_config
 
     p = kconfig.Parser(prog="gradkit bisect", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
+    p.add_argument("config", nargs="?", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
+    p.add_argument("--probe", help="instead of a config: a registered probe (B1, B2, B3, B4, DDP), its quick plan, "
+                                   "judged on its measured case")
+    p.add_argument("--axis", default=PACKAGE, help="the package whose releases are bisected (deepspeed; with --probe "
+                                                  "also transformers or accelerate, where the probe's stack names it)")
     p.add_argument("--loop", default="engine", help=f"one of {', '.join(ds_config.LOOPS)}")
     p.add_argument("--from", dest="frm", default=None, help="the oldest release (default: the index's first)")
     p.add_argument("--to", default=kconfig.INSTALLED, help="the newest release (default: the installed one)")
@@ -478,29 +491,48 @@ def main(argv=None) -> int:
     kconfig.check_world_size(a.world_size, a.device)
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
-    user = ds_config.load(a.config)
-    model, notes = check.model_of(a.model, None)
-    dtypes = check.precisions(user, a.trainer_dtype)
-    if len(dtypes) > 1:
-        raise kconfig.ConfigError(f"{a.config}: \"auto\" precision could be {' or '.join(dtypes)}; say which with "
-                                  "--trainer-dtype (a bisect follows one configuration)")
-    cfg = ds_config.resolve(user, a.world_size, a.ga, dtypes[0])
-    ds_config.plan(cfg, (a.loop,), steps=a.steps, model=model)  # bad input is refused here, before any launch
-    order, where = release_list(a.frm, a.to, a.releases)
-    print(f"gradkit bisect {a.config}: loop {a.loop}, {len(order)} DeepSpeed releases from {where} "
-          f"({order[0]} .. {order[-1]}), every {a.stride} releases first, {a.steps} judged steps each")
-    for n in list(cfg.notes) + notes:
+    if bool(a.probe) == bool(a.config):
+        raise kconfig.ConfigError("give a DeepSpeed config or --probe, one of the two")
+    probe = None
+    if a.probe:
+        from kit import probes
+
+        probe = probes.get(a.probe)
+        if a.axis not in probe.packages or a.axis == "torch":
+            raise kconfig.ConfigError(f"--axis {a.axis}: the {probe.id} probe's stack names "
+                                      f"{[x for x in probe.packages if x != 'torch']} (torch is the installed one)")
+        measure = probe_measure(probe, {**probe.quick_plan(a.world_size), "device": a.device, "timeout_s": a.timeout},
+                                probe.measured_case, a.axis)
+        what, notes = f"the {probe.id} probe ({probe.title}), case {probe.measured_case}", []
+    else:
+        if a.axis != PACKAGE:
+            raise kconfig.ConfigError(f"--axis {a.axis} needs --probe: a DeepSpeed config is bisected over DeepSpeed")
+        user = ds_config.load(a.config)
+        model, notes = check.model_of(a.model, None)
+        dtypes = check.precisions(user, a.trainer_dtype)
+        if len(dtypes) > 1:
+            raise kconfig.ConfigError(f"{a.config}: \"auto\" precision could be {' or '.join(dtypes)}; say which "
+                                      "with --trainer-dtype (a bisect follows one configuration)")
+        cfg = ds_config.resolve(user, a.world_size, a.ga, dtypes[0])
+        ds_config.plan(cfg, (a.loop,), steps=a.steps, model=model)  # bad input is refused here, before any launch
+        measure = measure_with(cfg, a.loop, a.world_size, a.device, a.timeout, a.steps, model)
+        what, notes = f"{a.config}: loop {a.loop}, {a.steps} judged steps each", list(cfg.notes) + notes
+    order, where = release_list(a.frm, a.to, a.releases, a.axis)
+    print(f"gradkit bisect {what}; {len(order)} {a.axis} releases from {where} ({order[0]} .. {order[-1]}), "
+          f"every {a.stride} releases first")
+    for n in notes:
         print(f"  as run: {n}")
 
-    for problem in prefetch(order, a.stride, progress=not a.no_progress):
+    for problem in prefetch(order, a.stride, progress=not a.no_progress, probe=probe, axis=a.axis):
         print(f"  not prepared: {problem}")
 
     def said(rel, res):
         extra = res.get("step") or (res.get("reason") or "")[:120]
         print(f"  {rel:>8}: {res['verdict']}" + (f" ({extra})" if extra else ""), flush=True)
 
-    found = search(order, measure_with(cfg, a.loop, a.world_size, a.device, a.timeout, a.steps, model),
-                   a.stride, not a.no_confirm, said)
+    found = search(order, measure, a.stride, not a.no_confirm, said)
+    if a.axis != PACKAGE:
+        found["axis"] = a.axis
     print(table(found))
     runnable = [r for r in found["measured"].values() if r["verdict"] not in SKIPPED]
     if a.stride > 1:
@@ -509,13 +541,14 @@ def main(argv=None) -> int:
     for ch in found["changes"]:
         print("change: " + describe(ch))
         opt = ch["to"].get("optimizer") or ch["from"].get("optimizer")
-        ch["diff"] = diff(ch["before"], ch["after"], opt)
+        ch["diff"] = diff(ch["before"], ch["after"], opt, package=a.axis)
         print("\n".join("    " + x for x in diff_text(ch["diff"]).splitlines()))
     if not found["changes"]:
         print("no change: every release that ran gave the same result" if len(runnable) > 1 else
               "nothing to compare: fewer than two releases ran here")
     if a.json:
-        Path(a.json).write_text(json.dumps({"config": a.config, "loop": a.loop, "releases_from": where, **found},
+        Path(a.json).write_text(json.dumps({"config": a.config, "probe": a.probe, "axis": a.axis, "loop": a.loop,
+                                            "releases_from": where, **found},
                                            indent=1, default=str))
     if len(runnable) < 2:
         return 3

@@ -556,7 +556,7 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
        the manual loop, ZeRO-1/2's ``DeepSpeedZeroOptimizer``, N > 1, no offload, on a release it pins as
        affected) the point is affected;
     3. every group of known-bug points is explained by that bug at every point, and every unknown group's
-       standalone reproduction reproduced;
+       standalone reproduction reproduced, with its upstream report and config written beside it;
     4. the kit's own findings hold where the table pins them: every ``no_grad_step`` point on ZeRO-3 is B6 (its
        head is stepped at step 3 with no gradient), every ``conditional`` point of DeepSpeed's own loop with
        optimizer offload on ZeRO-2/3 is B7 (the experts the last micro-batch skips get nothing), wherever they ran.
@@ -599,6 +599,8 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
                 bad.append(f"{describe(g)}: not every point is explained by {g['known_bug']}")
             if not g["known_bug"] and not (g.get("repro") or {}).get("reproduced"):
                 bad.append(f"{describe(g)}: its standalone reproduction did not reproduce: {g.get('repro')}")
+            if g.get("repro") and not (g.get("report") and g.get("config")):
+                bad.append(f"{describe(g)}: no upstream report or config was written beside its reproduction")
     return bad
 
 

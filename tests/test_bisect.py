@@ -101,6 +101,12 @@ def test_bad_input_is_refused_before_anything_launches(tmp_path):
         bisect.main([str(cfg), "--releases", "0.18.9"])
     with pytest.raises(kconfig.ConfigError, match="release number"):
         bisect.main([str(cfg), "--releases", "0.18.9,latest"])
+    with pytest.raises(kconfig.ConfigError, match="one of the two"):
+        bisect.main([str(cfg), "--probe", "B4", "--releases", "0.18.9,0.19.0"])
+    with pytest.raises(kconfig.ConfigError, match="needs --probe"):
+        bisect.main([str(cfg), "--axis", "transformers", "--releases", "5.3.0,5.23.0"])
+    with pytest.raises(kconfig.ConfigError, match="the B4 probe's stack names"):
+        bisect.main(["--probe", "B4", "--axis", "transformers", "--releases", "5.3.0,5.23.0"])
 
 
 def test_the_changed_functions_are_read_from_both_sources_on_the_gradient_path(tmp_path):
@@ -195,3 +201,19 @@ def test_a_known_bugs_bisect_agrees_with_the_table_only_where_its_boundary_lies_
     missed = _found("B2", {"0.18.2": bad("stage 0: sum (x GA); stage 1: sum (x GA)"),
                            "0.18.3": bad("stage 0: sum (x GA); stage 1: sum (x GA)")}, [])
     assert any("boundary at 0.18.3" in v for v in bisect_known.violations(missed))
+
+
+@pytest.mark.world
+def test_a_probe_is_bisected_over_another_package_b1_over_transformers(tmp_path, capsys):
+    """The B1 probe (a real Trainer) over transformers 5.3.0 and the installed release: the report's release is
+    affected, the installed one not; the change's code is read from transformers/trainer.py."""
+    out = tmp_path / "b1.json"
+    code = bisect.main(["--probe", "B1", "--axis", "transformers", "--releases", "5.3.0,installed", "--no-confirm",
+                        "--no-progress", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert code == 0 and doc["axis"] == "transformers"
+    [ch] = doc["changes"]
+    assert ch["before"] == "5.3.0" and ch["from"]["verdict"] == oracle.AFFECTED
+    assert ch["to"]["verdict"] == oracle.NOT_AFFECTED
+    assert ch["diff"]["files"][0]["file"] == "transformers/trainer.py" and ch["diff"]["files"][0]["functions"]
+    assert "| transformers | verdict |" in capsys.readouterr().out
