@@ -100,8 +100,14 @@ def violations(found: dict) -> list[str]:
     from kit import bisect
     from kit.expectations import version_key
 
+    from kit.expectations import UNMANAGED_SINCE
+
     bug, out = found["bug"], []
     runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in bisect.SKIPPED]
+    if bug == "B3 opt-out":  # the loop runs exactly from the release that has the key
+        for rel, r in found["measured"].items():
+            if (r["verdict"] in bisect.SKIPPED) != (version_key(rel) < version_key(UNMANAGED_SINCE)):
+                out.append(f"B3 opt-out on {rel}: {r['verdict']}, but the key arrives in {UNMANAGED_SINCE}")
     for rel, r in runs:
         want = _expected(bug, rel)
         if want is not None and r["verdict"] != want:

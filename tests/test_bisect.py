@@ -217,3 +217,13 @@ def test_a_probe_is_bisected_over_another_package_b1_over_transformers(tmp_path,
     assert ch["to"]["verdict"] == oracle.NOT_AFFECTED
     assert ch["diff"]["files"][0]["file"] == "transformers/trainer.py" and ch["diff"]["files"][0]["functions"]
     assert "| transformers | verdict |" in capsys.readouterr().out
+
+
+def test_the_opt_out_loop_runs_exactly_from_the_release_that_has_the_key():
+    from kit import bisect_known
+
+    ok = _found("B3 opt-out", {"0.19.3": SKIP, "0.19.4": GOOD}, [])
+    assert bisect_known.violations(ok) == []
+    early = _found("B3 opt-out", {"0.19.3": GOOD, "0.19.4": GOOD}, [])
+    assert any("B3 opt-out on 0.19.3: not-affected, but the key arrives in 0.19.4" in v
+               for v in bisect_known.violations(early))
