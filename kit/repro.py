@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit import launch, oracle
+from kit.launch import lifecycle
 from kit import versions as kversions
 
 TEMPLATE = '''"""{title}
@@ -200,6 +201,8 @@ def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "
                              preexec_fn=launch.die_with_parent)
     except subprocess.TimeoutExpired as e:
         return 124, f"timed out after {timeout_s:g} s: {(e.stdout or b'')[-2000:]!r}"
+    finally:  # the script's DeepSpeed world on CPU leaves its comm op's shared memory behind, as every one does
+        lifecycle.remove_orphan_segments(grace_s=5.0)
     text = "\n".join(line for line in (out.stdout + out.stderr).splitlines()
                      if "REPRODUCED" in line or "reproduced" in line or line.startswith("{\"deepspeed\""))
     return out.returncode, text or (out.stdout + out.stderr)[-2000:]

@@ -198,11 +198,65 @@ def _new_world_folder(keep_dir: str | None = None) -> Path:
     return job
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's CPU comm op: one 66 MB segment per rank, never unlinked
+ORPHAN_SHM_GRACE_S = 60.0
+
+
+def release_port(holder, world_size: int) -> list[Path]:
+    """The world that held ``holder``'s port is over: free the port and remove the shared-memory segments DeepSpeed's
+    CPU comm op made for it. ``shm.cpp`` names them ``deepspeed_allreduce_buffer_<uid>_<addr>_<MASTER_PORT>_<rank>``
+    (66 MB each, in RAM) and never unlinks them, so every DeepSpeed world on CPU left W of them behind: a few
+    hundred worlds (a sweep, the test suite) filled /dev/shm and the machine's memory."""
+    try:
+        port = holder.getsockname()[1]
+    except OSError:  # closed already (a launcher's world listened on it itself): remove_orphan_segments takes them
+        return []
+    holder.close()
+    removed = []
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
+        if path.name.rsplit("_", 1)[-1].isdigit() and int(path.name.rsplit("_", 1)[-1]) < max(world_size, 1024):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
+    """Remove this user's DeepSpeed CPU comm segments that no live process maps and that are older than
+    ``grace_s`` (a world killed before the kit could remove them): a segment only its own world's ranks ever open,
+    and they are gone. A segment a running DeepSpeed job maps (the kit's or the user's own) is never touched."""
+    mine = [p for p in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*")]
+    if not mine:
+        return []
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        if SHM_PREFIX in text:
+            mapped.update(line.rsplit("/", 1)[-1].split(" ")[0] for line in text.splitlines() if SHM_PREFIX in line)
+    removed = []
+    for path in mine:
+        try:
+            if path.name not in mapped and time.time() - path.stat().st_mtime > grace_s:
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 def remove_stale_worlds() -> list[Path]:
     """Remove the world folders whose owner is gone (a caller killed with SIGKILL never ran its clean-up), and
-    those that never got an owner (a caller killed between making the folder and claiming it)."""
+    those that never got an owner (a caller killed between making the folder and claiming it); and the shared-memory
+    segments of DeepSpeed worlds that are gone (``remove_orphan_segments``)."""
     import psutil
 
+    remove_orphan_segments()
     removed = []
     for folder in Path(tempfile.gettempdir()).glob("gradkit-world-*"):
         try:
@@ -298,7 +352,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
         _LIVE.pop(id(procs), None)
         _kill(procs)
         if holder is not None:
-            holder.close()
+            release_port(holder, world.world_size)
         if keep_dir is None:
             shutil.rmtree(job, ignore_errors=True)
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.launch.lifecycle import _LIVE, _kill, _new_world_folder, _start_ranks, _wait, remove_stale_worlds
+from kit.launch.lifecycle import _LIVE, _kill, _new_world_folder, _start_ranks, _wait, release_port, remove_stale_worlds
 from kit.launch.results import _partials
 from kit.launch.servers import _SERVERS, _Forked, _server_for, _server_key, _stack_fields, _stop_server
 from kit.launch.spec import LaunchError, World
@@ -126,7 +126,7 @@ def _discard(key: str) -> None:
     w = _WARM.pop(key, None)
     if w is not None:
         _kill(w.procs)
-        w.holder.close()
+        release_port(w.holder, len(w.procs))
         shutil.rmtree(w.job, ignore_errors=True)
         # its server stays for the next world of its stack (leaving after SERVER_IDLE_S without a rank)
 
