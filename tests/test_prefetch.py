@@ -38,6 +38,8 @@ def test_the_prefetch_names_every_stack_the_notebooks_will_run(repo):
     want = {(runner.stack_label(s), "deepspeed") for s in quick["01_trainer_loss_kwargs"]["STACKS"]}
     want |= {(v, "deepspeed") for nb in ("02_pipeline_ga", "03_zero_boundary", "04_bf16_leak") for v in quick[nb]["VERSIONS"]}
     want |= {("installed", "torch")}  # 07: plain torch DDP
+    story = quick["08_new_bug"]  # 08: the story's releases and each known bug's, all DeepSpeed worlds
+    want |= {(v, "deepspeed") for v in story["STORY_RELEASES"] + [v for vs in story["KNOWN_RELEASES"].values() for v in vs]}
     assert got == want, f"prefetch would prepare {sorted(got)}, the notebooks run {sorted(want)}"
     # the overview reads run-all's records (LOAD_RESULTS): it adds nothing; run alone it needs its own stacks
     over = runall.NOTEBOOKS / "00_overview.ipynb"
