@@ -40,6 +40,13 @@ SKIPPED = (oracle.CANNOT_RUN, oracle.INCONCLUSIVE)
 
 # ---------------------------------------------------------------------------------------------- releases
 
+def stack_of(release: str, package: str = PACKAGE) -> dict:
+    """The world stack that runs ``release`` of ``package``: ``{}`` for the installed release, else its overlay."""
+    from kit import versions
+
+    return {} if release == versions.installed_version(package).split("+")[0] else {package: release}
+
+
 def _final(v: str) -> bool:
     return all(part.isdigit() for part in v.split("."))
 
@@ -134,10 +141,8 @@ def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float,
     from kit import check, versions
     from kit.probes import ds_config
 
-    installed = versions.installed_version(PACKAGE).split("+")[0]
-
     def measure(release: str) -> dict:
-        stack = {} if release == installed else {PACKAGE: release}
+        stack = stack_of(release)
         try:
             recs = ds_config.run(cfg, (loop,), world_size, stack, device, timeout_s, steps=steps, model=model)
         except versions.CannotRun as e:
@@ -164,10 +169,9 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
 
     if axis not in probe.packages:
         raise kconfig.ConfigError(f"the {probe.id} probe's stack names {list(probe.packages)}, not {axis!r}")
-    installed = versions.installed_version(axis).split("+")[0]
 
     def measure(release: str) -> dict:
-        stack = {} if release == installed else {axis: release}
+        stack = stack_of(release, axis)
         try:
             recs = probe.run(**run_kwargs, stacks=[stack])
         except versions.CannotRun as e:
@@ -205,11 +209,10 @@ def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, a
     for ``probe`` (the check's by default); the binary search's few releases install as it reaches them. Returns
     what could not be prepared (those releases are then measured ``cannot-run``, i.e. skipped)."""
     from kit import prefetch as kprefetch
-    from kit import versions
     from kit.probes import ds_config
 
-    installed = versions.installed_version(axis).split("+")[0]
-    stacks = [{axis: order[i]} for i in grid(len(order), stride) if order[i] != installed]
+    stacks = [stack_of(order[i], axis) for i in grid(len(order), stride)]
+    stacks = [st for st in stacks if st]  # the installed release needs nothing
     _, problems = kprefetch.prefetch(kprefetch.needs_of([(probe or ds_config.CHECK, st) for st in stacks]),
                                      progress=progress)
     return problems
@@ -314,8 +317,8 @@ GRADIENT_PATH = ("grad", "reduce", "boundary", "accumul", "offload", "partition"
 
 
 def _functions(source: str, cls: str | None) -> dict[str, str]:
-    """``{name: source}`` of the methods of class ``cls`` in ``source`` (module-level functions when ``cls`` is
-    None) whose name is on the gradient path, and of the file's module-level functions they call (a helper such as
+    """``{name: source}`` of the methods of class ``cls`` in ``source`` (``Class.method``; module-level functions when
+    ``cls`` is None) whose name is on the gradient path, and of the file's module-level functions they call (a helper such as
     ``split_half_float_double`` decides what a reduction reduces, whatever its name says)."""
     tree = ast.parse(source)
     lines = source.splitlines()
@@ -329,26 +332,19 @@ def _functions(source: str, cls: str | None) -> dict[str, str]:
     if cls:
         body = next((n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), [])
     chosen = [n for n in body if isinstance(n, funcs) and any(k in n.name.lower() for k in GRADIENT_PATH)]
-    out = {n.name: text(n) for n in chosen}
+    out = {f"{cls}.{n.name}" if cls else n.name: text(n) for n in chosen}
     called = {x.id for n in chosen for x in ast.walk(n) if isinstance(x, ast.Name)}
-    for n in tree.body:
+    for n in tree.body:  # a module-level helper keeps its own name
         if cls and isinstance(n, funcs) and n.name in called:
             out[n.name] = text(n)
     return out
-
-
-def _is_method(source: str, cls: str, name: str) -> bool:
-    tree = ast.parse(source)
-    body = next((n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls), [])
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in body)
 
 
 def _source_root(release: str, package: str = PACKAGE) -> Path | None:
     from kit import versions
 
     try:
-        root = versions.resolve_stack({} if release == versions.installed_version(package).split("+")[0]
-                                      else {package: release}, (package,)).roots.get(package)
+        root = versions.resolve_stack(stack_of(release, package), (package,)).roots.get(package)
     except versions.CannotRun:
         return None
     return Path(root) / versions.module_name(package) if root else None
@@ -402,8 +398,7 @@ def diff(before: str, after: str, optimizer: str | None, max_lines: int = 60, pa
             changed = sum(1 for x in lines if x[:1] in "+-" and not x.startswith(("+++", "---")))
             text = "\n".join(lines[:max_lines]) + (f"\n... ({len(lines) - max_lines} more lines)"
                                                    if len(lines) > max_lines else "")
-            funcs.append({"name": f"{cls}.{name}" if _is_method(texts[after] or texts[before], cls, name) else name,
-                          "diff": text, "lines": changed,
+            funcs.append({"name": name, "diff": text, "lines": changed,
                           "status": "added" if name not in fa else "removed" if name not in fb else "changed"})
         files.append({"file": f"{package}/{rel_path}", "class": cls, "functions": funcs})
     return {"before": before, "after": after, "files": files, "package": package,

@@ -58,14 +58,13 @@ def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
 
 def needs(releases_by_bug: dict) -> list:
     """The ``(probe, stack)`` pairs the bisects will run (for ``kit.prefetch``)."""
-    from kit import versions
+    from kit import bisect
     from kit.probes import ds_config, pipeline_ga
 
-    installed = versions.installed_version("deepspeed").split("+")[0]
     out = []
     for bug, releases in releases_by_bug.items():  # "story": a config through the check's probe
         probe = pipeline_ga.PROBE if bug == "B2" else ds_config.CHECK
-        out += [(probe, {} if r in (kconfig.INSTALLED, installed) else {"deepspeed": r}) for r in releases]
+        out += [(probe, {} if r == kconfig.INSTALLED else bisect.stack_of(r)) for r in releases]
     return out
 
 
