@@ -228,8 +228,15 @@ def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
     """Remove this user's DeepSpeed CPU comm segments that no live process maps and that are older than
     ``grace_s`` (a world killed before the kit could remove them): a segment only its own world's ranks ever open,
     and they are gone. A segment a running DeepSpeed job maps (the kit's or the user's own) is never touched."""
-    mine = [p for p in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*")]
-    if not mine:
+    now = time.time()
+    mine = []
+    for p in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*"):
+        try:
+            if now - p.stat().st_mtime > grace_s:
+                mine.append(p)
+        except OSError:
+            pass
+    if not mine:  # the common case (every world removes its own): no need to read every process's maps
         return []
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -241,12 +248,12 @@ def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
             mapped.update(line.rsplit("/", 1)[-1].split(" ")[0] for line in text.splitlines() if SHM_PREFIX in line)
     removed = []
     for path in mine:
-        try:
-            if path.name not in mapped and time.time() - path.stat().st_mtime > grace_s:
+        if path.name not in mapped:
+            try:
                 path.unlink()
                 removed.append(path)
-        except OSError:
-            pass
+            except OSError:
+                pass
     return removed
 
 
