@@ -24,14 +24,14 @@ def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
     seen = []
     real = lifecycle.release_port
 
-    def spy(holder, world_size):
+    def spy(holder):
         port = holder.getsockname()[1]
 
         def mine():
             return sorted(p.name for p in lifecycle.SHM_DIR.glob(f"{lifecycle.SHM_PREFIX}_{os.getuid()}_*_{port}_*"))
 
         made = mine()
-        real(holder, world_size)
+        real(holder)
         seen.append((port, made, mine()))
 
     monkeypatch.setattr(lifecycle, "release_port", spy)

@@ -203,7 +203,19 @@ SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's CPU comm op: one 66 MB 
 ORPHAN_SHM_GRACE_S = 60.0
 
 
-def release_port(holder, world_size: int) -> list[Path]:
+def _unlink(paths) -> list[Path]:
+    """Remove ``paths``; the ones that were removed (another process may have taken one first)."""
+    removed = []
+    for path in paths:
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def release_port(holder) -> list[Path]:
     """The world that held ``holder``'s port is over: free the port and remove the shared-memory segments DeepSpeed's
     CPU comm op made for it. ``shm.cpp`` names them ``deepspeed_allreduce_buffer_<uid>_<addr>_<MASTER_PORT>_<rank>``
     (66 MB each, in RAM) and never unlinks them, so every DeepSpeed world on CPU left W of them behind: a few
@@ -213,15 +225,8 @@ def release_port(holder, world_size: int) -> list[Path]:
     except OSError:  # closed already (a launcher's world listened on it itself): remove_orphan_segments takes them
         return []
     holder.close()
-    removed = []
-    for path in SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*"):
-        if path.name.rsplit("_", 1)[-1].isdigit() and int(path.name.rsplit("_", 1)[-1]) < max(world_size, 1024):
-            try:
-                path.unlink()
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
+    segments = SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*")
+    return _unlink(p for p in segments if p.name.rsplit("_", 1)[-1].isdigit())  # ..._<port>_<rank>
 
 
 def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
@@ -246,15 +251,7 @@ def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
             continue
         if SHM_PREFIX in text:
             mapped.update(line.rsplit("/", 1)[-1].split(" ")[0] for line in text.splitlines() if SHM_PREFIX in line)
-    removed = []
-    for path in mine:
-        if path.name not in mapped:
-            try:
-                path.unlink()
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
+    return _unlink(p for p in mine if p.name not in mapped)
 
 
 def remove_stale_worlds() -> list[Path]:
@@ -359,7 +356,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
         _LIVE.pop(id(procs), None)
         _kill(procs)
         if holder is not None:
-            release_port(holder, world.world_size)
+            release_port(holder)
         if keep_dir is None:
             shutil.rmtree(job, ignore_errors=True)
 

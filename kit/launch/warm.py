@@ -126,7 +126,7 @@ def _discard(key: str) -> None:
     w = _WARM.pop(key, None)
     if w is not None:
         _kill(w.procs)
-        release_port(w.holder, len(w.procs))
+        release_port(w.holder)
         shutil.rmtree(w.job, ignore_errors=True)
         # its server stays for the next world of its stack (leaving after SERVER_IDLE_S without a rank)
 
