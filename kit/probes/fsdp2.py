@@ -1,0 +1,220 @@
+"""FSDP2: ``torch.distributed.fsdp.fully_shard`` accumulation -- the same oracle, no DeepSpeed.
+
+Each parameter is sharded over the ranks (a ``DTensor``); a backward with gradient sync on reduce-scatters the
+gradient of every FSDP unit into each rank's shard. Accumulation either turns the sync off
+(``set_requires_gradient_sync(False)``) until the last micro-batch (FSDP keeps the unsharded gradients, in
+``reduce_dtype`` under mixed precision) or reduce-scatters after every micro-batch and sums the shards. The
+effective gradient is read from the full parameters after the step (``DTensor.full_tensor()``, plain collectives).
+
+=============  ==========================================================================  ==========
+case           loop                                                                        role
+=============  ==========================================================================  ==========
+sync_last      sync off on the first GA-1 micro-batches, on for the last                    measured
+sync_every     a reduce-scatter after every micro-batch                                    measured
+sum_not_mean   ``sync_last`` without ``/ GA`` (a loop bug: GA x the gradient)               comparison
+sync_kept_off  sync never turned back on (a loop bug: nothing is reduced, nothing steps)    comparison
+control        the bare module: local accumulation, one ``all_reduce`` of every grad / W   control
+=============  ==========================================================================  ==========
+
+Each FSDP case runs under ``SETTINGS`` (``setting`` in its record): resharding after forward or not, fp32 or
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32 | bf16)``, one FSDP unit per layer (the usual wrap) or
+the whole model as one unit. A failure FSDP raises itself (e.g. "FSDP reduce-scatter expects uniform gradient
+dtype", pytorch/pytorch#196996) is ``cannot-run`` with FSDP's sentence, never a verdict.
+"""
+from __future__ import annotations
+
+from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
+
+BUG = "FSDP2"
+LOOPS = {"sync_last": "measured", "sync_every": "measured", "sum_not_mean": "comparison",
+         "sync_kept_off": "comparison"}
+# setting -> (reshard_after_forward, param dtype, reduce dtype, units); the record's dtype is the param dtype
+SETTINGS = {
+    "fp32": (True, "fp32", "fp32", "layers"),
+    "fp32 no-reshard": (False, "fp32", "fp32", "layers"),
+    "bf16 / fp32 reduce": (True, "bf16", "fp32", "layers"),
+    "bf16 / bf16 reduce": (True, "bf16", "bf16", "layers"),
+    "bf16 / fp32 reduce, one unit": (True, "bf16", "fp32", "one"),
+}
+# which loops run under which settings: the correct loops under every one, the loop bugs under plain fp32
+LOOP_SETTINGS = {"sync_last": tuple(SETTINGS), "sync_every": ("fp32", "bf16 / fp32 reduce"),
+                 "sum_not_mean": ("fp32",), "sync_kept_off": ("fp32",)}
+DEPTH = 2
+
+
+# ====================================================================== inside a rank
+
+def shard(model, setting: str):
+    """``model`` under ``fully_shard``: every submodule that holds parameters of its own (none shared with another
+    module: a tied weight stays with the root) as one unit, then the root -- or the root alone (``one``)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    reshard, param, reduce, units = SETTINGS[setting]
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    mp = MixedPrecisionPolicy(param_dtype=dt[param], reduce_dtype=dt[reduce]) if param != "fp32" else MixedPrecisionPolicy()
+    kw = {"reshard_after_forward": reshard, "mp_policy": mp}
+    if units == "layers":
+        owners: dict = {}
+        for name, module in model.named_modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(name)
+        for name, module in model.named_modules():
+            mine = list(module.parameters(recurse=False))
+            if name and mine and all(len(owners[id(p)]) == 1 for p in mine):
+                fully_shard(module, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def full_read(model) -> dict:
+    """Every parameter whole (a collective: each sharded one is gathered with ``full_tensor``), flat, module order,
+    float64: the fp32 parameters FSDP keeps (under mixed precision the model computes with their bf16 casts)."""
+    import torch
+
+    parts = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().reshape(-1).cpu()
+             for p in model.parameters()]
+    flat = torch.cat(parts)
+    return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
+
+
+def run_case(case: dict) -> dict:
+    import sys
+
+    from kit import shapes
+    from kit.probes import common as c
+
+    ga, mb, hidden, seed, loop = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
+    shape = shapes.of_case(case)
+    model = shape.build(seed, hidden, DEPTH)
+    if loop != "control":
+        shard(model, case["setting"])
+    opt = c.sgd(model)
+    div = 1 if loop == "sum_not_mean" else ga
+
+    def take(step, batches):
+        for i, (x, y) in enumerate(batches):
+            if loop != "control":
+                last = i == ga - 1
+                model.set_requires_gradient_sync(loop == "sync_every" or (last and loop != "sync_kept_off"))
+            (shape.loss_fn(model(x), y) / div).backward()
+        if loop == "control":  # plain torch.distributed: what every FSDP case is judged against
+            c.average_grads(model)
+        opt.step()  # lr = 1: the update is the gradient
+        opt.zero_grad(set_to_none=True)
+        return None, None
+
+    read = (lambda: c.plain_read(model)) if loop == "control" else (lambda: full_read(model))
+    out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=ga, micro_batch=mb, hidden=hidden,
+                        depth=DEPTH, dtype=case["dtype"], shape=shape)
+    return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
+
+
+def run_rank(payload: dict) -> list[dict]:
+    from kit.probes import common as c
+
+    return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, models=("mlp",), settings=None,
+         loops=None) -> list[dict]:
+    """The control and every loop under its settings (``LOOP_SETTINGS``; ``settings`` / ``loops`` narrow them)."""
+    out = []
+    for model in models:
+        for ga in ga_values:
+            common = {"ga": ga, "micro_batch": micro_batch, "hidden": hidden, "seed": seed, "model": model}
+            out.append({"name": "control", "role": "control", "dtype": "fp32", "setting": "plain torch", **common})
+            for loop, role in LOOPS.items():
+                if loops is not None and loop not in loops:
+                    continue
+                for s in LOOP_SETTINGS[loop]:
+                    if settings is None or s in settings:
+                        out.append({"name": loop, "role": role, "dtype": SETTINGS[s][1], "setting": s, **common})
+    return out
+
+
+def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",), settings=None) -> None:
+    from kit import shapes
+
+    kconfig.check_device(device)
+    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
+        kconfig.check_list(name, values)
+    for m in models:
+        shapes.get(m)
+    for s in settings or ():
+        if s not in SETTINGS:
+            raise kconfig.ConfigError(f"unknown FSDP2 setting {s!r}; the kit knows {list(SETTINGS)}")
+    for w in world_sizes:
+        kconfig.check_world_size(w, device)
+    for ga in ga_values:
+        kconfig.check_ga(ga)
+    kconfig.check_timeout(timeout_s)
+
+
+def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
+        device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},), models=("mlp",),
+        settings=None, loops=None) -> list[dict]:
+    """Every loop under its settings at every GA on every model shape, one plain-torch world per world size; each
+    judged against the ``control`` of its GA and shape."""
+    validate(world_sizes, ga_values, device, timeout_s, models, settings)
+    return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed, models, settings, loops), list(stacks),
+                      world_sizes, device, timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
+
+
+def check_notebook(p: dict) -> list:
+    from kit.probes import ddp_no_sync
+
+    return ddp_no_sync.check_notebook(p)
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """What the notebook asserts of FSDP2: the control matches the reference, no rank imported DeepSpeed, the loop
+    bugs are seen (``sum_not_mean`` affected with ratio GA where GA > 1; ``sync_kept_off`` affected: nothing
+    applied), and a failure is a failure: an FSDP case that raised is ``cannot-run`` with its error."""
+    from kit import oracle
+
+    bad = []
+    for r in recs:
+        where = f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')} {r['case']} [{r['config'].get('setting')}]"
+        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+            bad.append(f"{where}: the control is {r['verdict']}: {r['reason']}")
+        if r.get("imported_deepspeed"):
+            bad.append(f"{where}: a rank imported DeepSpeed")
+        if r.get("error") and r["verdict"] != oracle.CANNOT_RUN:
+            bad.append(f"{where}: it raised but its verdict is {r['verdict']}")
+        if r["case"] == "sum_not_mean" and r["ga"] > 1 and not r.get("error") and (
+                r["verdict"] != oracle.AFFECTED or abs(r["metrics"]["norm_ratio"] / r["ga"] - 1) > 1e-3):
+            bad.append(f"{where}: the summed loop is {r['verdict']} (ratio {(r['metrics'] or {}).get('norm_ratio')}, "
+                       f"GA expected)")
+        if r["case"] == "sync_kept_off" and not r.get("error") and r["verdict"] != oracle.AFFECTED:
+            bad.append(f"{where}: a loop that never syncs is {r['verdict']}")
+    return bad
+
+
+def annotate(rec: dict) -> dict:
+    """Its shape and setting at the top of the record (the notebook's rows), each step named."""
+    from kit import oracle
+
+    rec["model"] = rec["config"].get("model") or "mlp"
+    rec["setting"] = rec["config"].get("setting")
+    return oracle.annotate_steps(rec) if rec.get("steps") else rec
+
+
+PROBE = Probe(
+    id=BUG, title="torch FSDP2 (fully_shard), gradient-sync-off accumulation (no DeepSpeed)", module="fsdp2",
+    notebook="07_ddp_no_sync.ipynb", measured_case="sync_last",
+    ratio_meaning="effective / reference gradient of the set_requires_gradient_sync(False) step",
+    advice="the FSDP2 step is off the reference on this torch: compare its settings in notebook 07 (sync every "
+           "micro-batch, fp32 vs bf16, one unit) and report it to PyTorch with those numbers",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,), settings=("fp32", "bf16 / fp32 reduce")),
+    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
+           "version": ["installed"]},
+    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
+                                                        settings=("fp32",), device=device, timeout_s=timeout_s),
+    init="torch", packages=("torch",), typical_s=15.0, violations=violations, order=11,
+    control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])
