@@ -1,0 +1,236 @@
+"""Accelerate: ``accelerator.accumulate(model)`` over DDP -- the same oracle, no DeepSpeed.
+
+The loop Accelerate documents: every micro-batch inside ``with accelerator.accumulate(model):``, the loss through
+``accelerator.backward`` (which divides it by ``gradient_accumulation_steps``), ``optimizer.step()`` and
+``zero_grad()`` on every micro-batch (the prepared optimizer acts only when Accelerate says the gradients are in
+sync). Accelerate wraps the model in DDP and skips the allreduce (``no_sync``) until the window's last micro-batch.
+
+===============  ===========================================================================  ==========
+case             loop                                                                         role
+===============  ===========================================================================  ==========
+accumulate       the documented loop, GA micro-batches per window                             measured
+sync_each_batch  the same with ``GradientAccumulationPlugin(sync_each_batch=True)``             measured
+                 (an allreduce every micro-batch; 0.28 - 0.30 also stepped the optimizer there)
+accumulate_fsdp2 the documented loop on FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``)  measured
+                 -- Accelerate selects FSDP on a GPU only: on CPU it is ``cannot-run``, said so
+last_window      a dataloader that ends after ``ga`` < GA micro-batches: the last, incomplete  comparison
+                 window (its loss still divided by the full GA: documented, huggingface/accelerate#1847)
+sum_not_mean     ``loss.backward()`` instead of ``accelerator.backward(loss)`` (a loop bug: x GA)   comparison
+control          the bare module: local accumulation, one ``all_reduce`` of every grad / W    control
+===============  ===========================================================================  ==========
+
+``last_window``'s record has ``ga`` = the micro-batches the window holds and ``accumulation_steps`` = the GA
+Accelerate was given (``ga + 1``): each judged step is one pass over a dataloader of ``ga`` micro-batches, so the
+expected update is ``ga / (ga + 1)`` of the reference. The releases are overlays of the ``accelerate`` package
+(``stacks=[{"accelerate": "0.30.1"}]``); torch stays the installed one, and every record says which ran.
+"""
+from __future__ import annotations
+
+from kit import config as kconfig
+from kit import runner
+from kit.probe import Probe
+
+BUG = "ACC"
+CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
+         "last_window": "comparison",
+         "sum_not_mean": "comparison", "control": "control"}
+DEPTH = 2
+
+
+# ====================================================================== inside a rank
+
+def _fresh_state():
+    """Accelerate keeps its state in process-wide singletons: each case starts from none (the process group, which
+    the world owns, stays)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(False)
+    GradientState._reset_state()
+
+
+def run_case(case: dict) -> dict:
+    import sys
+
+    from kit import shapes
+    from kit.probes import common as c
+
+    ga, mb, hidden, seed, name = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
+    shape = shapes.of_case(case)
+    model = shape.build(seed, hidden, DEPTH)
+    if name == "control":
+        opt = c.sgd(model)
+
+        def take(step, batches):
+            for x, y in batches:
+                (shape.loss_fn(model(x), y) / ga).backward()
+            c.average_grads(model)  # plain torch.distributed: what every Accelerate case is judged against
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return None, None
+
+        out = c.judge_steps(case.get("steps", c.STEPS), lambda: c.plain_read(model), take, seed=seed, ga=ga,
+                            micro_batch=mb, hidden=hidden, depth=DEPTH, shape=shape)
+        return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
+
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
+
+    _fresh_state()
+    steps_given = case.get("accumulation_steps", ga)
+    plugin = GradientAccumulationPlugin(num_steps=steps_given,
+                                        **({"sync_each_batch": True} if name == "sync_each_batch" else {}))
+    kw = {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=shape.unused_parameters)]}
+    if name == "accumulate_fsdp2":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        kw = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}
+    acc = Accelerator(gradient_accumulation_plugin=plugin, cpu=c.device().type == "cpu", **kw)
+    if name == "accumulate_fsdp2" and acc.distributed_type.name != "FSDP":
+        raise RuntimeError(f"Accelerate selects FSDP on a GPU only: on {c.device().type} it gave "
+                           f"{acc.distributed_type} (the model would be wrapped in DDP, not sharded)")
+    opt = c.sgd(model)
+    wrapped, opt = acc.prepare(model, opt) if name != "accumulate_fsdp2" else (acc.prepare(model), None)
+    if opt is None:  # FSDP2 replaces the parameters: the optimizer is built on the sharded ones
+        opt = acc.prepare(c.sgd(wrapped))
+    model = wrapped if name == "accumulate_fsdp2" else model
+    stepped = []
+
+    def take(step, batches):
+        # last_window: the step's micro-batches are the whole dataloader (Accelerate syncs at its end); the others
+        # iterate a plain list (Accelerate syncs by its own count of micro-batches)
+        source = DataLoaderShard(batches, batch_size=None) if name == "last_window" else batches
+        moved = 0
+        for x, y in source:
+            with acc.accumulate(wrapped):
+                loss = shape.loss_fn(wrapped(x), y)
+                loss.backward() if name == "sum_not_mean" else acc.backward(loss)
+                before = [p.detach().clone() for p in opt.optimizer.param_groups[0]["params"]]
+                opt.step()  # lr = 1: the update is the gradient; a no-op until Accelerate says the window is in sync
+                opt.zero_grad()
+                moved += any(not bool((b == p.detach()).all())
+                             for b, p in zip(before, opt.optimizer.param_groups[0]["params"]))
+        stepped.append(moved)
+        return None, None
+
+    from kit.probes import fsdp2
+
+    read = (lambda: fsdp2.full_read(model)) if name == "accumulate_fsdp2" else (lambda: c.plain_read(model))
+    try:
+        out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=ga,
+                            micro_batch=mb, hidden=hidden, depth=DEPTH, shape=shape)
+    finally:
+        _fresh_state()
+    return {**out, "optimizer_steps_per_window": stepped, "accumulation_steps": steps_given,
+            "imported_deepspeed": "deepspeed" in sys.modules}
+
+
+def run_rank(payload: dict) -> list[dict]:
+    from kit.probes import common as c
+
+    return c.run_cases(payload, run_case)
+
+
+# ====================================================================== in the caller
+
+def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, models=("mlp",), cases=None) -> list[dict]:
+    out = []
+    for model in models:
+        for ga in ga_values:
+            for name, role in CASES.items():
+                if cases is not None and name not in cases and name != "control":
+                    continue
+                case = {"name": name, "role": role, "ga": ga, "dtype": "fp32", "micro_batch": micro_batch,
+                        "hidden": hidden, "seed": seed, "model": model}
+                if name == "last_window":
+                    case["accumulation_steps"] = ga + 1
+                out.append(case)
+    return out
+
+
+def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",), stacks=({},)) -> None:
+    from kit import shapes
+
+    kconfig.check_device(device)
+    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
+        kconfig.check_list(name, values)
+    for m in models:
+        shapes.get(m)
+    for s in stacks:
+        extra = sorted(set(s) - {"accelerate"})
+        if extra:
+            raise kconfig.ConfigError(f"the Accelerate probe runs accelerate releases only; it was given {extra}")
+    for w in world_sizes:
+        kconfig.check_world_size(w, device)
+    for ga in ga_values:
+        kconfig.check_ga(ga)
+    kconfig.check_timeout(timeout_s)
+
+
+def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
+        device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},), models=("mlp",),
+        cases=None) -> list[dict]:
+    """Every case at every GA on every model shape, one world per (accelerate release, world size); each judged
+    against the ``control`` of its GA and shape."""
+    validate(world_sizes, ga_values, device, timeout_s, models, stacks)
+    return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed, models, cases), list(stacks), world_sizes,
+                      device, timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
+
+
+def check_notebook(p: dict) -> list:
+    from kit.probes import ddp_no_sync
+
+    return ddp_no_sync.check_notebook(p)
+
+
+def violations(recs: list[dict]) -> list[str]:
+    """What the notebook asserts of Accelerate: the control is exact, no rank imported DeepSpeed, the loop bug is
+    seen (``sum_not_mean``: ratio GA where GA > 1), and the last incomplete window applies ``ga / GA`` of the
+    reference (Accelerate's documented behaviour; a release that changed it is a finding to look at)."""
+    from kit import oracle
+
+    bad = []
+    for r in recs:
+        where = f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')} {r['case']} on {r['version']}"
+        m = r.get("metrics") or {}
+        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+            bad.append(f"{where}: the control is {r['verdict']}: {r['reason']}")
+        if r.get("imported_deepspeed"):
+            bad.append(f"{where}: a rank imported DeepSpeed")
+        if r["case"] == "sum_not_mean" and r["ga"] > 1 and not r.get("error") and (
+                r["verdict"] != oracle.AFFECTED or abs(m["norm_ratio"] / r["ga"] - 1) > 1e-3):
+            bad.append(f"{where}: the loop without accelerator.backward is {r['verdict']} (ratio {m.get('norm_ratio')})")
+        if r["case"] == "last_window" and not r.get("error"):
+            want = r["ga"] / r["config"]["accumulation_steps"]
+            if r["verdict"] != oracle.AFFECTED or abs(m["norm_ratio"] / want - 1) > 1e-3:
+                bad.append(f"{where}: the last incomplete window is {r['verdict']} with ratio {m.get('norm_ratio')} "
+                           f"({want:.4f} documented)")
+    return bad
+
+
+def annotate(rec: dict) -> dict:
+    from kit import oracle
+
+    rec["model"] = rec["config"].get("model") or "mlp"
+    rec["setting"] = f"accelerate {(rec.get('versions') or {}).get('accelerate', rec['version'])}"
+    extra = max(rec.get("optimizer_steps_per_window") or [1])
+    if extra > 1:  # the fitted weights see one step's worth of gradient; the count says how it was applied
+        rec["reason"] += (f"; the optimizer stepped {extra} times in one accumulation window of {rec['ga']} "
+                          "micro-batches (once per micro-batch), each on a partial gradient")
+    return oracle.annotate_steps(rec) if rec.get("steps") else rec
+
+
+PROBE = Probe(
+    id=BUG, title="Accelerate accumulate() over DDP (no DeepSpeed)", module="accelerate_ga",
+    notebook="07_ddp_no_sync.ipynb", measured_case="accumulate",
+    ratio_meaning="effective / reference gradient of the accelerator.accumulate() step",
+    advice="the accelerator.accumulate() step is off the reference on this accelerate: compare sync_each_batch and "
+           "the control in notebook 07 and report it to huggingface/accelerate with those numbers",
+    run=run, check_notebook=check_notebook,
+    quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
+    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
+           "version": ["installed"]},
+    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
+                                                        device=device, timeout_s=timeout_s),
+    init="torch", packages=("torch", "accelerate"), typical_s=10.0, violations=violations, order=12,
+    control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])
