@@ -71,6 +71,27 @@ def tiny_qwen3(seed: int, hidden: int = 32):
     return Qwen3ForCausalLM(cfg).float()
 
 
+def tiny_llama(seed: int, hidden: int = 32):
+    """A 2-layer Llama from a config, same weights on every rank: the architecture every transformers release the kit
+    runs has (Qwen3 arrived in 4.51), so the Trainer's accumulation can be judged on both sides of 4.46's fix."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4 * SEQ,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).float()
+
+
+ARCHS = {"qwen3": tiny_qwen3, "llama": tiny_llama}
+
+
+def tiny_model(seed: int, arch: str = "qwen3"):
+    """The case's tiny causal LM (``arch``: a key of ``ARCHS``)."""
+    return ARCHS[arch](seed)
+
+
 def token_rows(seed: int, n: int):
     """``n`` samples of ``SEQ`` tokens; a random tail of each sample's labels is -100, so label counts differ."""
     import torch
@@ -123,7 +144,8 @@ def run_case(case: dict) -> dict:
     from kit.probes import common as c
 
     mb, gas, path, seed, steps = case["micro_batch"], case["ga"], case["path"], case["seed"], case.get("steps", c.STEPS)
-    model = tiny_qwen3(seed)
+    arch = case.get("arch", "qwen3")
+    model = tiny_model(seed, arch)
     rows = token_rows(seed, mb * gas * c.world_size() * steps)
     zero, reads = PATHS[path], []
     with tempfile.TemporaryDirectory(prefix="gradkit-trainer-") as out_dir:
@@ -131,9 +153,10 @@ def run_case(case: dict) -> dict:
                                  learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1e9,
                                  optim="sgd", max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
                                  remove_unused_columns=False, seed=seed, use_cpu=c.device().type == "cpu",
-                                 deepspeed=None if zero is None else ds_config(zero))
+                                 deepspeed=None if zero is None else ds_config(zero), **case.get("trainer_args", {}))
         trainer = probe_trainer_class(Trainer)(model=model, args=args, train_dataset=rows,
-                                               fix=case["name"] if case["name"].startswith("fix_") else None)
+                                               fix=case.get("fix") or (case["name"] if case["name"].startswith("fix_")
+                                                                       else None))
         trainer.gradkit_rows = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
         if case["name"] == "accepts_false":
             trainer.model_accepts_loss_kwargs = False  # the seed's workaround
@@ -166,20 +189,26 @@ def run_case(case: dict) -> dict:
         dist.all_gather_object(rank_traces, trace)
     else:
         rank_traces = [trace]
-    out = {"model_accepts_loss_kwargs": bool(trainer.model_accepts_loss_kwargs), "accelerator_gas": accel_gas,
+    out = {"model_accepts_loss_kwargs": bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
+           "accelerator_gas": accel_gas,
            "engine_gas": engine_gas}
     if c.rank() == 0:
         judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed,
-                              logged[s] if s < len(logged) else None) for s in range(len(effective))]
-        out.update(_worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed))
+                              logged[s] if s < len(logged) else None, arch, case.get("attribute", False))
+                  for s in range(len(effective))]
+        out.update(_worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed, arch))
     if engine is not None:
         c.release(engine)
     return out
 
 
-def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces, seed: int, logged) -> dict:
+def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces, seed: int, logged,
+                arch: str = "qwen3", attribute: bool = False) -> dict:
     """Rank 0: one step against the reference of the rows every rank's ``compute_loss`` was handed in that step,
-    from the step's own starting weights."""
+    from the step's own starting weights. ``attribute``: also fit the step over the micro-batches (rank-major, in
+    the order each rank's ``compute_loss`` saw them), each basis vector the gradient of that micro-batch's summed
+    token loss over the global batch's label tokens (weight 1 each is the reference): a micro-batch weighted by
+    its own or its rank's token count shows as such."""
     import torch
 
     from kit import oracle
@@ -187,16 +216,25 @@ def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces,
 
     traces = [[t for t in tr or [] if t.get("step") == step] for tr in rank_traces]
     taken = sorted({i for tr in traces for t in tr if t["call"] == "compute_loss" for i in t.get("rows") or []})
-    start = tiny_qwen3(seed)
+    start = tiny_model(seed, arch)
     torch.nn.utils.vector_to_parameters(before["module"].float(), start.parameters())
     reference, tokens, ref_loss = reference_gradient(start, [rows[i] for i in taken])
-    return {"step": step, "rows": taken, "metrics": oracle.compare(effective, reference), "label_tokens": tokens,
+    out = {}
+    if attribute:
+        basis = []
+        for trace in traces:
+            for t in trace:
+                if t["call"] == "compute_loss":
+                    g, n, _ = reference_gradient(start, [rows[i] for i in t["rows"]])
+                    basis.append(g * n / tokens)
+        out["attribution"] = oracle.attribute(effective, torch.stack(basis), torch.ones(len(basis), dtype=torch.float64))
+    return {**out, "step": step, "rows": taken, "metrics": oracle.compare(effective, reference), "label_tokens": tokens,
             "reference_loss": ref_loss, "logged_grad_norm": logged, "logged_norm": logged,
             "reference_norm": reference.norm().item(), "trace": traces[0], "rank_traces": traces,
             "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
 
 
-def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int) -> dict:
+def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int, arch: str = "qwen3") -> dict:
     """The record: its worst step's measurement, every step in ``steps``, and the trajectory (the weights after every
     step against the reference's own steps, on the same rows, from the same start)."""
     import torch
@@ -206,7 +244,7 @@ def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int) -> dic
     worst = max(range(len(judged)), key=lambda q: oracle.severity({**judged[q], "dtype": "fp32"}))
     ref = first.clone()
     for st in judged:
-        model = tiny_qwen3(seed)
+        model = tiny_model(seed, arch)
         torch.nn.utils.vector_to_parameters(ref.float(), model.parameters())
         ref = ref - reference_gradient(model, [rows[i] for i in st["rows"]])[0]
     return {**judged[worst], "steps": judged, "worst_step": worst,
@@ -229,7 +267,8 @@ def run_harness(case: dict) -> dict:
 
     mb, gas, seed, w, r = case["micro_batch"], case["ga"], case["seed"], c.world_size(), c.rank()
     steps, dev, per_step = case.get("steps", c.STEPS), c.device(), mb * gas * w
-    model = tiny_qwen3(seed).to(dev)
+    arch = case.get("arch", "qwen3")
+    model = tiny_model(seed, arch).to(dev)
     rows = token_rows(seed, per_step * steps)
     reads, traces = [c.plain_read(model)], []
     for s in range(steps):
@@ -263,10 +302,11 @@ def run_harness(case: dict) -> dict:
         rank_traces = [traces]
     if c.rank() != 0:
         return {}
-    judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed, None) for s in range(steps)]
+    judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed, None, arch,
+                          case.get("attribute", False)) for s in range(steps)]
     for st in judged:  # the harness has no Trainer calls to show
         st["trace"], st["rank_traces"] = [], []
-    return _worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed)
+    return _worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed, arch)
 
 
 def probe_trainer_class(trainer_cls):
@@ -286,13 +326,16 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
     ``fix`` applies one of the seed's proposed fixes at the same place its patch would act, the call
     into ``accelerator.backward`` (the Trainer's own division has happened by then):
     ``fix_scale_gas`` lets DeepSpeed divide when the Trainer did not; ``fix_always_divide`` divides by
-    GAS whenever the Trainer did not and keeps DeepSpeed's scaling off.
+    GAS whenever the Trainer did not and keeps DeepSpeed's scaling off. ``fault_undivided`` is a loop bug, not a fix:
+    the loss reaches backward multiplied by GAS (a custom ``compute_loss`` that forgot to divide).
     """
     trace: list[dict] = []
     compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
     def seen_compute_loss(model, inputs, *a, num_items_in_batch=None, **kw):
-        out = compute_loss(model, inputs, *a, num_items_in_batch=num_items_in_batch, **kw)
+        if num_items_in_batch is not None:
+            kw["num_items_in_batch"] = num_items_in_batch  # a Trainer before 4.46 neither passes nor takes it
+        out = compute_loss(model, inputs, *a, **kw)
         loss = out[0] if isinstance(out, tuple) else out
         labels = inputs["labels"]
         ids = getattr(trainer, "gradkit_rows", {})
@@ -305,10 +348,13 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
 
     def seen_backward(loss, **kw):
         last = next((t for t in reversed(trace) if t["call"] == "compute_loss"), {})
-        trainer_divided = not (trainer.model_accepts_loss_kwargs and last.get("num_items_in_batch") is not None)
+        trainer_divided = not (getattr(trainer, "model_accepts_loss_kwargs", False)
+                               and last.get("num_items_in_batch") is not None)
         gas = trainer.args.gradient_accumulation_steps
         if fix == "fix_scale_gas" and "scale_wrt_gas" in kw:
             kw["scale_wrt_gas"] = not trainer_divided
+        elif fix == "fault_undivided":
+            loss = loss * gas
         elif fix == "fix_always_divide" and not trainer_divided:
             loss = loss / gas
             if "scale_wrt_gas" in kw:
