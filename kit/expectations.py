@@ -84,6 +84,20 @@ class Known:
     prs: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
     introduced_in: str | None = None  # the first release with the bug, where a bisect found it (the one before is exact)
+    # per-case verdicts, where the probe's cases mean different things (a correct path, a loop bug, a documented
+    # behaviour): (case, verdict, first release it holds for or None, first release it no longer holds for or None).
+    # A bug with rules pins only the cases and releases its rules name (up to ``newest_pinned``).
+    rules: tuple = ()
+
+    def rule_for(self, case: str | None, version: str) -> str | None:
+        """The verdict a rule gives ``case`` on ``version`` (None: no rule covers them, or newer than pinned)."""
+        v = version_key(version)
+        if v > version_key(self.newest_pinned):
+            return None
+        for name, verdict, since, until in self.rules:
+            if name == case and (since is None or v >= version_key(since)) and (until is None or v < version_key(until)):
+                return verdict
+        return None
 
     def expected_for_release(self, version: str) -> str | None:
         """The verdict upstream implies for ``version`` of ``package`` (None: not pinned here)."""
@@ -128,6 +142,40 @@ KNOWN = {k.bug: k for k in (
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
                  "shows it in DeepSpeed's own loop",)),
+    Known("FSDP2", "torch", "pytorch/pytorch#162338 (gloo AVG reduce-scatter summed; open upstream)", affected_from=None,
+          fixed_in=None, last_affected=None, newest_pinned="2.13.0",
+          rules=(("control", NOT_AFFECTED, None, None),
+                 ("sync_last", NOT_AFFECTED, None, None), ("sync_every", NOT_AFFECTED, None, None),
+                 ("sum_not_mean", AFFECTED, None, None), ("sync_kept_off", AFFECTED, None, None)),
+          notes=("#162338: measured exact on torch 2.13.0 CPU gloo (fp32 and bf16 reduce-scatter average)",
+                 "pytorch/pytorch#194058: bf16 params + fp32 reduce, sync off, a unit whose forward did not run in a "
+                 "micro-batch raises AttributeError '_unsharded_param' (2.13.0: cannot-run)",
+                 "pytorch/pytorch#196996 (open): bf16 params + fp32 reduce, one FSDP unit, a parameter first used "
+                 "by the last micro-batch raises 'uniform gradient dtype' (2.13.0: cannot-run)")),
+    Known("ACC", "accelerate", "huggingface/accelerate#2790", affected_from=None, fixed_in=None, last_affected=None,
+          newest_pinned="1.15.0", prs=("huggingface/accelerate#2531 (sync_each_batch, 0.28.0)",
+                                       "huggingface/accelerate#2790 (its optimizer step fixed, 0.31.0)"),
+          rules=(("control", NOT_AFFECTED, "0.27.0", None),
+                 ("accumulate", NOT_AFFECTED, "0.27.0", None), ("sync_each_batch", AFFECTED, "0.28.0", "0.31.0"),
+                 ("sync_each_batch", NOT_AFFECTED, "0.31.0", None), ("last_window", AFFECTED, "0.27.0", None),
+                 ("last_window_fixed", NOT_AFFECTED, "0.27.0", None), ("sum_not_mean", AFFECTED, "0.27.0", None)),
+          notes=("sync_each_batch: the optimizer stepped on every micro-batch from 0.28.0 until 0.31.0",
+                 "last_window: the last incomplete window's loss is still divided by the full GA "
+                 "(huggingface/accelerate#1847; documented behaviour)")),
+    Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in=None, last_affected=None,
+          newest_pinned="5.23.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
+                                       "huggingface/transformers#45305 (the label count, B1)"),
+          rules=(("harness", NOT_AFFECTED, None, None), ("gas1", AFFECTED, None, "5.4.0"),
+                 ("gas1", NOT_AFFECTED, "5.23.0", None),
+                 ("trainer", AFFECTED, None, "4.46.0"), ("trainer", AFFECTED, "4.46.0", "5.4.0"),
+                 ("trainer", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_on", AFFECTED, "4.46.3", "5.4.0"),
+                 ("avg_tokens_on", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_off", AFFECTED, "4.46.3", None),
+                 ("sum_not_mean", AFFECTED, None, None)),
+          notes=("< 4.46.0: each micro-batch's mean loss / GAS (micro-batches weighted by their own token counts); "
+                 "at GAS 1 on 2 ranks each rank's mean, averaged (ranks weighted by their token counts)",
+                 "4.46 - 5.3: num_items_in_batch counts unshifted labels, one per sequence too many (B1)",
+                 "average_tokens_across_devices: from 4.46.3 (default off), default on in 5.x; off, each rank "
+                 "divides by its own count (documented)")),
     Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from="0.18.3", fixed_in="0.19.8", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
           notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",
@@ -148,6 +196,8 @@ def expected(bug: str, versions: dict, case: str | None = None, zero_stage: int 
     version = (versions or {}).get(known.package)
     if not version:
         return None
+    if known.rules:
+        return known.rule_for(case, version)
     base = known.expected_for_release(version)
     if base is None:
         return None
@@ -194,7 +244,8 @@ def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where
     for r in recs:
         if any(r.get(k) != v for k, v in where.items()):
             continue
-        config = {"case": r.get("case"), "zero_stage": r.get("zero_stage")} if bug == "B3" else {}
+        config = {"case": r.get("case"), "zero_stage": r.get("zero_stage")} if bug == "B3" else \
+            {"case": r.get("case")} if KNOWN[bug].rules else {}
         word, text = judge_release(bug, r.get("versions") or {}, r.get(verdict_key) or r["verdict"], **config)
         if word == "mismatch":
             bad.append(text)

@@ -190,15 +190,15 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
 def test_the_site_of_a_run_opens_with_its_figures(browser, shots, tmp_path):
     folder, timings = shots
     out = tmp_path / "run"
-    assert runall.main(["07_ddp_no_sync", "--params", str(runall.REPO / "scripts/params/quick.yaml"), "--out", str(out),
+    assert runall.main(["07_without_deepspeed", "--params", str(runall.REPO / "scripts/params/quick.yaml"), "--out", str(out),
                         "--no-progress"]) == 0
     loaded = "return [...document.images].map(i => i.complete && i.naturalWidth > 0)"
     browser.get((out / "site" / "index.html").as_uri())
     images = browser.execute_script(loaded)
     assert images and all(images), images  # the verdict matrix
     browser.save_screenshot(str(folder / "5-site-index.png"))
-    browser.find_element(By.CSS_SELECTOR, "a[href='07_ddp_no_sync.html']").click()
-    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("07_ddp_no_sync.html"))
+    browser.find_element(By.CSS_SELECTOR, "a[href='07_without_deepspeed.html']").click()
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("07_without_deepspeed.html"))
     images = browser.execute_script(loaded)
     assert images and all(images), images  # the notebook's figures
     toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")

@@ -15,6 +15,8 @@ accumulate_fsdp2 the documented loop on FSDP2 (``FullyShardedDataParallelPlugin(
                  -- Accelerate selects FSDP on a GPU only: on CPU it is ``cannot-run``, said so
 last_window      a dataloader that ends after ``ga`` < GA micro-batches: the last, incomplete  comparison
                  window (its loss still divided by the full GA: documented, huggingface/accelerate#1847)
+last_window_     ``last_window`` with the loss scaled by GA / (micro-batches in the window) before     fix
+fixed            ``accelerator.backward``: the user's fix for the last window, verified
 sum_not_mean     ``loss.backward()`` instead of ``accelerator.backward(loss)`` (a loop bug: x GA)   comparison
 control          the bare module: local accumulation, one ``all_reduce`` of every grad / W    control
 ===============  ===========================================================================  ==========
@@ -32,7 +34,7 @@ from kit.probe import Probe
 
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
-         "last_window": "comparison",
+         "last_window": "comparison", "last_window_fixed": "fix",
          "sum_not_mean": "comparison", "control": "control"}
 DEPTH = 2
 
@@ -99,11 +101,14 @@ def run_case(case: dict) -> dict:
     def take(step, batches):
         # last_window: the step's micro-batches are the whole dataloader (Accelerate syncs at its end); the others
         # iterate a plain list (Accelerate syncs by its own count of micro-batches)
-        source = DataLoaderShard(batches, batch_size=None) if name == "last_window" else batches
+        window = name.startswith("last_window")
+        source = DataLoaderShard(batches, batch_size=None) if window else batches
         moved = 0
         for x, y in source:
             with acc.accumulate(wrapped):
                 loss = shape.loss_fn(wrapped(x), y)
+                if name == "last_window_fixed":  # Accelerate divides by the GA it was given: undo it for this window
+                    loss = loss * steps_given / len(batches)
                 loss.backward() if name == "sum_not_mean" else acc.backward(loss)
                 before = [p.detach().clone() for p in opt.optimizer.param_groups[0]["params"]]
                 opt.step()  # lr = 1: the update is the gradient; a no-op until Accelerate says the window is in sync
@@ -142,7 +147,7 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
                     continue
                 case = {"name": name, "role": role, "ga": ga, "dtype": "fp32", "micro_batch": micro_batch,
                         "hidden": hidden, "seed": seed, "model": model}
-                if name == "last_window":
+                if name.startswith("last_window"):
                     case["accumulation_steps"] = ga + 1
                 out.append(case)
     return out
@@ -178,9 +183,9 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
 
 
 def check_notebook(p: dict) -> list:
-    from kit.probes import ddp_no_sync
+    from kit import without_ds
 
-    return ddp_no_sync.check_notebook(p)
+    return without_ds.check_notebook(p)
 
 
 def violations(recs: list[dict]) -> list[str]:
@@ -222,7 +227,7 @@ def annotate(rec: dict) -> dict:
 
 PROBE = Probe(
     id=BUG, title="Accelerate accumulate() over DDP (no DeepSpeed)", module="accelerate_ga",
-    notebook="07_ddp_no_sync.ipynb", measured_case="accumulate",
+    notebook="07_without_deepspeed.ipynb", measured_case="accumulate",
     ratio_meaning="effective / reference gradient of the accelerator.accumulate() step",
     advice="the accelerator.accumulate() step is off the reference on this accelerate: compare sync_each_batch and "
            "the control in notebook 07 and report it to huggingface/accelerate with those numbers",

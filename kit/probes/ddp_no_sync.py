@@ -91,9 +91,10 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 07; returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
-    validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"])
-    return [(PROBE, {})]
+    """Every parameter of notebook 07 (all four paths without DeepSpeed): ``kit.without_ds.check_notebook``."""
+    from kit import without_ds
+
+    return without_ds.check_notebook(p)
 
 
 def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
@@ -119,7 +120,7 @@ def violations(recs: list[dict]) -> list[str]:
 
 PROBE = Probe(
     id=BUG, title="torch DDP, no_sync() accumulation (no DeepSpeed)", module="ddp_no_sync",
-    notebook="07_ddp_no_sync.ipynb", measured_case="no_sync",
+    notebook="07_without_deepspeed.ipynb", measured_case="no_sync",
     ratio_meaning="effective / reference gradient of the no_sync() step",
     advice="the DDP no_sync() step is off the reference on this torch: compare with the every_step case and "
            "report it to PyTorch with notebook 07's numbers",

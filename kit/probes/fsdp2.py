@@ -166,9 +166,9 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
 
 
 def check_notebook(p: dict) -> list:
-    from kit.probes import ddp_no_sync
+    from kit import without_ds
 
-    return ddp_no_sync.check_notebook(p)
+    return without_ds.check_notebook(p)
 
 
 def violations(recs: list[dict]) -> list[str]:
@@ -206,7 +206,7 @@ def annotate(rec: dict) -> dict:
 
 PROBE = Probe(
     id=BUG, title="torch FSDP2 (fully_shard), gradient-sync-off accumulation (no DeepSpeed)", module="fsdp2",
-    notebook="07_ddp_no_sync.ipynb", measured_case="sync_last",
+    notebook="07_without_deepspeed.ipynb", measured_case="sync_last",
     ratio_meaning="effective / reference gradient of the set_requires_gradient_sync(False) step",
     advice="the FSDP2 step is off the reference on this torch: compare its settings in notebook 07 (sync every "
            "micro-batch, fp32 vs bf16, one unit) and report it to PyTorch with those numbers",

@@ -93,9 +93,9 @@ def run_rank(payload: dict) -> list[dict]:
 
 
 def check_notebook(p: dict) -> list:
-    from kit.probes import ddp_no_sync
+    from kit import without_ds
 
-    return ddp_no_sync.check_notebook(p)
+    return without_ds.check_notebook(p)
 
 
 def violations(recs: list[dict]) -> list[str]:
@@ -142,7 +142,7 @@ def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
 
 PROBE = Probe(
     id=BUG, title="HF Trainer on several ranks without DeepSpeed (DDP), token counts differing per rank",
-    module="trainer_ddp", notebook="07_ddp_no_sync.ipynb", measured_case="trainer",
+    module="trainer_ddp", notebook="07_without_deepspeed.ipynb", measured_case="trainer",
     ratio_meaning="effective / reference gradient of the Trainer's DDP step (GAS > 1), reference: mean over every "
                   "label token of the global batch",
     advice="the Trainer's step on several ranks is off the global token mean: set average_tokens_across_devices=True "
