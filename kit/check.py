@@ -8,6 +8,8 @@ torch.distributed control, and prints per loop: the verdict, the effective/refer
 misplaced weight; which known bug explains an affected loop (``kit.expectations``) or "not explained by any
 known bug"; and the known fix, re-run and judged. Exit status: 0 not affected, 1 affected, 2 bad input
 (nothing launched), 3 inconclusive or cannot run. Usable as a CI guard in a training repository.
+
+``--path fsdp2|accelerate|trainer`` asks the same of the paths without DeepSpeed (``kit.check_paths``).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from kit import check_paths
 from kit import config as kconfig
 from kit import expectations, oracle, records
 from kit.probes import ds_config
@@ -273,7 +276,9 @@ def model_of(where: str | None, adapter: str | None) -> tuple[object, list[str]]
 
 def parser() -> argparse.ArgumentParser:
     p = kconfig.Parser(prog="gradkit check", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed); with --path accelerate, an "
+                        "`accelerate config` YAML (optional)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--loop", default="all", help=f"all, or a comma list of {', '.join(ds_config.LOOPS)}")
     p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="a DeepSpeed release (default: the installed one)")
@@ -290,11 +295,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="write the records and the summary here")
+    check_paths.add_arguments(p)
     return p
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.path != "deepspeed":
+        return check_paths.main(a)
+    check_paths.refuse_path_flags(a)
+    if a.config is None:
+        raise kconfig.ConfigError("gradkit check needs a DeepSpeed config file (or --path fsdp2|accelerate|trainer)")
     loops = ds_config.LOOPS if a.loop == "all" else tuple(x.strip() for x in a.loop.split(",") if x.strip())
     kconfig.check_version(a.deepspeed)
     kconfig.check_device(a.device)

@@ -152,6 +152,19 @@ MECHANISMS = (
     ("HFT", "avg_tokens_on", lambda r: _affected(r) and _tf_before(r, "5.4.0"), "transformers",
      "transformers/trainer.py", "Trainer.get_batch_samples", ("num_items_in_batch",),
      "num_items_in_batch counts labels before the model shifts them: one token too many per sequence (B1)"),
+    ("HFT", "trainer", lambda r: _affected(r) and not _tf_before(r, "4.46.0") and _tf_before(r, "5.4.0"),
+     "transformers", "transformers/trainer.py", "Trainer.get_batch_samples", ("num_items_in_batch",),
+     "num_items_in_batch counts labels before the model shifts them (one token too many per sequence, B1), and "
+     "without average_tokens_across_devices (off by default before 5.0) each rank divides by its own count"),
+    ("HFT", "avg_tokens_off", lambda r: _affected(r) and not _tf_before(r, "5.4.0"), "transformers",
+     "transformers/trainer.py", "Trainer._get_num_items_in_batch", ("average_tokens_across_devices",),
+     "average_tokens_across_devices=False: each rank divides its summed token loss by its own token count and DDP "
+     "averages the ranks, so a rank with fewer label tokens weighs more (documented)"),
+    ("HFT", "trainer", lambda r: _affected(r) and not _tf_before(r, "5.4.0") and (r.get("config") or {}).get(
+        "trainer_args", {}).get("average_tokens_across_devices") is False, "transformers", "transformers/trainer.py",
+     "Trainer._get_num_items_in_batch", ("average_tokens_across_devices",),
+     "average_tokens_across_devices=False: each rank divides its summed token loss by its own token count and DDP "
+     "averages the ranks, so a rank with fewer label tokens weighs more (documented)"),
     ("FSDP2", "sync_last", _raised("_unsharded_param"), "torch", "torch/distributed/fsdp/_fully_shard/_fsdp_param.py",
      "FSDPParam.to_accumulated_grad_if_needed", ("_unsharded_param.grad",),
      "reads _unsharded_param of a parameter whose unit never ran its forward in that micro-batch (never unsharded): "

@@ -202,7 +202,7 @@ def test_the_site_of_a_run_opens_with_its_figures(browser, shots, tmp_path):
     images = browser.execute_script(loaded)
     assert images and all(images), images  # the notebook's figures
     toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")
-    target = next(a for a in toc if a.text.startswith("Verdict per case"))
+    target = next(a for a in toc if a.text.startswith("The matrix"))
     target.click()
     top = browser.execute_script("const e = document.getElementById(decodeURIComponent(location.hash.slice(1)));"
                                  "return e ? e.getBoundingClientRect().top : null")

@@ -37,7 +37,12 @@ def test_the_prefetch_names_every_stack_the_notebooks_will_run(repo):
     got = {(n.label, n.init) for n in _needs(str(repo / "scripts" / "params" / "quick.yaml"))}
     want = {(runner.stack_label(s), "deepspeed") for s in quick["01_trainer_loss_kwargs"]["STACKS"]}
     want |= {(v, "deepspeed") for nb in ("02_pipeline_ga", "03_zero_boundary", "04_bf16_leak") for v in quick[nb]["VERSIONS"]}
-    want |= {("installed", "torch")}  # 07: plain torch DDP
+    want |= {("installed", "torch")}  # 07: plain torch DDP and FSDP2, and the installed accelerate / transformers
+    from kit import without_ds  # 07: every Accelerate release and Trainer stack it names, as plain-torch worlds
+    from kit.probes import trainer_ddp
+
+    want |= {(runner.stack_label(without_ds.accelerate_stack(v)), "torch") for v in quick["07_without_deepspeed"]["ACCELERATE_VERSIONS"]}
+    want |= {(runner.stack_label(trainer_ddp.STACKS[s]), "torch") for s in quick["07_without_deepspeed"]["TRAINER_STACKS"]}
     story = quick["08_new_bug"]  # 08: the story's releases and each known bug's, all DeepSpeed worlds
     want |= {(v, "deepspeed") for v in story["STORY_RELEASES"] + [v for vs in story["KNOWN_RELEASES"].values() for v in vs]}
     assert got == want, f"prefetch would prepare {sorted(got)}, the notebooks run {sorted(want)}"

@@ -46,13 +46,24 @@ DEPTH = 2
 
 # ====================================================================== inside a rank
 
-def shard(model, setting: str):
-    """``model`` under ``fully_shard``: every submodule that holds parameters of its own (none shared with another
-    module: a tied weight stays with the root) as one unit, then the root -- or the root alone (``one``)."""
+def setting_name(reshard: bool, param: str, reduce: str, units: str) -> str:
+    """The name of a setting: its ``SETTINGS`` key where it has one, else the same words put together."""
+    spec = (reshard, param, reduce, units)
+    for name, known in SETTINGS.items():
+        if known == spec:
+            return name
+    return (f"{param}" + (f" / {reduce} reduce" if param != "fp32" else "") + ("" if reshard else " no-reshard")
+            + (", one unit" if units == "one" else ""))
+
+
+def shard(model, spec):
+    """``model`` under ``fully_shard`` with ``spec`` = (reshard_after_forward, param dtype, reduce dtype, units):
+    every submodule that holds parameters of its own (none shared with another module: a tied weight stays with the
+    root) as one unit, then the root -- or the root alone (``units == "one"``)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    reshard, param, reduce, units = SETTINGS[setting]
+    reshard, param, reduce, units = spec
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
     mp = MixedPrecisionPolicy(param_dtype=dt[param], reduce_dtype=dt[reduce]) if param != "fp32" else MixedPrecisionPolicy()
     kw = {"reshard_after_forward": reshard, "mp_policy": mp}
@@ -90,7 +101,7 @@ def run_case(case: dict) -> dict:
     shape = shapes.of_case(case)
     model = shape.build(seed, hidden, DEPTH)
     if loop != "control":
-        shard(model, case["setting"])
+        shard(model, case.get("fsdp") or SETTINGS[case["setting"]])
     opt = c.sgd(model)
     div = 1 if loop == "sum_not_mean" else ga
 
@@ -133,7 +144,8 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
                     continue
                 for s in LOOP_SETTINGS[loop]:
                     if settings is None or s in settings:
-                        out.append({"name": loop, "role": role, "dtype": SETTINGS[s][1], "setting": s, **common})
+                        out.append({"name": loop, "role": role, "dtype": SETTINGS[s][1], "setting": s,
+                                    "fsdp": list(SETTINGS[s]), **common})
     return out
 
 

@@ -129,6 +129,10 @@ def annotate_world(recs: list[dict]) -> list[dict]:
 
     out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga._annotate_world(recs)]
     for r in out:
+        args = (r.get("config") or {}).get("trainer_args") or {}
+        if r["case"] == "trainer" and args:  # a check's own TrainingArguments
+            r["setting"] = ", ".join(f"{k}={v}" for k, v in sorted(args.items()))
+            continue
         r["setting"] = {"trainer": "as shipped", "avg_tokens_on": "average_tokens_across_devices=True",
                         "avg_tokens_off": "average_tokens_across_devices=False",
                         "sum_not_mean": "loss x GAS (loop bug)"}.get(r["case"], r["case"])
