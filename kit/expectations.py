@@ -158,10 +158,14 @@ KNOWN = {k.bug: k for k in (
           rules=(("control", NOT_AFFECTED, "0.27.0", None),
                  ("accumulate", NOT_AFFECTED, "0.27.0", None), ("sync_each_batch", AFFECTED, "0.28.0", "0.31.0"),
                  ("sync_each_batch", NOT_AFFECTED, "0.31.0", None), ("last_window", AFFECTED, "0.27.0", None),
-                 ("last_window_fixed", NOT_AFFECTED, "0.27.0", None), ("sum_not_mean", AFFECTED, "0.27.0", None)),
+                 ("last_window_fixed", NOT_AFFECTED, "0.27.0", None), ("sum_not_mean", AFFECTED, "0.27.0", None),
+                 ("accumulate_ragged", AFFECTED, "0.27.0", None), ("tokens_global", NOT_AFFECTED, "0.27.0", None),
+                 ("tokens_local", AFFECTED, "0.27.0", None)),
           notes=("sync_each_batch: the optimizer stepped on every micro-batch from 0.28.0 until 0.31.0",
                  "last_window: the last incomplete window's loss is still divided by the full GA "
-                 "(huggingface/accelerate#1847; documented behaviour)")),
+                 "(huggingface/accelerate#1847; documented behaviour)",
+                 "micro-batches of different sizes (tokens): mean losses weigh them alike; Accelerate documents the "
+                 "normalisation by the window's item count gathered over every process (tokens_global)")),
     Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in=None, last_affected=None,
           newest_pinned="5.23.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
                                        "huggingface/transformers#45305 (the label count, B1)"),

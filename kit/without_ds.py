@@ -243,6 +243,9 @@ def findings(recs: list[dict]) -> list[str]:
 FIXES = (
     ("ACC", "sync_each_batch", "sync_each_batch", "newer", "accelerate >= 0.31.0 (huggingface/accelerate#2790)"),
     ("ACC", "last_window", "last_window_fixed", "same", "scale the last window's loss by GA / its micro-batches"),
+    ("ACC", "accumulate_ragged", "tokens_global", "same", "sum the loss and divide by the window's item count "
+                                                          "gathered over every rank, x W x GA (Accelerate's docs)"),
+    ("ACC", "tokens_local", "tokens_global", "same", "gather the item count over every rank (accelerator.gather)"),
     ("FSDP2", "sync_last", "sync_last", "bf16 reduce", "reduce_dtype=bf16 (or fp32 params) until pytorch#194058 / "
                                                        "#196996 land"),
     ("HFT", "avg_tokens_off", "avg_tokens_on", "same", "average_tokens_across_devices=True"),

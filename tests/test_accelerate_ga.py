@@ -62,3 +62,21 @@ def test_a_stack_naming_another_package_is_refused_before_any_launch():
 
     with pytest.raises(kconfig.ConfigError, match="runs accelerate releases only"):
         accelerate_ga.run(stacks=({"deepspeed": "0.18.6"},))
+
+
+@pytest.mark.world
+def test_micro_batches_of_different_sizes_need_the_item_count_gathered_over_every_rank(installed):
+    """The ragged shape (token counts that differ): mean losses weigh micro-batches alike, a rank's own count weighs
+    ranks alike; the count gathered over every rank (Accelerate's documented normalisation) is exact."""
+    for ga in (1, 4):
+        assert records.one(installed, case="control", ga=ga, model="ragged")["verdict"] == oracle.NOT_AFFECTED
+        assert records.one(installed, case="tokens_global", ga=ga)["verdict"] == oracle.NOT_AFFECTED
+        local = records.one(installed, case="tokens_local", ga=ga)
+        assert local["verdict"] == oracle.AFFECTED and local["shape"].startswith("rank 0: ")
+        assert local["metrics"]["cosine"] < 0.999
+    mean = records.one(installed, case="accumulate_ragged", ga=4)
+    fitted = mean["steps"][0]["attribution"]
+    assert mean["verdict"] == oracle.AFFECTED and len(fitted["weights"]) == 8
+    assert all(abs(w - 1 / 8) < 1e-6 for w in fitted["weights"])  # every micro-batch's mean alike: 1 / (W x GA)
+    assert max(fitted["expected_weights"]) / min(fitted["expected_weights"]) > 2  # its share of the samples is not
+    assert {r["model"] for r in records.select(installed, case="tokens_global")} == {"ragged"}

@@ -18,6 +18,11 @@ last_window      a dataloader that ends after ``ga`` < GA micro-batches: the las
 last_window_     ``last_window`` with the loss scaled by GA / (micro-batches in the window) before     fix
 fixed            ``accelerator.backward``: the user's fix for the last window, verified
 sum_not_mean     ``loss.backward()`` instead of ``accelerator.backward(loss)`` (a loop bug: x GA)   comparison
+accumulate_      the documented loop on micro-batches of different sizes (``kit/shapes/ragged``):  comparison
+ragged           each micro-batch's mean loss weighs alike, not by its samples (tokens)
+tokens_global    Accelerate's documented loss normalisation: each micro-batch's *summed* loss      measured
+                 over the window's item count gathered from every rank, x W x GA
+tokens_local     the same over the rank's own item count (no gather): ranks weigh alike          comparison
 control          the bare module: local accumulation, one ``all_reduce`` of every grad / W    control
 ===============  ===========================================================================  ==========
 
@@ -35,7 +40,9 @@ from kit.probe import Probe
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
          "last_window": "comparison", "last_window_fixed": "fix",
-         "sum_not_mean": "comparison", "control": "control"}
+         "sum_not_mean": "comparison", "accumulate_ragged": "comparison", "tokens_global": "measured",
+         "tokens_local": "comparison", "control": "control"}
+RAGGED = ("accumulate_ragged", "tokens_global", "tokens_local")  # run on the ``ragged`` shape whatever the models
 DEPTH = 2
 
 
@@ -63,8 +70,8 @@ def run_case(case: dict) -> dict:
         opt = c.sgd(model)
 
         def take(step, batches):
-            for x, y in batches:
-                (shape.loss_fn(model(x), y) / ga).backward()
+            for share, (x, y) in zip(c.sample_shares(batches), batches):  # 1 / GA for equal micro-batches
+                (shape.loss_fn(model(x), y) * share).backward()
             c.average_grads(model)  # plain torch.distributed: what every Accelerate case is judged against
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -104,9 +111,17 @@ def run_case(case: dict) -> dict:
         window = name.startswith("last_window")
         source = DataLoaderShard(batches, batch_size=None) if window else batches
         moved = 0
+        if name.startswith("tokens_"):  # the window's items (samples: tokens), on this rank or on every rank
+            import torch
+
+            items = torch.tensor([sum(len(x) for x, _ in batches)], dtype=torch.float64)
+            items = acc.gather(items).sum() if name == "tokens_global" else items.sum()
+            scale = (acc.num_processes if name == "tokens_global" else 1) * steps_given / items
         for x, y in source:
             with acc.accumulate(wrapped):
                 loss = shape.loss_fn(wrapped(x), y)
+                if name.startswith("tokens_"):  # the summed per-item loss, normalised as Accelerate documents
+                    loss = ((wrapped(x).float() - y.float()) ** 2).mean(dim=1).sum() * scale
                 if name == "last_window_fixed":  # Accelerate divides by the GA it was given: undo it for this window
                     loss = loss * steps_given / len(batches)
                 loss.backward() if name == "sum_not_mean" else acc.backward(loss)
@@ -145,11 +160,18 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
             for name, role in CASES.items():
                 if cases is not None and name not in cases and name != "control":
                     continue
+                if name in RAGGED and model != models[0]:  # once per GA, on the ragged shape
+                    continue
                 case = {"name": name, "role": role, "ga": ga, "dtype": "fp32", "micro_batch": micro_batch,
-                        "hidden": hidden, "seed": seed, "model": model}
+                        "hidden": hidden, "seed": seed, "model": "ragged" if name in RAGGED else model}
                 if name.startswith("last_window"):
                     case["accumulation_steps"] = ga + 1
                 out.append(case)
+    for ga in ga_values:  # the ragged cases' own control, where the models did not bring one
+        if any(c["model"] == "ragged" and c["ga"] == ga for c in out) and not any(
+                c["model"] == "ragged" and c["ga"] == ga and c["role"] == "control" for c in out):
+            out.append({"name": "control", "role": "control", "ga": ga, "dtype": "fp32", "micro_batch": micro_batch,
+                        "hidden": hidden, "seed": seed, "model": "ragged"})
     return out
 
 

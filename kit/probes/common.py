@@ -81,6 +81,17 @@ def average_grads(model: nn.Module) -> None:
         p.grad /= world_size()
 
 
+def sample_shares(batches) -> list[float]:
+    """What each of this rank's micro-batches' *mean* loss is multiplied by so that the ranks' gradients, averaged,
+    are the gradient of the mean over every sample of the global batch: ``n_k * W / N`` (N counted over every rank
+    with plain ``torch.distributed``; a collective). For equal micro-batches it is ``1 / GA``."""
+    n = [len(x) for x, _ in batches]
+    total = torch.tensor([float(sum(n))], dtype=torch.float64)
+    if dist.is_initialized() and world_size() > 1:
+        dist.all_reduce(total)
+    return [k * world_size() / total.item() for k in n]
+
+
 def full_fp32_params(module: nn.Module, optimizer=None, fallback: list | None = None) -> torch.Tensor:
     """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
 
