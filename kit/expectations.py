@@ -85,16 +85,20 @@ class Known:
     notes: tuple[str, ...] = field(default_factory=tuple)
     introduced_in: str | None = None  # the first release with the bug, where a bisect found it (the one before is exact)
     # per-case verdicts, where the probe's cases mean different things (a correct path, a loop bug, a documented
-    # behaviour): (case, verdict, first release it holds for or None, first release it no longer holds for or None).
+    # behaviour): (case, verdict, first release it holds for or None, first release it no longer holds for or None
+    # [, the smallest GA it holds at: a loop bug that sums micro-batches has nothing to sum at GA 1]).
     # A bug with rules pins only the cases and releases its rules name (up to ``newest_pinned``).
     rules: tuple = ()
 
-    def rule_for(self, case: str | None, version: str) -> str | None:
-        """The verdict a rule gives ``case`` on ``version`` (None: no rule covers them, or newer than pinned)."""
+    def rule_for(self, case: str | None, version: str, ga: int | None = None) -> str | None:
+        """The verdict a rule gives ``case`` on ``version`` at ``ga`` (None: no rule covers them, or newer than
+        pinned)."""
         v = version_key(version)
         if v > version_key(self.newest_pinned):
             return None
-        for name, verdict, since, until in self.rules:
+        for name, verdict, since, until, *least in self.rules:
+            if least and ga is not None and ga < least[0]:
+                continue
             if name == case and (since is None or v >= version_key(since)) and (until is None or v < version_key(until)):
                 return verdict
         return None
@@ -146,19 +150,22 @@ KNOWN = {k.bug: k for k in (
           fixed_in=None, last_affected=None, newest_pinned="2.13.0",
           rules=(("control", NOT_AFFECTED, None, None),
                  ("sync_last", NOT_AFFECTED, None, None), ("sync_every", NOT_AFFECTED, None, None),
-                 ("sum_not_mean", AFFECTED, None, None), ("sync_kept_off", AFFECTED, None, None)),
+                 ("sum_not_mean", AFFECTED, None, None, 2), ("sum_not_mean", NOT_AFFECTED, None, None),
+                 ("sync_kept_off", AFFECTED, None, None)),
           notes=("#162338: measured exact on torch 2.13.0 CPU gloo (fp32 and bf16 reduce-scatter average)",
                  "pytorch/pytorch#194058: bf16 params + fp32 reduce, sync off, a unit whose forward did not run in a "
                  "micro-batch raises AttributeError '_unsharded_param' (2.13.0: cannot-run)",
                  "pytorch/pytorch#196996 (open): bf16 params + fp32 reduce, one FSDP unit, a parameter first used "
                  "by the last micro-batch raises 'uniform gradient dtype' (2.13.0: cannot-run)")),
-    Known("ACC", "accelerate", "huggingface/accelerate#2790", affected_from=None, fixed_in=None, last_affected=None,
+    Known("ACC", "accelerate", "huggingface/accelerate#2790", affected_from=None, fixed_in="0.31.0", last_affected=None,
           newest_pinned="1.15.0", prs=("huggingface/accelerate#2531 (sync_each_batch, 0.28.0)",
                                        "huggingface/accelerate#2790 (its optimizer step fixed, 0.31.0)"),
           rules=(("control", NOT_AFFECTED, "0.27.0", None),
-                 ("accumulate", NOT_AFFECTED, "0.27.0", None), ("sync_each_batch", AFFECTED, "0.28.0", "0.31.0"),
+                 ("accumulate", NOT_AFFECTED, "0.27.0", None), ("sync_each_batch", AFFECTED, "0.28.0", "0.31.0", 2),
+                 ("sync_each_batch", NOT_AFFECTED, "0.28.0", "0.31.0"),
                  ("sync_each_batch", NOT_AFFECTED, "0.31.0", None), ("last_window", AFFECTED, "0.27.0", None),
-                 ("last_window_fixed", NOT_AFFECTED, "0.27.0", None), ("sum_not_mean", AFFECTED, "0.27.0", None),
+                 ("last_window_fixed", NOT_AFFECTED, "0.27.0", None), ("sum_not_mean", AFFECTED, "0.27.0", None, 2),
+                 ("sum_not_mean", NOT_AFFECTED, "0.27.0", None),
                  ("accumulate_ragged", AFFECTED, "0.27.0", None), ("tokens_global", NOT_AFFECTED, "0.27.0", None),
                  ("tokens_local", AFFECTED, "0.27.0", None)),
           notes=("sync_each_batch: the optimizer stepped on every micro-batch from 0.28.0 until 0.31.0",
@@ -166,7 +173,7 @@ KNOWN = {k.bug: k for k in (
                  "(huggingface/accelerate#1847; documented behaviour)",
                  "micro-batches of different sizes (tokens): mean losses weigh them alike; Accelerate documents the "
                  "normalisation by the window's item count gathered over every process (tokens_global)")),
-    Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in=None, last_affected=None,
+    Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in="4.46.0", last_affected=None,
           newest_pinned="5.23.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
                                        "huggingface/transformers#45305 (the label count, B1)"),
           rules=(("harness", NOT_AFFECTED, None, None), ("gas1", AFFECTED, None, "5.4.0"),
@@ -174,7 +181,7 @@ KNOWN = {k.bug: k for k in (
                  ("trainer", AFFECTED, None, "4.46.0"), ("trainer", AFFECTED, "4.46.0", "5.4.0"),
                  ("trainer", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_on", AFFECTED, "4.46.3", "5.4.0"),
                  ("avg_tokens_on", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_off", AFFECTED, "4.46.3", None),
-                 ("sum_not_mean", AFFECTED, None, None)),
+                 ("sum_not_mean", AFFECTED, None, None, 2)),
           notes=("< 4.46.0: each micro-batch's mean loss / GAS (micro-batches weighted by their own token counts); "
                  "at GAS 1 on 2 ranks each rank's mean, averaged (ranks weighted by their token counts)",
                  "4.46 - 5.3: num_items_in_batch counts unshifted labels, one per sequence too many (B1)",
@@ -189,7 +196,8 @@ KNOWN = {k.bug: k for k in (
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently
 
 
-def expected(bug: str, versions: dict, case: str | None = None, zero_stage: int | None = None) -> str | None:
+def expected(bug: str, versions: dict, case: str | None = None, zero_stage: int | None = None,
+             ga: int | None = None) -> str | None:
     """The verdict upstream implies for one record's stack and configuration (None: not pinned).
 
     ``versions`` is what the record's ranks imported ({package: version}). B3 depends on the configuration:
@@ -201,7 +209,7 @@ def expected(bug: str, versions: dict, case: str | None = None, zero_stage: int 
     if not version:
         return None
     if known.rules:
-        return known.rule_for(case, version)
+        return known.rule_for(case, version, ga)
     base = known.expected_for_release(version)
     if base is None:
         return None
@@ -249,7 +257,7 @@ def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where
         if any(r.get(k) != v for k, v in where.items()):
             continue
         config = {"case": r.get("case"), "zero_stage": r.get("zero_stage")} if bug == "B3" else \
-            {"case": r.get("case")} if KNOWN[bug].rules else {}
+            {"case": r.get("case"), "ga": r.get("ga")} if KNOWN[bug].rules else {}
         word, text = judge_release(bug, r.get("versions") or {}, r.get(verdict_key) or r["verdict"], **config)
         if word == "mismatch":
             bad.append(text)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from kit import config as kconfig
 
 PARAMETERS = ("WORLD_SIZES", "GA_VALUES", "MICRO_BATCH", "HIDDEN", "MODELS", "FSDP2_SETTINGS", "ACCELERATE_VERSIONS",
-              "TRAINER_STACKS", "TRAINER_GAS", "SEED", "DEVICE", "TIMEOUT_S")
+              "ACCELERATE_MODELS", "TRAINER_STACKS", "TRAINER_GAS", "TRAINER_WORLD_SIZES", "SEED", "DEVICE", "TIMEOUT_S")
 PATHS = ("DDP", "FSDP2", "ACC", "HFT")  # the matrix's rows, in order
 
 
@@ -34,9 +34,12 @@ def check_notebook(p: dict) -> list:
     if unknown:
         raise kconfig.ConfigError(f"TRAINER_STACKS: unknown {unknown}; the kit knows {list(trainer_ddp.STACKS)}")
     trainer_ddp.validate([trainer_ddp.STACKS[s] for s in p["TRAINER_STACKS"]], p["TRAINER_GAS"], tuple(trainer_ddp.CASES),
-                         [w for w in p["WORLD_SIZES"] if w > 1] or [2], 8, p["DEVICE"], p["TIMEOUT_S"])
+                         p["TRAINER_WORLD_SIZES"], 8, p["DEVICE"], p["TIMEOUT_S"])
+    if 1 in p["TRAINER_WORLD_SIZES"] or 1 in p["TRAINER_GAS"]:
+        raise kconfig.ConfigError("TRAINER_WORLD_SIZES and TRAINER_GAS: the Trainer is checked on several ranks, "
+                                  "accumulating (each > 1)")
     stacks = [accelerate_stack(v) for v in p["ACCELERATE_VERSIONS"]]
-    accelerate_ga.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"], stacks)
+    accelerate_ga.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["ACCELERATE_MODELS"], stacks)
     return [(ddp_no_sync.PROBE, {}), (fsdp2.PROBE, {}), *[(accelerate_ga.PROBE, s) for s in stacks],
             *[(trainer_ddp.PROBE, trainer_ddp.STACKS[s]) for s in p["TRAINER_STACKS"]]]
 
@@ -50,10 +53,11 @@ def run(p: dict) -> list[dict]:
     recs = ddp_no_sync.run(world_sizes=p["WORLD_SIZES"], ga_values=p["GA_VALUES"], **common)
     recs += fsdp2.run(world_sizes=p["WORLD_SIZES"], ga_values=p["GA_VALUES"], settings=p["FSDP2_SETTINGS"], **common)
     recs += accelerate_ga.run(world_sizes=p["WORLD_SIZES"], ga_values=p["GA_VALUES"],
-                              stacks=[accelerate_stack(v) for v in p["ACCELERATE_VERSIONS"]], **common)
+                              stacks=[accelerate_stack(v) for v in p["ACCELERATE_VERSIONS"]],
+                              **{**common, "models": p["ACCELERATE_MODELS"]})
     recs += trainer_ddp.run(stacks=[trainer_ddp.STACKS[s] for s in p["TRAINER_STACKS"]], gas_values=p["TRAINER_GAS"],
-                            world_sizes=[w for w in p["WORLD_SIZES"] if w > 1] or [2], seed=p["SEED"],
-                            device=p["DEVICE"], timeout_s=p["TIMEOUT_S"])
+                            world_sizes=p["TRAINER_WORLD_SIZES"], seed=p["SEED"], device=p["DEVICE"],
+                            timeout_s=p["TIMEOUT_S"])
     return recs
 
 

@@ -216,11 +216,15 @@ def violations(recs: list[dict]) -> list[str]:
     reference (Accelerate's documented behaviour; a release that changed it is a finding to look at)."""
     from kit import oracle
 
-    bad = []
+    bad = [f"{v}: no control ran on this release, so nothing of it was measured"
+           for v in sorted({r["version"] for r in recs})
+           if not any(r["version"] == v and r["role"] == "control" and r["verdict"] == oracle.NOT_AFFECTED for r in recs)]
     for r in recs:
         where = f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')} {r['case']} on {r['version']}"
         m = r.get("metrics") or {}
-        if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
+        if r["role"] == "control" and r["verdict"] not in (oracle.NOT_AFFECTED, oracle.CANNOT_RUN):
+            # a control that ran must be exact; one that could not run (e.g. the installed PEFT needs a newer
+            # accelerate than the overlay) makes its cases cannot-run too, said as such
             bad.append(f"{where}: the control is {r['verdict']}: {r['reason']}")
         if r.get("imported_deepspeed"):
             bad.append(f"{where}: a rank imported DeepSpeed")
