@@ -129,6 +129,8 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
         bug = every.get(r.get("bug"))
         if bug is None or r.get("role") != "measured" or r.get("case") != bug.measured_case:
             continue
+        if "deepspeed" not in bug.packages and r.get("stack"):  # a path without DeepSpeed: its column is the
+            continue  # installed stack; its other releases are its own notebook's matrix
         groups.setdefault((bug.id, deepspeed_version(r)), []).append(r)
     cells = []
     for (bug_id, version), group in groups.items():
@@ -219,7 +221,8 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
         elif cell["verdict"] == oracle.CANNOT_RUN:
             out.append(f"{bug.id} ({bug.title}): could not run {cell['configs_with_verdict']} of {cell['configs']} "
                        f"configurations on {deepspeed} here ({cell['reason'][:160]}); this is not a clean bill of "
-                       f"health: run {bug.notebook} where it runs (e.g. on a GPU).")
+                       f"health: see {bug.notebook} (a library's own error is said there with its upstream issue; "
+                       f"a device the CPU lacks needs a GPU run).")
         else:
             out.append(f"{bug.id} ({bug.title}): inconclusive on {deepspeed}: the control of the same launch is off "
                        f"the reference ({cell['reason'][:160]}); see {bug.notebook}.")

@@ -276,6 +276,12 @@ PERF_ROWS = [
      "{sweep_steps} judged steps each, 0.18.6 and installed), two worlds at a time", "≤ 300 s", "s"),
     ("bench_sweep.json", "sweep_configs_per_min", "the same, configurations per minute", "≥ 1000", "/min"),
     ("bench_sweep.json", "speedup", "configurations per minute, the sweep: one world / one launch each", "≥ 20×", "×"),
+    ("bench_paths.json", "check_fsdp2_s", "`gradkit check --path fsdp2` (bf16 / fp32 reduce on `conditional`, GA 2: "
+     "raises, its workaround re-run)", "≤ 15 s", "s"),
+    ("bench_paths.json", "check_accelerate_s", "`gradkit check --path accelerate` (sync_each_batch and the last window)",
+     "≤ 15 s", "s"),
+    ("bench_paths.json", "check_trainer_s", "`gradkit check --path trainer` (a real Trainer on 2 ranks, and its fix)",
+     "≤ 30 s", "s"),
     ("bench_bisect.json", "bisect_s", "`gradkit bisect`, B5's config over {bisect_releases} releases "
      "({bisect_measured} measured, each change confirmed), overlays cached", "≤ 180 s", "s"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
@@ -284,7 +290,7 @@ PERF_ROWS = [
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
-                 "bench_bisect.json": "--bisect"}
+                 "bench_bisect.json": "--bisect", "bench_paths.json": "--paths"}
 
 
 def runall_bench(json_path: str, cold: bool) -> int:
@@ -349,6 +355,30 @@ def bisect_bench(json_path: str) -> int:
                output=again.stdout[-3000:])
     res["meets"] = res["bisect_s"] <= BISECT_TARGET_S
     print("\n".join(f"{k:20s} {v}" for k, v in res.items() if k != "output"))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"written to {json_path}")
+    return 0
+
+
+PATH_CHECKS = {"fsdp2": ["--path", "fsdp2", "--model", "conditional", "--param-dtype", "bf16", "--ga", "2"],
+               "accelerate": ["--path", "accelerate", "--sync-each-batch", "--dataloader-length", "10"],
+               "trainer": ["--path", "trainer", "--average-tokens-across-devices", "false"]}
+
+
+def paths_bench(json_path: str) -> int:
+    """``gradkit check --path`` on each path without DeepSpeed, as a user runs it (a fresh process): once to fill the
+    caches (not timed), then timed."""
+    import subprocess
+
+    res = {"cpus": os.cpu_count()}
+    for name, args in PATH_CHECKS.items():
+        cmd = [sys.executable, "-m", "kit", "check", *args]
+        subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        res[f"check_{name}_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
+        res[f"check_{name}_exit"] = out.returncode
+        res[f"check_{name}_verdict"] = (out.stdout.strip().splitlines() or ["?"])[-1]
+    print("\n".join(f"{k:28s} {v}" for k, v in res.items()))
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(res, indent=1))
     print(f"written to {json_path}")
@@ -440,8 +470,12 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
     ap.add_argument("--suite", action="store_true", help="only time the README's test command (runs/bench_suite.json)")
     ap.add_argument("--bisect", action="store_true", help="only time gradkit bisect of B5's config (runs/bench_bisect.json)")
+    ap.add_argument("--paths", action="store_true",
+                    help="only time gradkit check --path fsdp2|accelerate|trainer (runs/bench_paths.json)")
     ap.add_argument("--readme", help="write the performance table of this file from the JSON files in runs/")
     a = ap.parse_args()
+    if a.paths:
+        return paths_bench(a.json or str(REPO / "runs" / "bench_paths.json"))
     if a.readme:
         return write_readme(a.readme)
     if a.profile:
