@@ -36,6 +36,7 @@ from __future__ import annotations
 from kit import config as kconfig
 from kit import runner
 from kit.probe import Probe
+from kit.probes import ddp_no_sync
 
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
@@ -176,22 +177,11 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
 
 
 def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",), stacks=({},)) -> None:
-    from kit import shapes
-
-    kconfig.check_device(device)
-    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
-        kconfig.check_list(name, values)
-    for m in models:
-        shapes.get(m)
+    ddp_no_sync.validate(world_sizes, ga_values, device, timeout_s, models)
     for s in stacks:
         extra = sorted(set(s) - {"accelerate"})
         if extra:
             raise kconfig.ConfigError(f"the Accelerate probe runs accelerate releases only; it was given {extra}")
-    for w in world_sizes:
-        kconfig.check_world_size(w, device)
-    for ga in ga_values:
-        kconfig.check_ga(ga)
-    kconfig.check_timeout(timeout_s)
 
 
 def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
@@ -259,9 +249,5 @@ PROBE = Probe(
            "the control in notebook 07 and report it to huggingface/accelerate with those numbers",
     run=run, check_notebook=check_notebook,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
-    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
-           "version": ["installed"]},
-    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
-                                                        device=device, timeout_s=timeout_s),
-    init="torch", packages=("torch", "accelerate"), typical_s=10.0, violations=violations, order=12,
+    knobs=ddp_no_sync.KNOBS, explorer_kwargs=ddp_no_sync.explorer_kwargs, init="torch", packages=("torch", "accelerate"), typical_s=10.0, violations=violations, order=12,
     control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])

@@ -118,6 +118,14 @@ def violations(recs: list[dict]) -> list[str]:
     return bad
 
 
+# what the explorer offers every probe of a plain-torch path (notebook 07), and how it asks for one run
+KNOBS = {"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"], "version": ["installed"]}
+
+
+def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
+    return dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]], device=device, timeout_s=timeout_s)
+
+
 PROBE = Probe(
     id=BUG, title="torch DDP, no_sync() accumulation (no DeepSpeed)", module="ddp_no_sync",
     notebook="07_without_deepspeed.ipynb", measured_case="no_sync",
@@ -126,11 +134,7 @@ PROBE = Probe(
            "report it to PyTorch with notebook 07's numbers",
     run=run, check_notebook=check_notebook,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
-    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
-           "version": ["installed"]},
-    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
-                                                        device=device, timeout_s=timeout_s),
-    init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10,
+    knobs=KNOBS, explorer_kwargs=explorer_kwargs, init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10,
     control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [oracle_steps(r) for r in recs])
 
 

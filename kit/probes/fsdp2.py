@@ -26,6 +26,7 @@ from __future__ import annotations
 from kit import config as kconfig
 from kit import runner
 from kit.probe import Probe
+from kit.probes import ddp_no_sync
 
 BUG = "FSDP2"
 LOOPS = {"sync_last": "measured", "sync_every": "measured", "sum_not_mean": "comparison",
@@ -150,21 +151,10 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
 
 
 def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",), settings=None) -> None:
-    from kit import shapes
-
-    kconfig.check_device(device)
-    for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
-        kconfig.check_list(name, values)
-    for m in models:
-        shapes.get(m)
+    ddp_no_sync.validate(world_sizes, ga_values, device, timeout_s, models)
     for s in settings or ():
         if s not in SETTINGS:
             raise kconfig.ConfigError(f"unknown FSDP2 setting {s!r}; the kit knows {list(SETTINGS)}")
-    for w in world_sizes:
-        kconfig.check_world_size(w, device)
-    for ga in ga_values:
-        kconfig.check_ga(ga)
-    kconfig.check_timeout(timeout_s)
 
 
 def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
@@ -224,9 +214,8 @@ PROBE = Probe(
            "micro-batch, fp32 vs bf16, one unit) and report it to PyTorch with those numbers",
     run=run, check_notebook=check_notebook,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,), settings=("fp32", "bf16 / fp32 reduce")),
-    knobs={"world_size": [2, 3, 4], "ga": [4, 1, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"],
-           "version": ["installed"]},
-    explorer_kwargs=lambda sel, device, timeout_s: dict(world_sizes=[sel["world_size"]], ga_values=[sel["ga"]],
-                                                        settings=("fp32",), device=device, timeout_s=timeout_s),
+    knobs=ddp_no_sync.KNOBS,
+    explorer_kwargs=lambda sel, device, timeout_s: {**ddp_no_sync.explorer_kwargs(sel, device, timeout_s),
+                                                    "settings": ("fp32",)},
     init="torch", packages=("torch",), typical_s=15.0, violations=violations, order=11,
     control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])
