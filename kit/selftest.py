@@ -77,3 +77,21 @@ def abort_after_result(payload: dict) -> dict:
     if rank == payload["rank"]:
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()
     return {"rank": rank}
+
+
+def judge_with_rank_offset(payload: dict) -> dict:
+    """Every rank hands ``kit.probes.common.judge`` the reference step of a tiny MLP, rank r's moved by
+    ``payload['offset'] * r`` (relative): the rank agreement the oracle reports for ranks that disagree (or not)."""
+    import torch
+
+    from kit.probes import common as c
+
+    seed, ga, mb, hidden = 0, 2, 4, 8
+    model = c.tiny_mlp(hidden, seed, 2)
+    every = [b for r in range(c.world_size()) for b in c.micro_batches(seed, r, ga, mb, hidden)]
+    from kit import oracle
+
+    _, _, reference = oracle.reference_gradients(model, every, c.mse)
+    effective = reference * (1.0 + payload["offset"] * c.rank())
+    out, *_ = c.judge(effective, model if c.rank() == 0 else None, seed, ga, mb, hidden)
+    return {"rank": c.rank(), "rank_spread": out.get("rank_spread"), "finite": bool(torch.isfinite(effective).all())}
