@@ -113,11 +113,16 @@ for step in range(STEPS):
                       "cosine": torch.nn.functional.cosine_similarity(effective, reference, dim=0).item(),
                       "weights_x_right": [round(w * k, 2) for w in fitted[:k].tolist()], "residual": residual,
                       "masters_read": agree, "off": off}})
+verdict = torch.tensor([1.0 if off_any else 0.0])
+dist.broadcast(verdict, 0)  # every rank exits with rank 0's judgement
 if rank == 0:
     print(json.dumps({{"deepspeed": deepspeed.__version__, "loop": LOOP, "N": N, "world": world, "model": {model!r},
-                      "steps": said, "reproduced": off_any}}))
-    print("REPRODUCED: a step DeepSpeed applied is off the reference" if off_any else "not reproduced: every step matches")
-    sys.exit(1 if off_any else 0)
+                      "steps": said, "reproduced": off_any}}), flush=True)
+    print("REPRODUCED: a step DeepSpeed applied is off the reference" if off_any else "not reproduced: every step matches",
+          flush=True)
+dist.barrier()  # no rank leaves while another still works: the process group is taken down in order, by all
+dist.destroy_process_group()
+sys.exit(1 if verdict.item() else 0)
 '''
 
 

@@ -1,6 +1,5 @@
 """Bad input gets one clear error before anything is launched."""
 import os
-import time
 
 import pytest
 
@@ -21,10 +20,8 @@ from kit.probes import bf16_leak
 def test_bad_b4_parameters_fail_fast(kwargs, words):
     args = dict(world_size=2, ga_values=(1, 2), versions=("installed",), device="cpu", timeout_s=60)
     args.update(kwargs)
-    t0 = time.time()
     with pytest.raises(config.ConfigError, match=words):
         bf16_leak.validate(**args)
-    assert time.time() - t0 < 5
 
 
 def test_run_validates_before_launching():
@@ -66,10 +63,9 @@ def test_unknown_papermill_parameter_is_refused(repo):
 def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):
     bad = tmp_path / "p.yaml"
     bad.write_text("notebooks:\n  04_bf16_leak:\n    GA_VALUE: [1]\n")
-    t0 = time.time()
     with pytest.raises(config.ConfigError, match="GA_VALUE"):
         runall.main([str(repo / "notebooks" / "04_bf16_leak.ipynb"), "--params", str(bad), "--out", str(tmp_path)])
-    assert time.time() - t0 < 20 and not (tmp_path / "04_bf16_leak.ipynb").exists()
+    assert not (tmp_path / "04_bf16_leak.ipynb").exists()  # no notebook was run
 
 
 def test_an_old_transformers_gets_companions_for_the_pins_it_checks(tmp_path):

@@ -35,14 +35,14 @@ def test_job_after_job_in_one_warm_world_gives_the_answers_of_fresh_worlds():
     world, _ = runner.world_for(zb.PROBE, {}, 2, "cpu", 300)  # the world the B3 runs ask for
     with launch.warm_worlds():
         first = _metrics(zb.run(**runs["B3"]))
-        t0 = time.monotonic()
+        ranks = {k: [p.pid for p in w.procs] for k, w in launch._WARM.items()}
         again = _metrics(zb.run(**runs["B3"]))
-        again_s = time.monotonic() - t0
+        assert {k: [p.pid for p in w.procs] for k, w in launch._WARM.items()} == ranks  # the same ranks served it
         b2, b4 = (_metrics(probes.get(bug).run(**runs[bug])) for bug in ("B2", "B4"))
         assert len(launch._WARM) == launch.WARM_MAX  # B3's went when B4's came (least recently used)
     assert first == again == fresh["B3"] and b2 == fresh["B2"] and b4 == fresh["B4"]
     assert all(r[3] != "cannot-run" for r in b2 + b4)
-    assert again_s < 3.0, f"a warm B3 run took {again_s:.1f} s"  # fresh: ~7 s on 2 cores
+    # how much faster the warm run is is a speed goal: scripts/bench.py --profile (explorer Run, warm world)
     assert world.world_size == 2
 
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Mutation testing of the judging code (issue 27), with cosmic-ray: each mutant is written into the source file in
+# place, so the rank processes the tests start import it too; PYTHONDONTWRITEBYTECODE keeps a mutant out of
+# __pycache__. Not part of the test command: its result is a benchmark (score, survivors, wall time).
+#   bash scripts/mutation.sh                       # every module of scripts/mutation/targets.yaml
+#   bash scripts/mutation.sh kit/oracle.py         # one module (a session resumes where it stopped)
+# Writes runs/mutation/<module>.sqlite (the session) and runs/mutation/summary.json (score and survivors).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+.venv/bin/python -c "import cosmic_ray" 2>/dev/null || .venv/bin/python -m pip install -q cosmic-ray==8.7.0
+export PYTHONDONTWRITEBYTECODE=1 GRADKIT_CACHE="${GRADKIT_CACHE:-$PWD/.gradkit-cache}"
+git diff --quiet -- kit || { echo "error: kit/ has uncommitted changes; a mutation run rewrites its files in place" >&2; exit 2; }
+exec .venv/bin/python scripts/mutation_run.py "$@"

@@ -1,0 +1,107 @@
+"""The mutation run behind ``scripts/mutation.sh``: cosmic-ray over each module of ``scripts/mutation/targets.yaml``,
+with that module's tests; the score, the survivors and the wall time into ``runs/mutation/summary.json``.
+
+A mutant counts as *killed* when its tests fail, time out (a mutant that hangs a world is caught by its timeout)
+or it does not import; *survived* when every test passes. Survivors listed in ``scripts/mutation/equivalent.yaml``
+(with why they cannot change any output) leave the score's denominator. Score = killed / (killed + survived -
+equivalent).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = REPO / "scripts" / "mutation"
+OUT = REPO / "runs" / "mutation"
+BIN = Path(sys.executable).parent
+TIMEOUT_S = 300.0  # per mutant; a world test that hangs is stopped by the kit's own timeouts well before
+
+
+def config(module: str, tests: str, excluded: list[str]) -> Path:
+    name = module.replace("/", "_").removesuffix(".py")
+    path = OUT / f"{name}.toml"
+    command = f"{sys.executable} -B -m pytest -x -q -p no:cacheprovider {tests}"
+    ops = ",\n  ".join(json.dumps(e) for e in excluded)
+    path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {TIMEOUT_S}\nexcluded-modules = []\n'
+                    f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
+                    f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [\n  {ops}\n]\n")
+    return path
+
+
+def outcomes(session: Path) -> list[dict]:
+    out = subprocess.run([str(BIN / "cosmic-ray"), "dump", str(session)], capture_output=True, text=True, check=True)
+    rows = []
+    for line in out.stdout.splitlines():
+        work, result = json.loads(line)
+        for m in work["mutations"]:
+            rows.append({"line": m["start_pos"][0], "operator": m["operator_name"], "occurrence": m["occurrence"],
+                         "worker": (result or {}).get("worker_outcome"), "test": (result or {}).get("test_outcome"),
+                         "diff": ((result or {}).get("diff") or "")[-600:]})
+    return rows
+
+
+def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dict:
+    done = [r for r in rows if r["worker"] not in (None, "skipped")]
+    killed = [r for r in done if r["worker"] in ("normal", "timeout", "exception") and r["test"] != "survived"
+              or r["worker"] == "timeout"]
+    survived = [r for r in done if r["worker"] == "normal" and r["test"] == "survived"]
+    eq = equivalent.get(module) or {}
+    named = {f"{r['line']}: {r['operator']}[{r['occurrence']}]" for r in survived}
+    equiv = sorted(named & set(eq))
+    denominator = len(killed) + len(survived) - len(equiv)
+    return {"module": module, "mutants": len(rows), "skipped": sum(r["worker"] == "skipped" for r in rows),
+            "pending": sum(r["worker"] is None for r in rows), "killed": len(killed), "survived": len(survived),
+            "equivalent": len(equiv), "score": round(len(killed) / denominator, 4) if denominator else None,
+            "wall_s": round(wall_s, 1),
+            "survivors": [{"where": f"{r['line']}: {r['operator']}[{r['occurrence']}]", "diff": r["diff"]}
+                          for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
+
+
+def restore(module: str) -> None:
+    """A run stopped mid-mutant leaves the mutant on disk: the module is put back from git (the script refuses to
+    start with uncommitted changes in kit/, so git holds the truth)."""
+    if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=REPO).returncode:
+        subprocess.run(["git", "checkout", "--", module], cwd=REPO, check=True)
+
+
+def main(argv: list[str]) -> int:
+    spec = yaml.safe_load((HERE / "targets.yaml").read_text())
+    equivalent = yaml.safe_load((HERE / "equivalent.yaml").read_text()) or {}
+    modules = argv or list(spec["targets"])
+    unknown = [m for m in modules if m not in spec["targets"]]
+    if unknown:
+        print(f"error: not a mutation target: {unknown}; scripts/mutation/targets.yaml has {list(spec['targets'])}",
+              file=sys.stderr)
+        return 2
+    OUT.mkdir(parents=True, exist_ok=True)
+    summary_path = OUT / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for module in modules:
+        cfg = config(module, spec["targets"][module], spec["operators_excluded"])
+        session = cfg.with_suffix(".sqlite")
+        if not session.exists():
+            subprocess.run([str(BIN / "cosmic-ray"), "init", str(cfg), str(session)], cwd=REPO, check=True)
+            subprocess.run([str(BIN / "cr-filter-operators"), str(session), str(cfg)], cwd=REPO, check=True)
+        t0 = time.monotonic()
+        try:
+            subprocess.run([str(BIN / "cosmic-ray"), "exec", str(cfg), str(session)], cwd=REPO, check=True)
+        finally:
+            restore(module)
+        wall = time.monotonic() - t0 + (summary.get(module) or {}).get("wall_s", 0.0)
+        summary[module] = judge(module, outcomes(session), equivalent, wall)
+        summary_path.write_text(json.dumps(summary, indent=1))
+        s = summary[module]
+        print(f"{module}: {s['killed']} killed, {s['survived']} survived ({s['equivalent']} equivalent), "
+              f"score {s['score']}, {s['pending']} pending, {s['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
