@@ -51,6 +51,25 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   which no CPU tensor's type (``"torch.FloatTensor"``) matches, so no bucket is reduced and each rank steps its
   partition with its own local gradient. deepspeedai/DeepSpeed#8382 compares ``t.dtype`` instead, first released in
   0.19.8. A GPU run matches ``"torch.cuda.FloatTensor"`` and is not affected.
+
+The paths without DeepSpeed (notebook 07) are pinned case by case (``Known.rules``): their cases are correct paths,
+loop bugs the oracle must see, and documented behaviours.
+
+- FSDP2 (torch, only the installed 2.13.0 runs here): every ``set_requires_gradient_sync`` loop is exact in fp32 and
+  with a bf16 reduce; pytorch/pytorch#162338 (gloo's AVG reduce-scatter summed, open upstream) does not show on
+  2.13.0. With bf16 parameters and an fp32 reduce two raises are measured on a model some micro-batches do not use
+  entirely: ``to_accumulated_grad_if_needed`` reads ``_unsharded_param`` of a unit that never ran its forward
+  (pytorch/pytorch#194058) and, with one unit, ``foreach_reduce`` refuses a fresh bf16 gradient beside accumulated
+  fp32 ones (pytorch/pytorch#196996, open). A raise is ``cannot-run``, never a verdict, so the table pins none.
+- ACC (accelerate): ``sync_each_batch`` (huggingface/accelerate#2531, 0.28.0) set ``sync_gradients`` on every
+  micro-batch, which also makes the prepared optimizer step there; huggingface/accelerate#2790 fixed it in 0.31.0
+  (0.28.0 and 0.30.1 measured affected, 0.31.0 exact). The last, incomplete window is still divided by the full GA:
+  documented (huggingface/accelerate#1847). Token-level losses need the item count gathered over every process, as
+  Accelerate's gradient-accumulation guide does.
+- HFT (transformers, the Trainer on several ranks without DeepSpeed): before 4.46.0 each micro-batch's mean loss
+  is divided by GAS (huggingface/transformers#34191, #34198, first in 4.46.0); 4.46 - 5.3 count labels before the
+  shift (one token per sequence too many, B1's count) and ``average_tokens_across_devices`` (from 4.46.3) defaults
+  off until 5.0; 5.23.0 is exact. 4.45.2 is the oldest release measured; it runs on torch 2.13 with accelerate 1.0.1.
 """
 from __future__ import annotations
 
