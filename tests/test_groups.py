@@ -1,0 +1,148 @@
+"""The oracle's judgement of parameter groups, its words for a step and the logged norm, on hand-made vectors: what
+a model some micro-batches do not use entirely shows (the mutation run found these judged only inside worlds)."""
+import math
+
+import pytest
+import torch
+
+from kit import oracle
+
+# 2 ranks x 2 micro-batches (rank-major rows 0..3); 7 parameters: the trunk (0-3) every micro-batch reaches, the
+# expert (4-6) only micro-batch 1 of each rank (rows 0 and 2) reaches
+BASIS = torch.tensor([[1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0],
+                      [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0],
+                      [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+EXPECTED = torch.full((4,), 0.25, dtype=torch.float64)
+TARGET = EXPECTED @ BASIS
+GROUPS = {"trunk": torch.tensor([0, 1, 2, 3]), "expert": torch.tensor([4, 5, 6])}
+
+
+def _judge(weights):
+    return oracle.judge_groups(torch.tensor(weights, dtype=torch.float64) @ BASIS, BASIS, EXPECTED, TARGET, GROUPS, 2, 2)
+
+
+def test_an_exact_step_is_exact_in_every_group_and_says_which_micro_batches_reach_it():
+    g = _judge([0.25] * 4)
+    assert g["expert"]["reached"] == [0, 2] and g["trunk"]["reached"] == [0, 1, 2, 3]
+    for name in GROUPS:
+        assert g[name]["rel_err"] < 1e-12 and g[name]["lost"] is None and not g[name]["expected_zero"]
+        assert g[name]["shape"] == "every micro-batch reaching it x1"
+
+
+def test_a_group_that_lost_a_micro_batch_on_every_rank_says_so():
+    g = _judge([0.0, 0.25, 0.0, 0.25])  # micro-batch 1 dropped on both ranks
+    assert g["expert"]["lost"] == "micro-batch 1 on every rank" and abs(g["expert"]["rel_err"] - 1.0) < 1e-12
+    assert g["expert"]["shape"] == "every micro-batch reaching it x0"
+    assert g["trunk"]["lost"] == "micro-batch 1 on every rank"
+    one = _judge([0.0, 0.25, 0.25, 0.25])  # only rank 0's
+    assert one["expert"]["lost"] == "rank 0 micro-batch 1"
+    assert one["trunk"]["shape"] == "rank 0 micro-batch 1 x0, the others reaching it x1"
+    assert one["expert"]["shape"] == "rank 1 micro-batch 1 x1, the others reaching it x0"  # a tie: the first is "the others"
+
+
+def test_a_group_with_no_right_update_is_judged_against_the_whole_step():
+    target = TARGET.clone()
+    target[4:] = 0.0  # the expert's right update is 0 (frozen, or not reached in this step)
+    eff = target.clone()
+    eff[4] = 0.1 * target.norm()
+    g = oracle.judge_groups(eff, BASIS, EXPECTED, target, GROUPS, 2, 2)
+    assert g["expert"]["expected_zero"] and abs(g["expert"]["rel_err"] - 0.1) < 1e-12 and g["expert"]["norm_ratio"] is None
+    assert "attribution" not in g["expert"]
+
+
+def test_the_previous_steps_micro_batches_and_positions_are_named():
+    assert oracle._positions([0, 2], 2, 2) == "micro-batch 1 on every rank"
+    assert oracle._positions([0, 1, 2, 3], 2, 2) == "micro-batches 1,2 on every rank"
+    assert oracle._positions([1, 5], 2, 2) == "rank 0 micro-batch 2, the previous step's rank 0 micro-batch 2"
+    assert oracle._positions([6], 2, 2) == "the previous step's rank 1 micro-batch 1"
+    shape = oracle._group_shape([0, 2, 4], [0.25, 0.25, 0.25], [0.25, 0.25, 0.0], 2, 2)
+    assert shape == "every micro-batch reaching it x1; the previous step's micro-batches x1"
+    assert oracle._group_shape([0, 2, 4], [0.25, 0.25, 0.001], [0.25, 0.25, 0.0], 2, 2) == \
+        "every micro-batch reaching it x1"  # a trace of the previous step under 0.05 of a share is not said
+
+
+def _step(group, **whole):
+    return {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "groups": {"expert": group}, **whole}
+
+
+def _group(rel_err=0.0, misplaced=0.0, uses=None, **kw):
+    g = {"rel_err": rel_err, "expected_zero": False, "reached": [0, 2], "lost": None, "shape": "s",
+         "attribution": {"misplaced_weight": misplaced, "rows": [0, 2], "weights": [0.25, 0.25],
+                         "expected_weights": [0.25, 0.25], "residual": 0.0}, **kw}
+    if uses is not None:
+        g["uses"] = {"misplaced_weight": uses, "residual": 0.0, "shape": "embedding use x1, head use x0"}
+    return g
+
+
+@pytest.mark.parametrize("group, said", [
+    (_group(rel_err=2e-4), "rel. error of expert"),
+    (_group(misplaced=2e-4), "misplaced weight of expert"),
+    (_group(uses=2e-4), "misplaced weight of expert over its uses"),
+])
+def test_a_group_alone_off_makes_the_step_affected_and_is_named(group, said):
+    sigs = oracle.signals({**_step(group), "dtype": "fp32"})
+    off = [s["signal"] for s in sigs if not s["ok"]]
+    assert off == [said]
+    assert oracle.verdict({**_step(group), "dtype": "fp32"}, {"metrics": _step(group)["metrics"], "dtype": "fp32"})[0] \
+        == oracle.AFFECTED
+    assert oracle.verdict({**_step(_group()), "dtype": "fp32"}, {"metrics": _step(group)["metrics"], "dtype": "fp32"})[0] \
+        == oracle.NOT_AFFECTED
+
+
+def test_parts_a_step_got_wrong_are_named_as_stale_or_lost():
+    stale = _group(rel_err=0.5, expected_zero=True)
+    assert oracle.part_pattern(_step(stale), "fp32", 2, 2) == [oracle.PART_STALE]
+    old = _group(rel_err=0.5)
+    old["attribution"].update(rows=[0, 2, 4], weights=[0.25, 0.25, 0.2], expected_weights=[0.25, 0.25, 0.0])
+    assert oracle.part_pattern(_step(old), "fp32", 2, 2) == [oracle.PART_STALE]  # the previous step's, > half a share
+    old["attribution"]["weights"] = [0.25, 0.25, 0.1]
+    assert oracle.part_pattern(_step(old), "fp32", 2, 2) == []  # under half a share
+    lost = _group(rel_err=0.5, lost="micro-batch 1 on every rank")  # rows 0 and 2: no boundary (1, 3) reaches it
+    assert oracle.part_pattern(_step(lost), "fp32", 2, 2) == [oracle.PART_LOST]
+    lost["attribution"]["rows"] = [1, 3]  # the boundary micro-batches reach it: not this pattern
+    assert oracle.part_pattern(_step(lost), "fp32", 2, 2) == []
+    assert oracle.part_pattern(_step(_group(rel_err=0.9e-4, lost="x")), "fp32", 2, 2) == []  # within the limits
+
+
+def test_a_whole_step_carrying_the_previous_steps_gradient_is_stale():
+    step = {"metrics": {"rel_l2": 0.5, "norm_ratio": 1.5, "cosine": 0.9},
+            "attribution": {"weights": [0.25] * 4 + [0.2, 0, 0, 0], "expected_weights": [0.25] * 4 + [0] * 4,
+                            "misplaced_weight": 0.1}}
+    assert oracle.part_pattern(step, "fp32", 2, 2) == [oracle.PART_STALE]
+    step["attribution"]["weights"] = [0.25] * 4 + [0.1, 0, 0, 0]
+    assert oracle.part_pattern(step, "fp32", 2, 2) == []
+
+
+def test_groups_off_says_what_each_wrong_group_did():
+    said = oracle.groups_off(_step(_group(rel_err=0.3, expected_zero=True)), "fp32")
+    assert said == ["expert: updated by 0.3 of the step's norm where its right update is 0"]
+    said = oracle.groups_off(_step(_group(rel_err=1.0, lost="micro-batch 1 on every rank", shape="x0")), "fp32")
+    assert said == ["expert: the gradient from micro-batch 1 on every rank was lost (x0)"]
+    said = oracle.groups_off(_step(_group(rel_err=0.5, uses=0.5)), "fp32")
+    assert said == ["expert: its gradient is embedding use x1, head use x0 (each use's right weight: 1)"]
+    assert oracle.groups_off(_step(_group(rel_err=0.5e-4)), "fp32") == []  # within the limits: nothing to say
+    whole = {"attribution": {"weights": [0.25, 9.0, 0.25, 9.0], "residual": 0.0}}
+    assert oracle.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == []  # the whole step's fit explains it
+    whole["attribution"]["residual"] = 0.5
+    assert oracle.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == ["expert: s (rel. error 0.5)"]
+
+
+@pytest.mark.parametrize("logged, word", [(None, "n/a"), (math.inf, oracle.AFFECTED), (math.nan, oracle.AFFECTED),
+                                          (10.0009, oracle.NOT_AFFECTED), (10.0011, oracle.AFFECTED),
+                                          (9.9989, oracle.AFFECTED)])
+def test_the_logged_norm_has_a_verdict_of_its_own(logged, word):
+    got, why = oracle.norm_verdict(logged, 10.0, "fp32")
+    assert got == word, why
+    if word == oracle.NOT_AFFECTED:
+        assert "within the fp32 limit" in why
+    elif logged is not None and math.isfinite(logged):
+        assert "outside the fp32 limit" in why
+
+
+def test_the_verdict_names_the_worst_step_and_the_rounding_of_each_dtype():
+    m = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "dtype": "fp32", "steps": [{}, {}],
+         "worst_step": 1}
+    assert "at step 2 (the worst of 2)" in oracle.verdict(m, {"metrics": {"rel_l2": 0, "norm_ratio": 1, "cosine": 1},
+                                                             "dtype": "fp32"})[1]
+    assert oracle.ROUNDING == {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}  # the formats' unit steps
