@@ -146,3 +146,63 @@ def test_the_verdict_names_the_worst_step_and_the_rounding_of_each_dtype():
     assert "at step 2 (the worst of 2)" in oracle.verdict(m, {"metrics": {"rel_l2": 0, "norm_ratio": 1, "cosine": 1},
                                                              "dtype": "fp32"})[1]
     assert oracle.ROUNDING == {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}  # the formats' unit steps
+
+
+def test_comparison_and_fit_of_small_vectors_and_non_finite_steps():
+    small = torch.tensor([0.3, 0.4], dtype=torch.float64)  # norm 0.5: under 1, still a direction
+    m = oracle.compare(small, small * 2)
+    assert abs(m["cosine"] - 1.0) < 1e-12 and abs(m["norm_ratio"] - 0.5) < 1e-12
+    assert oracle.compare(torch.zeros(2, dtype=torch.float64), small)["cosine"] == 0.0
+    a = oracle.attribute(small * 2, small.unsqueeze(0), torch.tensor([1.0], dtype=torch.float64))
+    assert abs(a["weight_sum_ratio"] - 2.0) < 1e-12 and abs(a["misplaced_weight"] - 0.5) < 1e-12
+    bad = oracle.attribute(torch.tensor([math.nan, 1.0, math.inf]), torch.eye(3, dtype=torch.float64),
+                           torch.ones(3, dtype=torch.float64))
+    assert bad["non_finite"] == 2 and bad["misplaced_weight"] == math.inf
+
+
+def test_clipping_coefficient_is_the_engines_on_any_norm():
+    v = torch.tensor([1.5e-6, 0.0], dtype=torch.float64)  # the 1e-6 in clip / (norm + 1e-6) matters here
+    assert abs(oracle.clipped(v, 1e-6).norm().item() - 1.5e-6 * 1e-6 / 2.5e-6) < 1e-18
+    assert torch.equal(oracle.clipped(v, 0.0), v)
+    assert torch.equal(oracle.clipped(v, 1.0), v)  # a coefficient above 1 is 1
+
+
+def test_the_step_in_words_names_the_previous_steps_share():
+    cur = [0.25] * 4
+    right = [0.25] * 4 + [0.0] * 4
+    assert oracle.describe_weights(cur + [0.25] * 4, right, 2, 2) == \
+        "every micro-batch x1; the previous step's micro-batches x1"
+    assert oracle.describe_weights(cur + [0.25, 0.0, 0.0, 0.0], right, 2, 2) == \
+        "every micro-batch x1; the previous step's micro-batches 1, 0, 0, 0 (x their share)"
+    assert oracle.describe_weights(cur + [0.01] * 4, right, 2, 2) == "every micro-batch x1"  # under 0.05 of a share
+
+
+def _rec(steps, **kw):
+    return {"dtype": "fp32", "world_size": 2, "ga": 2, "steps": steps, "worst_step": kw.pop("worst_step", 0), **kw}
+
+
+def test_a_record_takes_its_worst_steps_words_and_names_parts_where_no_whole_step_name_fits():
+    stale = {"metrics": {"rel_l2": 0.5, "norm_ratio": 1.5, "cosine": 0.9}, "groups": {"expert": _group(
+        rel_err=0.3, expected_zero=True)}, "hypotheses": {"best": "x", "best_matches": False, "ambiguous": []}}
+    exact = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0},
+             "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": []}}
+    rec = oracle.annotate_steps(_rec([exact, stale], worst_step=1, judge_dtype="fp32"))
+    assert rec["matches"] == oracle.PART_STALE and rec["parts"] == [oracle.PART_STALE]
+    assert rec["steps"][0]["matches"] == "global mean"
+    assert "expert: updated by 0.3 of the step's norm" in rec["shape"]
+    tie = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0},
+           "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
+    assert oracle.annotate_steps(_rec([tie]))["matches"] == "global mean"  # exact on every signal: the mean
+    off_tie = {**tie, "metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}}
+    assert oracle.annotate_steps(_rec([off_tie]))["matches"] == "ambiguous between 'global mean' and 'last / N'"
+
+
+def test_the_logged_norm_verdict_of_a_record_is_its_first_off_step():
+    steps = [{"step": 0, "reference_norm": 10.0, "logged_norm": 10.0},
+             {"step": 1, "reference_norm": 10.0, "logged_norm": 20.0}]
+    rec = oracle.annotate_norms(_rec(steps))
+    assert rec["norm_verdict"] == oracle.AFFECTED and rec["norm_reason"].startswith("step 2: the logged grad norm 20")
+    rec = oracle.annotate_norms(_rec([steps[0]]))
+    assert rec["norm_verdict"] == oracle.NOT_AFFECTED and rec["norm_reason"].startswith("step 1: ")
+    rec = oracle.annotate_norms(_rec([{"step": 0, "reference_norm": 10.0}]))  # the engine keeps no norm
+    assert rec["norm_verdict"] == "n/a"
