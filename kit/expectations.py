@@ -82,10 +82,12 @@ AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
 
 def version_key(v: str) -> tuple:
     """'0.19.3' -> (0, 19, 3); a local tag or suffix ('0.19.8+cpu', '1.2rc1') does not count."""
+    import re
+
     out = []
     for part in v.split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit()) if part[:1].isdigit() else ""
-        out.append(int(digits) if digits else 0)
+        digits = re.match(r"\d+", part)  # the leading number: '2rc1' is 2, not 21
+        out.append(int(digits.group(0)) if digits else 0)
     return tuple(out)
 
 
