@@ -17,6 +17,8 @@ def test_a_rule_with_a_smallest_ga_holds_from_that_ga_on():
                                   ("HFT", "transformers", "5.23.0")):
         assert ex.expected(bug, {package: release}, case="sum_not_mean", ga=2) == oracle.AFFECTED, bug
         assert ex.expected(bug, {package: release}, case="sum_not_mean", ga=8) == oracle.AFFECTED, bug
+    assert ex.expected("ACC", {"accelerate": "1.15.0"}, case="sum_not_mean", ga=1) == oracle.NOT_AFFECTED
+    assert ex.expected("HFT", {"transformers": "5.23.0"}, case="sum_not_mean", ga=1) is None  # never run at GAS 1
     assert ex.expected("ACC", {"accelerate": "0.30.1"}, case="sync_each_batch", ga=2) == oracle.AFFECTED
     assert ex.expected("ACC", {"accelerate": "0.28.0"}, case="sync_each_batch", ga=1) == oracle.NOT_AFFECTED
     assert ex.expected("ACC", {"accelerate": "0.27.2"}, case="sync_each_batch", ga=4) is None  # before it existed
