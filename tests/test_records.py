@@ -40,7 +40,7 @@ def test_only_the_last_run_of_each_notebook_that_ended_well_reaches_the_matrix(t
     records.save([{"run_id": "r1", "n": 2}], tmp_path / "02_b.jsonl")
     records.save([{"run_id": "r2", "n": 3}], tmp_path / "03_c.jsonl")
     (tmp_path / records.RUN_FILE).write_text(json.dumps({"run_id": "r1", "notebooks": {
-        "01_a.ipynb": "ok", "02_b.ipynb": "failed", "03_c.ipynb": {"status": "ok", "run_id": "r2"},
+        "00_gone.ipynb": "ok", "01_a.ipynb": "ok", "02_b.ipynb": "failed", "03_c.ipynb": {"status": "ok", "run_id": "r2"},
         "04_d.ipynb": "ok"}}))
     recs, said = records.run_records(tmp_path)
     assert sorted(r["n"] for r in recs) == [1, 3]
@@ -56,6 +56,7 @@ def test_a_record_belongs_to_the_deepspeed_release_it_imported():
     assert records.deepspeed_version({"versions": {"deepspeed": "0.18.6"}, "stack": {"deepspeed": "0.18.9"}}) == "0.18.6"
     assert records.deepspeed_version({"versions": {}, "stack": {"deepspeed": "0.18.9"}}) == "0.18.9"
     assert records.deepspeed_version({"version": "deepspeed=0.18.2"}) == "0.18.2"  # it never got that far
+    assert records.deepspeed_version({"version": "0.18.9"}) == "0.18.9"
     assert records.deepspeed_version({"version": "installed"}) == versions.installed_version("deepspeed")
 
 
@@ -64,3 +65,19 @@ def test_the_matrix_columns_run_from_no_deepspeed_to_the_newest_release():
     assert cols == [NO_DEEPSPEED, "0.18.9", "0.18.10", "0.19.0"]
     assert records.column_key(NO_DEEPSPEED) < records.column_key("0.0.1")
     assert [records.column_label(v, "0.19.0") for v in cols] == ["no DeepSpeed", "0.18.9", "0.18.10", "0.19.0 (installed)"]
+
+
+def test_a_run_id_comes_from_the_environment_or_is_made_fresh_and_a_failed_record_says_why():
+    import re
+    import subprocess
+    import sys
+
+    code = "from kit import records; print(records.RUN_ID)"
+    given = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={"GRADKIT_RUN_ID": "run-42", "PATH": "/usr/bin:/bin"}, cwd=str(records.Path(__file__).parents[1]))
+    assert given.stdout.strip() == "run-42", given.stderr[-500:]
+    assert re.fullmatch(r"\d{8}T\d{6}-[0-9a-f]{6}", records.RUN_ID if not __import__("os").environ.get(records.RUN_ID_ENV)
+                        else "20260101T000000-abcdef")
+    (rec,) = records.failed_records([{"name": "c", "role": "measured", "ga": 2, "dtype": "fp32"}], {"bug": "B3"}, "v",
+                                    "it broke")
+    assert rec["versions"] == {} and rec["verdict"] == oracle.CANNOT_RUN and rec["reason"] == "could not run: it broke"
