@@ -27,7 +27,9 @@ def test_an_exact_step_is_exact_in_every_group_and_says_which_micro_batches_reac
     assert g["expert"]["reached"] == [0, 2] and g["trunk"]["reached"] == [0, 1, 2, 3]
     for name in GROUPS:
         assert g[name]["rel_err"] < 1e-12 and g[name]["lost"] is None and not g[name]["expected_zero"]
-        assert g[name]["shape"] == "every micro-batch reaching it x1"
+        assert g[name]["shape"] == "every micro-batch reaching it x1" and abs(g[name]["norm_ratio"] - 1) < 1e-12
+    tiny = oracle.judge_groups(TARGET * 1e-12, BASIS * 1e-12, EXPECTED, TARGET * 1e-12, GROUPS, 2, 2)
+    assert tiny["expert"]["reached"] == [0, 2]  # reached is relative to the largest micro-batch, at any scale
 
 
 def test_a_group_that_lost_a_micro_batch_on_every_rank_says_so():
@@ -155,6 +157,10 @@ def test_comparison_and_fit_of_small_vectors_and_non_finite_steps():
     assert oracle.compare(torch.zeros(2, dtype=torch.float64), small)["cosine"] == 0.0
     a = oracle.attribute(small * 2, small.unsqueeze(0), torch.tensor([1.0], dtype=torch.float64))
     assert abs(a["weight_sum_ratio"] - 2.0) < 1e-12 and abs(a["misplaced_weight"] - 0.5) < 1e-12
+    a = oracle.attribute(small * 2, small.unsqueeze(0), torch.tensor([4.0], dtype=torch.float64))
+    assert abs(a["weight_sum_ratio"] - 0.5) < 1e-12
+    m = oracle.compare(torch.tensor([1.0, 3.0], dtype=torch.float64), torch.tensor([2.0, 4.0], dtype=torch.float64))
+    assert abs(m["max_rel_err"] - 0.25) < 1e-12  # max |e - r| / max |r|
     bad = oracle.attribute(torch.tensor([math.nan, 1.0, math.inf]), torch.eye(3, dtype=torch.float64),
                            torch.ones(3, dtype=torch.float64))
     assert bad["non_finite"] == 2 and bad["misplaced_weight"] == math.inf
@@ -206,3 +212,80 @@ def test_the_logged_norm_verdict_of_a_record_is_its_first_off_step():
     assert rec["norm_verdict"] == oracle.NOT_AFFECTED and rec["norm_reason"].startswith("step 1: ")
     rec = oracle.annotate_norms(_rec([{"step": 0, "reference_norm": 10.0}]))  # the engine keeps no norm
     assert rec["norm_verdict"] == "n/a"
+
+
+
+def test_positions_at_the_edge_of_the_previous_step_and_on_one_rank():
+    assert oracle._positions([4], 2, 2) == "the previous step's rank 0 micro-batch 1"  # row k: the previous step's first
+    assert oracle._positions([3, 4], 2, 2) == "rank 1 micro-batch 2, the previous step's rank 0 micro-batch 1"
+    assert oracle._positions([0], 1, 2) == "rank 0 micro-batch 1"  # one rank: never "on every rank"
+    assert oracle._positions([7], 2, 2) == "the previous step's rank 1 micro-batch 2"
+
+
+def test_a_tied_weights_uses_are_fitted_and_said():
+    basis = torch.eye(3, dtype=torch.float64)
+    uses = {"tied": {"embedding use": torch.tensor([1.0, 0, 0], dtype=torch.float64),
+                     "head use": torch.tensor([0, 1.0, 0], dtype=torch.float64)}}
+    eff = torch.tensor([1.0, 0.25, 0.0], dtype=torch.float64)  # the head's use a quarter of its right weight
+    g = oracle.judge_groups(eff, basis, torch.ones(3, dtype=torch.float64) / 3, torch.tensor([1.0, 1.0, 0.0],
+                            dtype=torch.float64), {"tied": torch.tensor([0, 1, 2])}, 1, 3, uses)
+    assert g["tied"]["uses"]["shape"] == "embedding use x1, head use x0.2"
+    assert abs(g["tied"]["uses"]["misplaced_weight"] - 0.375) < 1e-12
+
+
+def test_a_short_candidate_is_padded_with_zeros_and_a_zero_candidate_predicts_nothing():
+    basis = torch.eye(3, dtype=torch.float64)
+    eff = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    h = oracle.explain(eff, basis, {"first": [1.0], "all": [1.0, 1.0, 1.0], "none": [0.0, 0.0, 0.0]}, "fp32")
+    assert h["best"] == "first" and h["best_matches"] and h["ambiguous"] == [] and "none" not in h["candidates"]
+
+
+def test_the_spread_is_measured_from_rank_0_whatever_the_order_and_a_zero_first_rank_is_infinite_spread():
+    v = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert abs(oracle.spread([v, v * 1.02, v * 1.01]) - 0.02) < 1e-12  # from rank 0, not from the last rank
+    assert oracle.spread([torch.zeros(2, dtype=torch.float64), v]) > 1e100
+
+
+def test_a_signal_at_its_limit_is_within_it_and_a_non_finite_cosine_is_off():
+    at = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
+    assert all(s["ok"] for s in oracle.signals(at))
+    nan = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": math.nan}, "dtype": "fp32"}
+    assert [s["signal"] for s in oracle.signals(nan) if not s["ok"]] == ["cosine"]
+
+
+def test_the_step_in_words_where_a_micro_batch_has_no_right_weight_and_the_previous_steps_tenths():
+    # rank 1's micro-batch 2 has no right weight (e.g. a frozen part): its weight is said as a share of the step
+    assert oracle.describe_weights([0.25, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.0], 2, 2) == \
+        "rank 0: every micro-batch x1; rank 1: micro-batch 2 x0, the others x1"
+    assert oracle.describe_weights([0.25] * 4 + [0.03] * 4, [0.25] * 4 + [0.0] * 4, 2, 2) == \
+        "every micro-batch x1; the previous step's micro-batches x0.1"
+
+
+def test_every_group_is_looked_at_not_only_the_first():
+    fine, off = _group(rel_err=0.5e-4), _group(rel_err=0.5, expected_zero=True)
+    two = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "groups": {"a": fine, "b": off}}
+    assert oracle.part_pattern(two, "fp32", 2, 2) == [oracle.PART_STALE]
+    assert oracle.groups_off(two, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
+    whole = {"attribution": {"weights": [0.25, 9.0, 0.25, 9.0], "residual": 0.0}}  # explains group a, not b
+    other = _group(rel_err=0.5, expected_zero=True)
+    other["attribution"]["weights"] = [0.5, 0.5]  # not the whole step's weights
+    three = {**two, **whole, "groups": {"a": _group(rel_err=0.5), "b": other}}
+    assert oracle.groups_off(three, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
+
+
+def test_a_record_without_a_worst_step_takes_its_first_and_keeps_a_matching_names_and_ties():
+    named = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "groups": {"expert": _group(
+        rel_err=0.3, expected_zero=True)}, "hypotheses": {"best": "sum (x GA)", "best_matches": True,
+                                                          "ambiguous": ["sum (x GA)", "other"]}}
+    rec = oracle.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named, {
+        "metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}}]})
+    assert rec["matches"] == "ambiguous between 'sum (x GA)' and 'other'" and rec["ties"] == ["sum (x GA)", "other"]
+    named["hypotheses"]["ambiguous"] = []
+    rec = oracle.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named]})
+    assert rec["matches"] == "sum (x GA)"  # a name that fits is kept, the parts are said beside it
+    assert rec["parts"] == [oracle.PART_STALE]
+    ctrl = {"metrics": {"rel_l2": 0, "norm_ratio": 1, "cosine": 1}, "dtype": "fp32"}
+    one = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "dtype": "fp32", "steps": [{}]}
+    assert " at step " not in oracle.verdict(one, ctrl)[1]  # one step: no "worst of"
+    two = {**one, "steps": [{}, {}]}  # no worst_step recorded: the first
+    assert "at step 1 (the worst of 2)" in oracle.verdict(two, ctrl)[1]
