@@ -167,9 +167,9 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
         stack = {"transformers": a.transformers}
         if version_key(a.transformers) < (5,):  # 4.x imports on torch 2.13 with accelerate 1.0.1 beside it
             stack["accelerate"] = "1.0.1"
-    cases = [c for c in trainer_ddp.plan((a.ga,), ("trainer", "avg_tokens_on"), mb * a.ga) if a.ga > 1]
     if a.ga == 1:
         raise kconfig.ConfigError("--path trainer needs --ga > 1 (nothing is accumulated at 1)")
+    cases = trainer_ddp.plan((a.ga,), ("trainer", "avg_tokens_on"), mb * a.ga)
     for c in cases:
         if c["name"] == "trainer" and a.average_tokens_across_devices is not None:
             c["trainer_args"] = {"average_tokens_across_devices": a.average_tokens_across_devices == "true"}

@@ -9,7 +9,6 @@ equivalent).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
