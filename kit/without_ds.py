@@ -186,7 +186,7 @@ def mechanisms(recs: list[dict]) -> list[dict]:
     from kit import source
     from kit import versions as kversions
 
-    out, seen = [], {}
+    out, seen = [], set()
     for path, case, explains, package, relpath, qualname, marks, sentence in MECHANISMS:
         for r in recs:
             if r["bug"] != path or r["case"] != case or not explains(r):
@@ -200,7 +200,7 @@ def mechanisms(recs: list[dict]) -> list[dict]:
                 code = source.excerpt(package, relpath, qualname, marks, version=version) or "(not found)"
             except Exception as e:  # noqa: BLE001 - a source that cannot be read is said, not fatal
                 code = f"(the source of {package} {version} could not be read: {e})"
-            seen[(path, case, qualname, version)] = True
+            seen.add((path, case, qualname, version))
             # the lines without the header (the file of each release) and without their numbers
             body = [line[9:] for line in code.split("\n")[1:]]
             same = next((m for m in out if m["path"] == path and m["case"] == case and m["body"] == body), None)

@@ -120,9 +120,11 @@ def run_case(case: dict) -> dict:
             scale = (acc.num_processes if name == "tokens_global" else 1) * steps_given / items
         for x, y in source:
             with acc.accumulate(wrapped):
-                loss = shape.loss_fn(wrapped(x), y)
+                pred = wrapped(x)  # one forward: DDP prepares its reduction for the graph backward will walk
                 if name.startswith("tokens_"):  # the summed per-item loss, normalised as Accelerate documents
-                    loss = ((wrapped(x).float() - y.float()) ** 2).mean(dim=1).sum() * scale
+                    loss = ((pred.float() - y.float()) ** 2).mean(dim=1).sum() * scale
+                else:
+                    loss = shape.loss_fn(pred, y)
                 if name == "last_window_fixed":  # Accelerate divides by the GA it was given: undo it for this window
                     loss = loss * steps_given / len(batches)
                 loss.backward() if name == "sum_not_mean" else acc.backward(loss)
