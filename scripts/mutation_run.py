@@ -2,9 +2,13 @@
 with that module's tests; the score, the survivors and the wall time into ``runs/mutation/summary.json``.
 
 A mutant counts as *killed* when its tests fail, time out (a mutant that hangs a world is caught by its timeout)
-or it does not import; *survived* when every test passes. Survivors listed in ``scripts/mutation/equivalent.yaml``
-(with why they cannot change any output) leave the score's denominator. Score = killed / (killed + survived -
-equivalent).
+or it does not import; *survived* when every test passes. A module's tests come in two stages where
+``targets.yaml`` gives it ``fast`` and ``world`` commands: every mutant runs the fast tests (seconds), and only a
+mutant that survives them runs the world tests (real 2-rank worlds, about a minute each), with
+``cosmic-ray mutate-and-test``; their outcomes are kept in ``runs/mutation/<module>.world.json`` (resumable too;
+``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors). Survivors listed in
+``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator.
+Score = killed / (killed + survived - equivalent).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ TIMEOUT_S = 300.0  # per mutant; a world test that hangs is stopped by the kit's
 def config(module: str, tests: str, excluded: list[str]) -> Path:
     name = module.replace("/", "_").removesuffix(".py")
     path = OUT / f"{name}.toml"
-    command = f"{sys.executable} -B -m pytest -x -q -p no:cacheprovider {tests}"
+    command = pytest_command(tests)
     ops = ",\n  ".join(json.dumps(e) for e in excluded)
     path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {TIMEOUT_S}\nexcluded-modules = []\n'
                     f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
@@ -63,6 +67,43 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
                           for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
 
 
+def commands(entry) -> tuple[str, str | None]:
+    """A target's (fast, world) test selections: a plain string is one stage."""
+    return (entry, None) if isinstance(entry, str) else (entry["fast"], entry.get("world"))
+
+
+def pytest_command(tests: str) -> str:
+    return f"{sys.executable} -B -m pytest -x -q -p no:cacheprovider {tests}"
+
+
+def world_stage(module: str, session: Path, tests: str, rows: list[dict]) -> list[dict]:
+    """The second stage: each survivor of the fast tests, mutated again and run against the world tests. Returns
+    ``rows`` with those outcomes folded in (a survivor the worlds kill is killed)."""
+    path = session.with_suffix(".world.json")
+    done = json.loads(path.read_text()) if path.exists() else {}
+    for r in rows:
+        if not (r["worker"] == "normal" and r["test"] == "survived"):
+            continue
+        name = f"{r['line']}: {r['operator']}[{r['occurrence']}]"
+        if name not in done:
+            t0 = time.monotonic()
+            try:
+                out = subprocess.run([str(BIN / "cosmic-ray"), "mutate-and-test", module, r["operator"],
+                                      str(r["occurrence"]), pytest_command(tests)], cwd=REPO, capture_output=True,
+                                     text=True, timeout=TIMEOUT_S)
+                result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
+                outcome = result.get("test_outcome") or "killed"
+            except subprocess.TimeoutExpired:
+                outcome = "killed"  # a mutant that hangs a world is caught by the timeout
+            finally:
+                restore(module)
+            done[name] = {"test": outcome, "wall_s": round(time.monotonic() - t0, 1)}
+            path.write_text(json.dumps(done, indent=1))
+            print(f"  world stage {name}: {outcome} ({done[name]['wall_s']:.0f} s)", flush=True)
+        r["test"] = done[name]["test"]
+    return rows
+
+
 def restore(module: str) -> None:
     """A run stopped mid-mutant leaves the mutant on disk: the module is put back from git (the script refuses to
     start with uncommitted changes in kit/, so git holds the truth)."""
@@ -73,6 +114,8 @@ def restore(module: str) -> None:
 def main(argv: list[str]) -> int:
     spec = yaml.safe_load((HERE / "targets.yaml").read_text())
     equivalent = yaml.safe_load((HERE / "equivalent.yaml").read_text()) or {}
+    fast_only = "--fast" in argv
+    argv = [a for a in argv if a != "--fast"]
     modules = argv or list(spec["targets"])
     unknown = [m for m in modules if m not in spec["targets"]]
     if unknown:
@@ -83,7 +126,8 @@ def main(argv: list[str]) -> int:
     summary_path = OUT / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for module in modules:
-        cfg = config(module, spec["targets"][module], spec["operators_excluded"])
+        fast, world = commands(spec["targets"][module])
+        cfg = config(module, fast, spec["operators_excluded"])
         session = cfg.with_suffix(".sqlite")
         if not session.exists():
             subprocess.run([str(BIN / "cosmic-ray"), "init", str(cfg), str(session)], cwd=REPO, check=True)
@@ -93,8 +137,11 @@ def main(argv: list[str]) -> int:
             subprocess.run([str(BIN / "cosmic-ray"), "exec", str(cfg), str(session)], cwd=REPO, check=True)
         finally:
             restore(module)
+        rows = outcomes(session)
+        if world and not fast_only:
+            rows = world_stage(module, session, world, rows)
         wall = time.monotonic() - t0 + (summary.get(module) or {}).get("wall_s", 0.0)
-        summary[module] = judge(module, outcomes(session), equivalent, wall)
+        summary[module] = judge(module, rows, equivalent, wall)
         summary_path.write_text(json.dumps(summary, indent=1))
         s = summary[module]
         print(f"{module}: {s['killed']} killed, {s['survived']} survived ({s['equivalent']} equivalent), "
