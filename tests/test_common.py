@@ -1,0 +1,282 @@
+"""The probes' shared judging pieces (``kit.probes.common``) in one process with a one-rank gloo group: a plain SGD
+loop whose exact gradient is known, with a defect planted in the loop, must be judged as that defect, step by step.
+The same code runs inside every rank of the world tests; here each behaviour has a test that takes seconds, so a
+defect planted in common.py fails one (issue 27's mutation runs use these as their fast stage)."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kit import oracle, records, shapes
+from kit.probes import common as c
+
+SEED, HIDDEN, MB, DEPTH = 0, 8, 3, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    """A one-rank gloo world in this process (a HashStore: no port, no file)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def loop(ga, steps=2, div=None, keep_grads=False, drop_last=False, clip=0.0, scale=1.0, shape="mlp", **kw):
+    """A plain SGD loop (lr = 1) judged by ``judge_steps``; the arguments plant one defect each."""
+    sh = shapes.get(shape)
+    model = sh.build(SEED, HIDDEN, DEPTH)
+    opt = c.sgd(model)
+
+    def take(step, batches):
+        for i, (x, y) in enumerate(batches):
+            if drop_last and i == ga - 1:
+                continue
+            (sh.loss_fn(model(x), y) * scale / (div or ga)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip * scale)
+        opt.step()
+        if not keep_grads:
+            opt.zero_grad(set_to_none=True)
+        return 1.5, {"step": step}
+
+    return c.judge_steps(steps, lambda: c.plain_read(model), take, seed=SEED, ga=ga, micro_batch=MB, hidden=HIDDEN,
+                         depth=DEPTH, clip=clip, loss_scale=scale, shape=sh, **kw)
+
+
+def verdict(out, dtype="fp32"):
+    control = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": dtype}
+    return oracle.verdict(records.judged({**out, "dtype": dtype}), control)[0]
+
+
+def test_a_correct_loop_is_exact_at_every_step_with_each_micro_batch_weighed_one_over_ga():
+    out = loop(ga=4, steps=3)
+    assert [s["step"] for s in out["steps"]] == [0, 1, 2]
+    for s in out["steps"]:
+        assert s["metrics"]["rel_l2"] < 1e-6 and abs(s["metrics"]["norm_ratio"] - 1) < 1e-6
+        w = s["attribution"]["weights"]
+        assert len(w) == (4 if s["step"] == 0 else 8)  # from step 1 the previous step's micro-batches join, weight 0
+        assert all(abs(x - 0.25) < 1e-6 for x in w[:4]) and all(abs(x) < 1e-6 for x in w[4:])
+        assert s["read"] == {"judged_from": "fp32 masters", "masters_agree": True, "max_diff": 0.0}
+        assert s["logged_norm"] == 1.5 and abs(s["reference_norm"] - s["metrics"]["reference_norm"]) < 1e-12
+        assert s["rank_spread"] == {"effective gradients": 0.0}
+    assert out["trajectory"]["steps"] == 3 and out["trajectory"]["rel_l2"] < 1e-6
+    assert verdict(out) == oracle.NOT_AFFECTED
+
+
+def test_a_loop_that_sums_its_micro_batches_is_ga_times_the_reference_with_each_weight_one():
+    out = loop(ga=3, div=1)
+    assert verdict(out) == oracle.AFFECTED
+    assert abs(out["metrics"]["norm_ratio"] - 3.0) < 1e-6 and abs(out["metrics"]["cosine"] - 1.0) < 1e-9
+    assert all(abs(x - 1.0) < 1e-6 for x in out["attribution"]["weights"][:3])
+    assert abs(out["trajectory"]["norm_ratio"] - 1.0) > 0.1  # the drift of the whole run, errors compounded
+
+
+def test_a_gradient_carried_into_the_next_step_is_fitted_on_the_previous_steps_micro_batches():
+    """The bug class a one-step measurement cannot see: step 0 is exact, step 1 applies step 0's gradient again."""
+    out = loop(ga=2, steps=3, keep_grads=True)
+    first, second = out["steps"][0], out["steps"][1]
+    assert first["metrics"]["rel_l2"] < 1e-6
+    assert all(abs(x - 0.5) < 1e-6 for x in second["attribution"]["weights"])  # 2 now + 2 from step 0, each 1/2
+    assert abs(second["attribution"]["misplaced_weight"] - 0.5) < 1e-6  # 0.5 x the sum of |w - expected|, 2 x 1/2
+    assert out["worst_step"] in (1, 2) and out["step"] == out["worst_step"] and verdict(out) == oracle.AFFECTED
+
+
+def test_a_dropped_micro_batch_has_weight_zero_where_the_others_keep_theirs():
+    out = loop(ga=4, steps=1, drop_last=True)
+    w = out["attribution"]["weights"]
+    assert [round(x, 6) for x in w] == [0.25, 0.25, 0.25, 0.0]
+    assert abs(out["attribution"]["misplaced_weight"] - 0.125) < 1e-6 and verdict(out) == oracle.AFFECTED
+
+
+def test_a_clipped_step_is_judged_against_the_clipped_reference_with_its_coefficient():
+    free = loop(ga=2, steps=1)
+    clip = 0.5 * free["reference_norm"]
+    out = loop(ga=2, steps=1, clip=clip)
+    assert abs(out["clip_coef"] - 0.5) < 1e-6 and out["metrics"]["rel_l2"] < 1e-6 and verdict(out) == oracle.NOT_AFFECTED
+    assert all(abs(x - 0.25) < 1e-6 for x in out["attribution"]["weights"])  # each micro-batch's 1/2, clipped by 1/2
+    assert abs(out["reference_norm"] - free["reference_norm"]) < 1e-9  # the unclipped reference's norm
+    assert "clip_coef" not in free
+    unclipped = loop(ga=2, steps=1, clip=10 * free["reference_norm"])
+    assert unclipped["clip_coef"] == 1.0
+
+
+def test_a_scaled_loss_is_judged_against_the_reference_of_the_same_scale():
+    assert verdict(loop(ga=2, steps=2, scale=8.0)) == oracle.NOT_AFFECTED
+    assert verdict(loop(ga=2, steps=2, scale=8.0, div=16)) == oracle.AFFECTED  # a loop that divides by the scale too
+
+
+def test_hypotheses_and_extra_measurements_see_the_world_and_the_step_they_judge():
+    seen = []
+
+    def hypotheses(w, n, previous):
+        seen.append((w, n, previous))
+        return {"exact": [1 / n] * n + ([0.0] * n if previous else []),
+                "sum": [1.0] * n + ([0.0] * n if previous else [])}
+
+    def extra(judged, step, gathered, basis, weights, reference):
+        judged["extra"] = {"step": step, "gathered": gathered, "rows": len(basis), "weights": weights.tolist()}
+
+    out = loop(ga=2, steps=2, div=1, hypotheses=hypotheses, extra=extra)
+    assert seen == [(1, 2, False), (1, 2, True)]
+    assert [s["extra"] for s in out["steps"]] == [{"step": s, "gathered": {"step": s}, "rows": 2, "weights": [0.5, 0.5]}
+                                                 for s in (0, 1)]
+    assert all(s["hypotheses"]["best"] == "sum" for s in out["steps"]), out["steps"][0]["hypotheses"]
+
+
+def test_the_worst_step_is_the_one_reported_and_every_step_is_kept():
+    out = loop(ga=2, steps=3, keep_grads=True)
+    sev = [oracle.severity({**s, "dtype": "fp32"}) for s in out["steps"]]
+    assert out["worst_step"] == sev.index(max(sev)) and len(out["steps"]) == 3
+    assert out["metrics"] == out["steps"][out["worst_step"]]["metrics"]
+
+
+def test_judging_stops_after_a_step_that_leaves_non_finite_weights():
+    sh = shapes.get("mlp")
+    model = sh.build(SEED, HIDDEN, DEPTH)
+
+    def take(step, batches):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(math.inf if step == 0 else 1.0)
+        return None, None
+
+    out = c.judge_steps(3, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
+                        shape=sh)
+    assert len(out["steps"]) == 1 and out["trajectory"]["steps"] == 1
+
+
+def test_a_judgement_that_raises_is_raised_after_every_step_is_taken():
+    taken = []
+
+    def take(step, batches):
+        taken.append(step)
+        return None, None
+
+    model = shapes.get("mlp").build(SEED, HIDDEN, DEPTH)
+    with pytest.raises(ValueError, match="reference|zero|nothing"):  # nothing moved: a zero effective gradient is fine,
+        c.judge_steps(2, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
+                      hypotheses=lambda w, n, p: (_ for _ in ()).throw(ValueError("nothing to explain")))
+    assert taken == [0, 1]
+
+
+def test_a_shape_with_parameter_groups_is_judged_per_group():
+    out = loop(ga=2, steps=1, shape="conditional")
+    assert out.get("groups") and all(g["rel_err"] < 1e-6 for g in out["groups"].values())
+    idx = c.group_index(shapes.get("conditional").build(SEED, HIDDEN, DEPTH), shapes.get("conditional"))
+    n = sum(p.numel() for p in shapes.get("conditional").build(SEED, HIDDEN, DEPTH).parameters())
+    assert len(idx) > 1 and all(0 <= int(i.min()) and int(i.max()) < n for i in idx.values())
+
+
+def test_the_read_of_a_step_uses_the_masters_only_where_both_reads_agree_with_the_module():
+    before = {"module": torch.tensor([1.0, 2.0]), "masters": torch.tensor([1.5, 2.5]), "agree": True}
+    after = {"module": torch.tensor([0.0, 0.0]), "masters": torch.tensor([1.0, 1.0]), "agree": True}
+    assert c.applied(before, after)[0].tolist() == [0.5, 1.5] and c.applied(before, after)[1] is True
+    for b, a in (({**before, "agree": False}, after), (before, {**after, "agree": False})):
+        eff, agree = c.applied(b, a)
+        assert eff.tolist() == [1.0, 2.0] and agree is False
+
+
+def test_the_rounding_floor_is_zero_for_fp32_and_the_weights_rounding_against_the_step_otherwise():
+    w = torch.full((4,), 2.0, dtype=torch.float64)
+    assert c.rounding_floor(w, "fp32", 1.0) == 0.0 and c.rounding_floor(w, "bf16", 0.0) == 0.0
+    expect = (w.abs() * oracle.ROUNDING["bf16"] / 2).norm().item() / 0.5
+    assert abs(c.rounding_floor(w, "bf16", 0.5) - expect) < 1e-15 and expect > 0
+
+
+def test_a_step_read_from_rounded_weights_carries_its_floor():
+    sh = shapes.get("mlp")
+    model = sh.build(SEED, HIDDEN, DEPTH)
+    opt = c.sgd(model)
+
+    def read():
+        r = c.plain_read(model)
+        return {**r, "masters": r["masters"] + 1.0, "agree": False, "max_diff": 1.0}
+
+    def take(step, batches):
+        for x, y in batches:
+            (sh.loss_fn(model(x), y) / len(batches)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return None, None
+
+    out = c.judge_steps(1, read, take, seed=SEED, ga=2, micro_batch=MB, hidden=HIDDEN, dtype="bf16", shape=sh)
+    assert out["read"] == {"judged_from": "module weights", "masters_agree": False, "max_diff": 1.0}
+    assert out["read_floor"] > 0 and out["metrics"]["rel_l2"] < 1e-6
+
+
+def test_sample_shares_weigh_each_micro_batch_by_its_samples():
+    batches = [(torch.zeros(n, 2), torch.zeros(n, 2)) for n in (1, 3, 4)]
+    assert c.sample_shares(batches) == [1 / 8, 3 / 8, 4 / 8]
+    assert c.sample_shares([(torch.zeros(2, 1), None)] * 4) == [0.25] * 4
+
+
+def test_average_grads_fills_a_missing_gradient_with_zeros_and_leaves_frozen_ones():
+    m = torch.nn.Linear(2, 2)
+    m.bias.requires_grad_(False)
+    m.weight.grad = torch.full_like(m.weight, 3.0)
+    c.average_grads(m)
+    assert m.weight.grad.tolist() == [[3.0, 3.0], [3.0, 3.0]] and m.bias.grad is None
+    m.weight.grad = None
+    c.average_grads(m)
+    assert m.weight.grad.abs().sum().item() == 0.0
+
+
+def test_a_reference_is_remembered_by_its_exact_starting_weights():
+    sh = shapes.get("mlp")
+    m = sh.build(SEED, HIDDEN, DEPTH)
+    every = sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0)
+    key = (SEED, 2, MB, HIDDEN, 0)
+    a = c.reference_at(m, every, sh, 1.0, key)
+    assert all(torch.equal(x, y) for x, y in zip(a, c.reference_at(m, every, sh, 1.0, key)))
+    assert torch.allclose(c.reference_at(m, every, sh, 4.0, key)[2], 4 * a[2])
+    with torch.no_grad():
+        next(m.parameters()).add_(1e-3)
+    assert not torch.equal(c.reference_at(m, every, sh, 1.0, key)[2], a[2])
+    fresh = oracle.reference_gradients(m, every, sh.loss_fn)[2]
+    assert torch.equal(c.reference_at(m, every, sh, 1.0, key)[2], fresh)
+
+
+def test_a_skeleton_holds_the_weights_it_is_given_and_at_most_eight_are_kept():
+    sh = shapes.get("mlp")
+    flat = c.flat_params(sh.build(SEED, HIDDEN, DEPTH))
+    m = c.skeleton(sh, SEED, HIDDEN, DEPTH, flat * 2)
+    assert torch.equal(c.flat_params(m), (flat * 2).float().double())
+    for h in range(10):
+        c.skeleton(sh, SEED, 4 + h, DEPTH, c.flat_params(sh.build(SEED, 4 + h, DEPTH)))
+    assert len(c._SKELETONS) <= 8
+
+
+def test_a_case_that_raises_becomes_an_error_result_and_the_next_case_still_runs():
+    def run_one(case):
+        with c.phase("steps"):
+            if case["name"] == "bad":
+                raise ValueError("planted")
+        return {"value": case["ga"]}
+
+    out = c.run_cases({"cases": [{"name": "bad", "ga": 1}, {"name": "good", "ga": 2}]}, run_one)
+    assert [r["case"] for r in out] == ["bad", "good"] and [r["ga"] for r in out] == [1, 2]
+    assert out[0]["error"] == "ValueError: planted" and "Traceback" in out[0]["traceback"] and "value" not in out[0]
+    assert out[1]["value"] == 2 and "error" not in out[1]
+    for r in out:
+        assert r["versions"]["torch"] == torch.__version__ and r["wall_s"] >= 0
+        assert set(r["phases"]) == {"steps", "other"} and r["phases"]["other"] >= 0
+
+
+def test_versions_names_only_the_stack_packages_a_rank_imported():
+    import sys
+
+    v = c.versions()
+    assert v["torch"] == torch.__version__
+    assert ("deepspeed" in v) == ("deepspeed" in sys.modules)
+
+
+def test_the_micro_batches_are_the_ranks_data_split_in_order():
+    x, y = c.rank_samples(SEED, 1, 6, HIDDEN, step=2)
+    parts = c.micro_batches(SEED, 1, 3, 2, HIDDEN, step=2)
+    assert len(parts) == 3 and torch.equal(torch.cat([p[0] for p in parts]), x)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    other = [c.rank_samples(SEED, 0, 6, HIDDEN, 2), c.rank_samples(SEED, 1, 6, HIDDEN, 1),
+             c.rank_samples(SEED + 1, 1, 6, HIDDEN, 2)]
+    assert all(not torch.equal(o[0], x) for o in other)
