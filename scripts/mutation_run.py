@@ -6,7 +6,8 @@ or it does not import; *survived* when every test passes. A module's tests come 
 ``targets.yaml`` gives it ``fast`` and ``world`` commands: every mutant runs the fast tests (seconds), and only a
 mutant that survives them runs the world tests (real 2-rank worlds, about a minute each), with
 ``cosmic-ray mutate-and-test``; their outcomes are kept in ``runs/mutation/<module>.world.json`` (resumable too;
-``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors). Survivors listed in
+``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors). ``--again`` runs
+the survivors of an earlier run once more, against the tests as they are now (after tests were added for them). Survivors listed in
 ``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator.
 Score = killed / (killed + survived - equivalent).
 """
@@ -104,6 +105,18 @@ def world_stage(module: str, session: Path, tests: str, rows: list[dict]) -> lis
     return rows
 
 
+def forget_survivors(session: Path) -> None:
+    """Mark every survivor of ``session`` (both stages) as not run, so that the next exec runs it again."""
+    import sqlite3
+
+    with sqlite3.connect(session) as db:
+        db.execute("DELETE FROM work_results WHERE test_outcome = 'survived'")
+    world = session.with_suffix(".world.json")
+    if world.exists():
+        done = json.loads(world.read_text())
+        world.write_text(json.dumps({k: v for k, v in done.items() if v["test"] != "survived"}, indent=1))
+
+
 def restore(module: str) -> None:
     """A run stopped mid-mutant leaves the mutant on disk: the module is put back from git (the script refuses to
     start with uncommitted changes in kit/, so git holds the truth)."""
@@ -114,8 +127,8 @@ def restore(module: str) -> None:
 def main(argv: list[str]) -> int:
     spec = yaml.safe_load((HERE / "targets.yaml").read_text())
     equivalent = yaml.safe_load((HERE / "equivalent.yaml").read_text()) or {}
-    fast_only = "--fast" in argv
-    argv = [a for a in argv if a != "--fast"]
+    fast_only, again = "--fast" in argv, "--again" in argv
+    argv = [a for a in argv if a not in ("--fast", "--again")]
     modules = argv or list(spec["targets"])
     unknown = [m for m in modules if m not in spec["targets"]]
     if unknown:
@@ -132,6 +145,8 @@ def main(argv: list[str]) -> int:
         if not session.exists():
             subprocess.run([str(BIN / "cosmic-ray"), "init", str(cfg), str(session)], cwd=REPO, check=True)
             subprocess.run([str(BIN / "cr-filter-operators"), str(session), str(cfg)], cwd=REPO, check=True)
+        if again:
+            forget_survivors(session)
         t0 = time.monotonic()
         try:
             subprocess.run([str(BIN / "cosmic-ray"), "exec", str(cfg), str(session)], cwd=REPO, check=True)

@@ -149,3 +149,272 @@ def test_a_shipped_zero2_config_is_exact_in_deepspeeds_loop_and_a_tie_at_ga_2_is
     assert manual["separated"]["ga"] == 4 and manual["separated"]["matches"] == "last micro-batch / N"
     assert manual["explained_by"] == "B3" and "run to separate them" in manual["explanation"]
     assert "finding (not an accumulation bug)" in text and "explained by B3" in text
+
+
+# ------------------------------------------------------------------ the check's judgement on records made by hand
+# (no world: which known bug a record can be, which it is, the summary, the report, and main's flow with the
+# world replaced by records; the world tests above run the same code on real 2-rank worlds)
+
+def _ds(case="engine", role="measured", verdict=oracle.AFFECTED, stage=2, optimizer="DeepSpeedZeroOptimizer",
+        ds=None, version="0.18.6", ga=4, matches=None, shape=None, fix=None, loop=None, **kw):
+    return {"case": case, "role": role, "verdict": verdict, "reason": f"{case}: why", "zero_stage": stage,
+            "optimizer": optimizer, "ga": ga, "dtype": "fp32", "versions": {"deepspeed": version, "torch": "2.13.0"},
+            "config": {"loop": loop or case, "ds_config": ds or {}, "fix": fix, "model": "mlp"}, "matches": matches,
+            "shape": shape, "metrics": {"norm_ratio": 0.25, "cosine": 0.9, "rel_l2": 0.75},
+            "attribution": {"misplaced_weight": 0.375}, **kw}
+
+
+OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("rec, want", [
+    (_ds("manual"), ["B3"]),
+    (_ds("unmanaged"), ["B3"]),
+    (_ds("manual", stage=1, version="0.18.3"), ["B3"]),
+    (_ds("manual", version="0.18.2"), []),                        # before B3's first affected release
+    (_ds("manual", version="0.20.1"), ["B3"]),                    # newer than the table, and no release fixes B3
+    (_ds("manual", stage=3), ["B6"]),
+    (_ds("manual", optimizer="BF16_Optimizer"), ["B4"]),
+    (_ds("manual", ds={"managed_gradient_accumulation": False}, version="0.19.4"), []),
+    (_ds("manual", ds={"managed_gradient_accumulation": False}, version="0.19.3"), ["B3"]),  # ignored before 0.19.4
+    (_ds("engine"), []),
+    (_ds("engine", optimizer="BF16_Optimizer"), ["B4"]),
+    (_ds("engine", optimizer="BF16_Optimizer", version="0.19.0"), []),
+    (_ds("engine", optimizer="BF16_Optimizer", version="0.20.0"), []),  # newer than the table, but fixed
+    (_ds("engine", optimizer="BF16_Optimizer", ds={"bf16": {"immediate_grad_update": True}}), []),
+    (_ds("engine", ds=OFFLOAD), ["B5", "B7"]),
+    (_ds("boundary", ds=OFFLOAD, stage=1), ["B5", "B7"]),
+    (_ds("engine", ds=OFFLOAD, ga=2), ["B7"]),                    # B5 needs a micro-step between first and last
+    (_ds("manual", ds=OFFLOAD), ["B3", "B7"]),
+    (_ds("engine", ds=OFFLOAD, version="0.19.0"), ["B7"]),
+    (_ds("engine", ds=OFFLOAD, version="0.15.1"), []),
+    (_ds("engine", ds=OFFLOAD, version="0.15.2"), ["B5"]),        # B7 is pinned from 0.18.6 only
+    (_ds("engine", ds=OFFLOAD, stage=3), ["B6", "B7"]),
+    (_ds("engine", ds=OFFLOAD, stage=0), []),
+    (_ds("engine", stage=3, version="0.18.5"), []),
+    (_ds("engine", stage=3, versions={}), []),                    # no DeepSpeed release read: nothing expected
+])
+def test_the_known_bugs_a_record_can_be_follow_its_config_and_release(rec, want):
+    assert check.candidates(rec) == want
+
+
+def test_a_bugs_own_fix_in_the_config_rules_it_out_and_says_which_key():
+    rec = _ds("manual", ds={"managed_gradient_accumulation": False, "bf16": {"immediate_grad_update": True}},
+              version="0.19.4")
+    assert check.ruled_out(rec) == {"B3": "\"managed_gradient_accumulation\": false (honoured from 0.19.4)",
+                                    "B4": "\"bf16.immediate_grad_update\": true"}
+    assert check.ruled_out(_ds("manual", ds={"managed_gradient_accumulation": False}, version="0.19.3")) == {}
+    assert check.ruled_out(_ds("manual", ds={"managed_gradient_accumulation": False}, versions={})) == {}
+    assert check.ruled_out({"config": None}) == {}
+
+
+@pytest.mark.parametrize("rec, bug, words", [
+    (_ds("manual", matches="last micro-batch / N"), "B3",
+     "B3 (allenai/open-instruct#1498): ZeRO-1/2 with config GA = 1"),
+    (_ds("engine", optimizer="BF16_Optimizer", matches="own rank's boundary micro-batch"), "B4",
+     "B4 (deepspeedai/DeepSpeed#7985): BF16_Optimizer averages"),
+    (_ds("engine", ds=OFFLOAD, matches="first and last micro-batch"), "B5", "B5 (deepspeedai/DeepSpeed#7967)"),
+    (_ds("engine", stage=3, matches=oracle.PART_STALE), "B6", f"the step is '{oracle.PART_STALE}'"),
+    (_ds("engine", ds=OFFLOAD, ga=2, matches=oracle.PART_LOST), "B7", "B7 (found by gradkit"),
+    (_ds("engine", ds=OFFLOAD, ga=2, matches=f"{oracle.PART_LOST} and {oracle.PART_STALE}"), "B7", "B7"),
+])
+def test_an_affected_record_is_named_only_by_the_bug_whose_step_it_shows(rec, bug, words):
+    got, sentence = check.explain(rec)
+    assert got == bug and sentence.startswith(f"{bug} (") and words in sentence
+    assert sentence.endswith(f"the step is '{rec['matches']}'")
+
+
+@pytest.mark.parametrize("rec, sentence", [
+    (_ds("manual", matches="sum of all", shape="each x1"),
+     "not explained by any known bug: B3 is expected here, but the step is 'sum of all', not what B3 leaves "
+     "(the step is: each x1)"),
+    (_ds("manual", matches="sum of all"),
+     "not explained by any known bug: B3 is expected here, but the step is 'sum of all', not what B3 leaves"),
+    (_ds("engine", matches="sum of all", shape="each x1"),
+     "not explained by any known bug (the step is 'sum of all'; each x1)"),
+    (_ds("engine", matches="sum of all"), "not explained by any known bug (the step is 'sum of all')"),
+    (_ds("engine", matches="none", shape="each x1"), "not explained by any known bug (the step is: each x1)"),
+    (_ds("engine", shape="each x1"), "not explained by any known bug (the step is: each x1)"),
+    (_ds("engine"), "not explained by any known bug (no named hypothesis matches the step)"),
+])
+def test_an_affected_record_no_known_bug_explains_says_what_its_step_is(rec, sentence):
+    assert check.explain(rec) == (None, sentence)
+
+
+def _steps(*specs):
+    return [{"step": i, "metrics": {"norm_ratio": r, "cosine": 1.0, "rel_l2": abs(r - 1)},
+             "attribution": {"misplaced_weight": abs(r - 1) / 2}, "logged_norm": logged, "reference_norm": 2.0,
+             "shape": f"step {i}"} for i, (r, logged) in enumerate(specs)]
+
+
+def test_the_check_summary_takes_the_worse_of_the_step_and_the_logged_norm_and_each_steps_numbers():
+    recs = [_ds("control", role="control", verdict=oracle.NOT_AFFECTED, loop="torch"),
+            _ds("engine", verdict=oracle.NOT_AFFECTED, norm_verdict=oracle.AFFECTED, norm_reason="logged x2",
+                steps=_steps((1.0, 4.0), (1.0, None)), worst_step=0),
+            _ds("manual", matches="last micro-batch / N", shape="the last x1", steps=_steps((1.0, None), (0.25, None)),
+                worst_step=1, ties=["a", "b"], read_finding="the masters misreport"),
+            _ds("manual fix:B3", role="fix", verdict=oracle.NOT_AFFECTED, fix="fix:B3", loop="manual",
+                metrics={"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0})]
+    s = check.summarise(recs)
+    assert (s["verdict"], s["exit"]) == (oracle.AFFECTED, 1)
+    assert s["control"] == {"verdict": oracle.NOT_AFFECTED, "reason": "control: why"}
+    engine, manual = s["loops"]
+    assert (engine["verdict"], engine["step_verdict"], engine["norm_verdict"]) == (oracle.AFFECTED,
+                                                                                   oracle.NOT_AFFECTED, oracle.AFFECTED)
+    assert engine["off"] == ["logged grad norm"] and engine["norm_reason"] == "logged x2"
+    assert engine["explained_by"] is None and engine["fix"] is None
+    assert [st["step"] for st in engine["steps"]] == [1, 2]
+    assert [st["logged_norm_ratio"] for st in engine["steps"]] == [2.0, None]
+    assert manual["off"] == ["applied step"] and manual["ties"] == ["a", "b"] and manual["worst_step"] == 1
+    assert [st["off"] for st in manual["steps"]] == [False, True] and manual["steps"][1]["ratio"] == 0.25
+    assert manual["read_finding"] == "the masters misreport" and manual["shape"] == "the last x1"
+    assert manual["explained_by"] == "B3" and manual["fix"]["verdict"] == oracle.NOT_AFFECTED
+    assert manual["fix"]["ratio"] == 1.0 and manual["fix"]["what"] == check.EXPLAINS["B3"][2]
+    s = check.summarise(recs[:3])  # the fix is another release: said, not run
+    assert s["loops"][1]["fix"]["verdict"].startswith("not re-run here") and s["loops"][1]["fix"]["ratio"] is None
+    s = check.summarise([_ds("engine", verdict=oracle.NOT_AFFECTED), _ds("boundary", verdict=oracle.CANNOT_RUN)])
+    assert (s["verdict"], s["exit"], s["control"]) == (oracle.CANNOT_RUN, 3, None)
+    assert check.summarise([_ds("engine", verdict=oracle.NOT_AFFECTED)])["exit"] == 0
+    assert check.summarise([_ds("engine", verdict=oracle.INCONCLUSIVE)])["exit"] == 3
+    assert check.summarise([])["verdict"] == oracle.CANNOT_RUN  # nothing measured is never "not affected"
+
+
+def _resolved(ga=2):
+    from kit.probes import ds_config
+
+    return ds_config.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga,
+                              "zero_optimization": {"stage": 2}}, 2, ga, "fp32")
+
+
+def test_a_tie_is_run_again_at_a_ga_that_separates_it_and_named_only_from_that_run():
+    calls = []
+    tie = ["last micro-batch / N", "all but the first"]
+
+    def run(cfg, loops):
+        calls.append((cfg["gradient_accumulation_steps"], loops, cfg.notes[-1]))
+        return [_ds("manual", ga=cfg["gradient_accumulation_steps"], matches="last micro-batch / N", shape="x")]
+
+    summary = {"loops": [{"loop": "manual", "step_verdict": oracle.AFFECTED, "ties": tie, "matches": " or ".join(tie)},
+                         {"loop": "engine", "step_verdict": oracle.AFFECTED, "ties": [], "matches": "sum"}]}
+    recs = check.separate(_resolved(2), summary, run)
+    assert calls == [(4, ("manual",), "gradient_accumulation_steps 2 -> 4 (run again at GA 4 to separate the "
+                                       "hypotheses GA 2 cannot tell apart)")]
+    assert [(r["role"], r["separating_ga"]) for r in recs] == [("separating measured", 4)]
+    row = summary["loops"][0]
+    assert row["explained_by"] == "B3" and row["separated"]["ga"] == 4 and row["separated"]["verdict"] == oracle.AFFECTED
+    assert row["explanation"].endswith("(at GA 2 the step is last micro-batch / N or all but the first; at GA 4, run "
+                                       "to separate them, it is 'last micro-batch / N')")
+    assert "separated" not in summary["loops"][1]
+    calls.clear()
+    check.separate(_resolved(5), {"loops": [dict(summary["loops"][0], explained_by=None)]}, run)
+    assert calls[0][0] == 6  # above the user's GA where it is already 4 or more
+
+    def other(cfg, loops):
+        return [_ds("manual", ga=4, matches="sum of all", shape="each x1")]
+
+    summary = {"loops": [{"loop": "manual", "step_verdict": oracle.AFFECTED, "ties": tie, "matches": "a or b"}]}
+    check.separate(_resolved(2), summary, other)
+    assert summary["loops"][0]["explanation"] == ("not explained by any known bug: at GA 2 the step is a or b, and "
+                                                  "the run at GA 4 to separate them gives sum of all (each x1)")
+    summary = {"loops": [{"loop": "manual", "step_verdict": oracle.AFFECTED, "ties": tie, "matches": "a or b"}]}
+    check.separate(_resolved(2), summary, lambda cfg, loops: [])
+    assert summary["loops"][0]["separated"]["verdict"] == oracle.CANNOT_RUN
+    assert summary["loops"][0]["explanation"].endswith("gives nothing judged")
+    assert check.separate(_resolved(2), {"loops": [{"loop": "x", "step_verdict": oracle.NOT_AFFECTED, "ties": tie}]},
+                          lambda *a: pytest.fail("nothing to separate")) == []
+
+
+def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_it():
+    recs = [_ds("control", role="control", verdict=oracle.NOT_AFFECTED, loop="torch"),
+            _ds("engine", verdict=oracle.NOT_AFFECTED, norm_verdict=oracle.AFFECTED, norm_reason="logged x2",
+                steps=_steps((1.0, 4.0))),
+            _ds("manual", matches="last micro-batch / N", shape="the last x1", steps=_steps((1.0, None), (0.25, None)),
+                worst_step=1, read_finding="the masters misreport"),
+            _ds("boundary", verdict=oracle.CANNOT_RUN, metrics=None, attribution=None)]
+    recs[0].update(resolved_config={**_resolved(4), "zero_optimization": {"stage": 2}}, step_count=2,
+                   config_notes=["a note"])
+    lines = check.report(recs, check.summarise(recs), "ds.json", 2, "cpu").splitlines()
+    assert lines[0] == ("gradkit check ds.json: DeepSpeed 0.18.6, torch 2.13.0, 2 ranks (cpu); ZeRO-2 fp32, GA 4, "
+                        "2 optimizer steps each judged, model: mlp")
+    assert lines[1] == "  as run: a note"
+    at = {line.split()[0]: i for i, line in enumerate(lines) if line.startswith("  ") and not line.startswith("    ")}
+    assert lines[at["engine"]].split() == ["engine", "affected", "0.2500", "0.90000", "0.3750", "1.000", "affected"]
+    assert lines[at["engine"] + 1] == "      off: logged grad norm"
+    assert lines[at["engine"] + 2] == "      logged grad norm: logged x2"
+    assert lines[at["manual"]].split()[5:] == ["1.000", "0.250*", "n/a"]
+    assert lines[at["manual"] + 1] == "      off: applied step (worst at step 2); the step is: the last x1"
+    assert lines[at["manual"] + 2].startswith("      explained by B3 (allenai/open-instruct#1498)")
+    assert lines[at["manual"] + 3].startswith("      fix: call engine.set_gradient_accumulation_boundary")
+    assert lines[at["manual"] + 3].endswith("re-run with the fix: not re-run here (the fix is another release: run this "
+                                            "check with --deepspeed)")
+    assert lines[at["manual"] + 4] == "      finding (not an accumulation bug): the masters misreport"
+    assert lines[at["boundary"]].split()[:6] == ["boundary", "cannot-run", "-", "-", "-", "-"]
+    assert lines[at["boundary"] + 1] == "      boundary: why"
+    assert lines[-2:] == ["  control (plain torch.distributed, no DeepSpeed): not-affected", "verdict: affected (exit 1)"]
+    one = check.report([_ds("engine", verdict=oracle.NOT_AFFECTED)], check.summarise([_ds("engine",
+                       verdict=oracle.NOT_AFFECTED)]), "ds.json", 1, "cpu").splitlines()
+    assert one[0].startswith("gradkit check ds.json: DeepSpeed 0.18.6, torch 2.13.0, 1 rank (cpu); ZeRO-None ?, GA None, "
+                             "1 optimizer step each judged")
+    assert one[1].startswith("  ONE RANK") and one[-2].endswith("no DeepSpeed): absent")
+
+
+def test_the_precisions_checked_are_the_trainers_or_every_one_auto_could_resolve_to():
+    assert check.precisions({}, None) == ["fp32"]
+    assert check.precisions({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}, None) == ["fp32", "bf16", "fp16"]
+    assert check.precisions({"bf16": {"enabled": True}, "fp16": {"enabled": "auto"}}, None) == ["fp32", "fp16"]
+    assert check.precisions({"bf16": {"enabled": "auto"}}, "fp16") == ["fp16"]
+    assert check.precisions([], None) == ["fp32"]
+
+
+def test_a_model_is_a_shape_by_name_and_an_adapter_needs_a_hugging_face_model():
+    assert check.model_of(None, None) == ("mlp", []) and check.model_of("conditional", None) == ("conditional", [])
+    with pytest.raises(config.ConfigError, match="--adapter needs --model"):
+        check.model_of("mlp", "adapter_config.json")
+    with pytest.raises(config.ConfigError, match="--adapter needs --model"):
+        check.model_of(None, "adapter_config.json")
+
+
+def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(tmp_path, monkeypatch, capsys):
+    from kit.probes import ds_config
+
+    runs = []
+
+    def run(cfg, loops, world_size, stack, device, timeout, steps, model):
+        runs.append((ds_config.dtype_of(cfg), cfg["gradient_accumulation_steps"], loops, stack, steps, model))
+        ties = ["last micro-batch / N", "all but the first"] if cfg["gradient_accumulation_steps"] == 2 else []
+        bf16 = ds_config.dtype_of(cfg) == "bf16"
+        return [_ds("control", role="control", verdict=oracle.NOT_AFFECTED, loop="torch"),
+                _ds("manual", verdict=oracle.AFFECTED if bf16 or ties else oracle.NOT_AFFECTED,
+                    matches="last micro-batch / N", ties=ties, ga=cfg["gradient_accumulation_steps"])]
+
+    monkeypatch.setattr(ds_config, "run", run)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                               "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+    out = tmp_path / "check.json"
+    code = check.main([str(cfg), "--loop", "manual", "--deepspeed", "0.18.6", "--steps", "2", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert runs == [("fp32", 2, ("manual",), {"deepspeed": "0.18.6"}, 2, "mlp"), ("fp32", 4, ("manual",),
+                    {"deepspeed": "0.18.6"}, 2, "mlp"), ("bf16", 2, ("manual",), {"deepspeed": "0.18.6"}, 2, "mlp"),
+                    ("bf16", 4, ("manual",), {"deepspeed": "0.18.6"}, 2, "mlp")]
+    assert "checking each precision it could resolve to (fp32, bf16)" in printed
+    assert "verdict over every precision: fp32 affected, bf16 affected -> affected (exit 1)" in printed
+    assert f"gradkit check {cfg} [bf16]" in printed
+    doc = json.loads(out.read_text())
+    assert doc["summary"] == {"verdict": "affected", "exit": 1} and doc["records"] == []
+    assert set(doc["precisions"]) == {"fp32", "bf16"} and doc["config_file"] == str(cfg.resolve())
+    assert [r["role"] for r in doc["precisions"]["fp32"]["records"]] == ["control", "measured", "separating control",
+                                                                         "separating measured"]
+    runs.clear()
+    code = check.main([str(cfg), "--loop", "manual", "--trainer-dtype", "fp32", "--ga", "3", "--json", str(out)])
+    assert code == 1 and [r[:3] for r in runs] == [("fp32", 2, ("manual",)), ("fp32", 4, ("manual",))]
+    assert runs[0][3] == {}  # the installed release
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["loops"][0]["loop"] == "manual" and len(doc["records"]) == 4
+    assert "verdict over every precision" not in capsys.readouterr().out
+    monkeypatch.setattr(ds_config, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted")))
+    assert check.main([str(cfg), "--trainer-dtype", "fp32", "--json", str(out)]) == 3
+    assert "internal error while checking fp32: RuntimeError: planted (nothing was measured: exit 3)" in \
+        capsys.readouterr().out
+    assert json.loads(out.read_text())["summary"]["error"] == "RuntimeError: planted"
