@@ -1,0 +1,135 @@
+"""The sweep's standalone reproduction (``kit.repro``) without DeepSpeed: the script written for a record holds that
+record's point, the shape of a step is read as multiples of the right weights, a reproduction is believed only by
+its own judged line, and ``verify`` runs a script under torchrun as a user would (a stand-in script here: the
+DeepSpeed one runs in tests/test_sweep.py's world test)."""
+import ast
+import json
+
+import pytest
+
+from kit import oracle, repro, shapes
+
+
+def _rec(dtype="fp32", judge=None, steps=None, model="mlp", loop="manual", ga=3, mb=2, w=2):
+    case = {"ds_config": {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": 1,
+                          "zero_optimization": {"stage": 2}}, "loop": loop, "ga": ga, "dtype": dtype, "model": model}
+    if judge:
+        case["judge_dtype"] = judge
+    if steps:
+        case["steps"] = steps
+    return {"config": case, "world_size": w, "versions": {"deepspeed": "0.18.6"}}
+
+
+def _constants(path) -> dict:
+    """The script's module-level constants, read from its source (it is not run: it needs DeepSpeed)."""
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], (ast.Name, ast.Tuple)):
+            names = [getattr(t, "id", None) for t in (node.targets[0].elts if isinstance(node.targets[0], ast.Tuple)
+                                                      else [node.targets[0]])]
+            try:
+                values = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+            out.update(zip(names, values if len(names) > 1 else [values]))
+    return out
+
+
+@pytest.mark.parametrize("dtype, judge", [("fp32", None), ("bf16", None), ("fp32", "bf16")])
+def test_the_script_runs_the_records_point_with_its_dtypes_limits(tmp_path, dtype, judge):
+    rec = _rec(dtype, judge, steps=3, ga=3, mb=2, w=2)
+    path = repro.write(rec, tmp_path / "repro_x.py", "a title")
+    text = path.read_text()
+    compile(text, str(path), "exec")  # a script that runs
+    k = _constants(path)
+    limits = oracle.tolerance(judge or dtype)
+    assert (k["LOOP"], k["N"], k["MB"], k["STEPS"]) == ("manual", 3, 2, 3)
+    assert (k["TOL"], k["MISPLACED"], k["ROUND"]) == (limits.rel_l2, limits.misplaced_weight, oracle.ROUNDING[dtype])
+    assert text.startswith('"""a title\n') and "--nproc_per_node=2 repro_x.py" in text and "(0.18.6 here)" in text
+    assert shapes.get("mlp").source() in text and "ROUTED = False" in text and "needs only torch and deepspeed" in text
+    assert json.loads(ast.literal_eval(text.split("CONFIG = json.loads(")[1].split(")\n")[0])) == \
+        rec["config"]["ds_config"]
+
+
+def test_a_record_without_a_step_count_is_one_step_and_a_routed_model_says_so(tmp_path):
+    assert _constants(repro.write(_rec(), tmp_path / "a.py", "t"))["STEPS"] == 1
+    text = repro.write(_rec(model="conditional"), tmp_path / "b.py", "t").read_text()
+    assert "ROUTED = True" in text and shapes.get("conditional").source() in text
+
+
+def test_the_shape_of_a_step_is_each_weight_as_a_multiple_of_its_right_one():
+    a = {"weights": [0.0, 0.25, -0.0, 0.5, 0.125, 0.0, 9.0], "expected_weights": [0.25, 0.25, 0.25, 0.25, 0.0, 0.0, 0.0],
+         "residual": 0.01}
+    got = repro.shape_of({"attribution": a, "world_size": 2, "ga": 3})
+    assert got == {"weights": [0.0, 1.0, 0.0, 2.0, 0.8, 0.0], "residual": 0.01}  # a weight-0 row: x (W N) instead
+    assert str(got["weights"][2]) == "0.0"  # never -0.0
+    assert repro.shape_of({"attribution": {**a, "residual": 0.0}, "world_size": 1, "ga": 2}) == \
+        {"weights": [0.0, 1.0], "residual": 0.0}
+    no_residual = {k: v for k, v in a.items() if k != "residual"}
+    assert repro.shape_of({"attribution": no_residual, "world_size": 1, "ga": 1})["residual"] == 0.0
+
+
+def _line(steps, reproduced=True):
+    return json.dumps({"deepspeed": "0.18.6", "steps": steps, "reproduced": reproduced})
+
+
+def _st(weights, off=True, residual=0.0):
+    return {"off": off, "weights_x_right": weights, "residual": residual}
+
+
+@pytest.mark.parametrize("steps, shape, want", [
+    ([_st([0.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, True),
+    ([_st([0.14, 0.86])], {"weights": [0.0, 1.0], "residual": 0.0}, True),             # within the 0.15 tolerance
+    ([_st([0.16, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),             # just outside it
+    ([_st([0.0, 1.0], off=False), _st([1.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),
+    ([_st([1.0, 1.0]), _st([0.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, True),  # a later step matches
+    ([_st([0.0, 1.0, 0.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),        # another world's shape
+    ([_st([0.0, 1.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": 0.0}, False),  # not a structural step
+    ([_st([5.0, 5.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": 0.3}, True),   # both beyond the basis
+    ([_st([0.0, 1.0], residual=0.0)], {"weights": [0.0, 1.0], "residual": 0.3}, False),
+    ([_st([0.0, 1.0], residual=repro.STRUCTURAL)], {"weights": [0.0, 1.0], "residual": 0.3}, True),  # at the limit
+    ([_st([0.0, 1.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": repro.STRUCTURAL}, True),
+    ([], {"weights": [0.0, 1.0], "residual": 0.0}, False),
+])
+def test_a_reproduction_needs_an_off_step_of_the_groups_shape(steps, shape, want):
+    assert repro.reproduced(1, _line(steps), shape) is want
+
+
+def test_a_reproduction_without_a_shape_is_its_own_judgement_and_exit_status():
+    assert repro.reproduced(1, "noise\n" + _line([]) + "\nREPRODUCED") is True
+    assert repro.reproduced(1, _line([], reproduced="yes")) is False  # only a JSON true
+    assert repro.reproduced(2, _line([])) is False and repro.reproduced(0, _line([])) is False
+    assert repro.said("x\n" + _line([]) + "\n") == {"deepspeed": "0.18.6", "steps": [], "reproduced": True}
+    assert repro.said(" " + _line([])) is None  # the judged line starts the line
+    assert repro.said(_line([]) + "\n" + _line([])) is None
+
+
+STAND_IN = '''import json, os, sys, time
+rank = int(os.environ["RANK"])
+if rank == 0:
+    print("some noise")
+    print(json.dumps({"deepspeed": "stand-in", "world": int(os.environ["WORLD_SIZE"]), "cpu": os.environ.get(
+        "DS_ACCELERATOR"), "threads": os.environ.get("OMP_NUM_THREADS"), "reproduced": True}), flush=True)
+    print("REPRODUCED: a stand-in", flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+sys.exit(1)
+'''
+
+
+def test_verify_runs_the_script_under_torchrun_and_keeps_its_judged_lines(tmp_path):
+    script = tmp_path / "repro_stand_in.py"
+    script.write_text(STAND_IN)
+    rc, output = repro.verify(script, world_size=2, timeout_s=120)
+    assert rc == 1, output
+    lines = output.splitlines()
+    assert "some noise" not in output and lines[-1] == "REPRODUCED: a stand-in"
+    assert json.loads(lines[0]) == {"deepspeed": "stand-in", "world": 2, "cpu": "cpu", "threads": "1", "reproduced": True}
+    assert repro.reproduced(rc, output)
+
+
+def test_verify_stops_a_script_that_hangs_at_its_timeout(tmp_path):
+    script = tmp_path / "repro_hang.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    rc, output = repro.verify(script, world_size=1, timeout_s=4)
+    assert rc == 124 and output.startswith("timed out after 4 s") and not repro.reproduced(rc, output)
