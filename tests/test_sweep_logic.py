@@ -1,0 +1,457 @@
+"""The sweep's logic without a world (``kit.sweep``): the spec and its points, each point's config and id, resuming,
+the grouping of affected points, a tie separated by a sibling, the summary, notebook 06's assertions, the tables
+and main's flow with the worlds replaced by records. tests/test_sweep.py runs the same code on real 2-rank worlds."""
+import json
+
+import pytest
+
+from kit import config, oracle, sweep
+from kit.probes import ds_config
+
+BASE = {"train_micro_batch_size_per_gpu": 4}
+
+
+def _spec(**kw):
+    return sweep.check_spec(json.loads(json.dumps({"base": BASE, **kw})))
+
+
+# ------------------------------------------------------------------------------------------- the spec
+
+def test_a_spec_gets_its_defaults_and_every_point_resolves():
+    spec = _spec(axes={"ga": [2, 4]})
+    assert (spec["world_size"], spec["stacks"], spec["device"], spec["timeout_s"], spec["steps"]) == \
+        (2, [{}], "cpu", 1800, ds_config.STEPS)
+    assert sweep.check_spec({"axes": {"ga": [2]}})["base"] == {}
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("just text", "needs 'axes'"),
+    ({"axes": ["ga"]}, "needs 'axes'"),
+    ({"axes": {"ga": []}}, "axis 'ga' must be a non-empty list"),
+    ({"axes": {"ga": 2}}, "axis 'ga' must be a non-empty list"),
+    ({"axes": {"dtype": ["fp8"]}}, "dtype values must be among"),
+    ({"axes": {"model": ["gpt9"]}}, "gpt9"),
+    ({"axes": {"ga": [2]}, "skip": ["ga"]}, "a skip rule maps axes"),
+    ({"axes": {"ga": [2]}, "steps": 0}, "steps"),
+    ({"axes": {"ga": [2]}, "world_size": 99}, "world_size=99"),
+    ({"axes": {"ga": [2]}, "timeout_s": -1}, "timeout"),
+    ({"axes": {"ga": [2]}, "stacks": {"deepspeed": "0.18.6"}}, "stacks is a list of mappings"),
+    ({"axes": {"ga": [2]}, "stacks": ["0.18.6"]}, "stacks is a list of mappings"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"keys": {"gradient_clipping": [1.0]}}}, "one_at_a_time is"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {}}}, "one_at_a_time is"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {"ga": [3]}, "keys": {"gradient_clipping": [1.0]}}},
+     "one_at_a_time.over.ga must list values of the axis ga"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {"dtype": ["fp32"]}, "keys": {"gradient_clipping": [1.0]}}},
+     "one_at_a_time.over.dtype"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"ga": [1.0]}}}, "one_at_a_time.keys.ga"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"gradient_clipping": []}}},
+     "one_at_a_time.keys.gradient_clipping"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"gradient_clipping": ["default"]}}},
+     "one_at_a_time.keys.gradient_clipping"),
+    ({"axes": {"ga": [2], "zero_optimization.stage": [2]}, "one_at_a_time": {
+        "over": {}, "keys": {"zero_optimization.stage": [1]}}}, "one_at_a_time.keys.zero_optimization.stage"),
+])
+def test_a_spec_that_cannot_be_swept_is_refused_with_what_is_wrong(bad, needle):
+    with pytest.raises(config.ConfigError, match=needle):
+        sweep.check_spec(json.loads(json.dumps(bad)) if not isinstance(bad, str) else bad, "my spec")
+
+
+def test_a_point_deepspeed_would_refuse_is_named_in_the_refusal():
+    with pytest.raises(config.ConfigError, match=r"my spec: the point \{'ga': 2\} is not a config DeepSpeed accepts"):
+        sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": -1}}, "my spec")
+
+
+def test_a_spec_file_is_read_and_a_bad_one_said_in_one_sentence(tmp_path):
+    good = tmp_path / "s.yaml"
+    good.write_text("axes:\n  ga: [2]\nbase:\n  train_micro_batch_size_per_gpu: 4\n")
+    assert sweep.load_spec(str(good))["axes"] == {"ga": [2]}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("axes: [unclosed\n")
+    with pytest.raises(config.ConfigError, match="is not valid YAML"):
+        sweep.load_spec(str(bad))
+    with pytest.raises(config.ConfigError, match="cannot read the sweep spec"):
+        sweep.load_spec(str(tmp_path / "absent.yaml"))
+
+
+def test_the_points_are_the_product_then_each_extra_key_alone_less_the_skipped():
+    spec = _spec(axes={"ga": [2, 4], "zero_optimization.stage": [1, 2]},
+                 skip=[{"ga": 4, "zero_optimization.stage": [2]}],
+                 one_at_a_time={"over": {"ga": [2, 4]}, "keys": {"gradient_clipping": [1.0, 2.0], "prescale_gradients": [True]}})
+    pts = sweep.points(spec)
+    main = [p for p in pts if sweep.is_main(spec, p)]
+    assert main == [{"ga": 2, "zero_optimization.stage": 1, "gradient_clipping": "default", "prescale_gradients": "default"},
+                    {"ga": 2, "zero_optimization.stage": 2, "gradient_clipping": "default", "prescale_gradients": "default"},
+                    {"ga": 4, "zero_optimization.stage": 1, "gradient_clipping": "default", "prescale_gradients": "default"}]
+    extra = [p for p in pts if not sweep.is_main(spec, p)]
+    # each key's value alone, over ga (both values) and the first stage only (an axis `over` does not name)
+    assert [(p["ga"], p["zero_optimization.stage"], p["gradient_clipping"], p["prescale_gradients"]) for p in extra] == [
+        (2, 1, 1.0, "default"), (4, 1, 1.0, "default"), (2, 1, 2.0, "default"), (4, 1, 2.0, "default"),
+        (2, 1, "default", True), (4, 1, "default", True)]
+    assert sweep.all_axes(spec) == {"ga": [2, 4], "zero_optimization.stage": [1, 2],
+                                    "gradient_clipping": ["default", 1.0, 2.0], "prescale_gradients": ["default", True]}
+    assert sweep.is_main(_spec(axes={"ga": [2]}), {"ga": 2})
+
+
+def test_a_points_config_is_the_base_with_its_axes_set_as_a_user_would_write_it():
+    spec = _spec(axes={"ga": [2]})
+    spec["base"] = {**BASE, "bf16": {"loss_scale": 0}, "gradient_accumulation_steps": 8,
+                    "zero_optimization": {"reduce_bucket_size": 5}}
+    cfg = sweep.user_config(spec, {"zero_optimization.stage": 2, "loop": "manual", "dtype": "bf16", "model": "x",
+                                   "gradient_clipping": "default", "a.b.c": 1})
+    assert cfg == {**BASE, "gradient_accumulation_steps": 8, "bf16": {"loss_scale": 0, "enabled": True},
+                   "zero_optimization": {"reduce_bucket_size": 5, "stage": 2}, "a": {"b": {"c": 1}}}
+    assert sweep.user_config(spec, {"ga": 3, "dtype": "fp16"})["fp16"] == {"enabled": True}
+    assert sweep.user_config(spec, {"ga": 3, "dtype": "fp32"}).get("bf16") == {"loss_scale": 0}
+    assert sweep.user_config(spec, {"ga": 3})["gradient_accumulation_steps"] == 3
+    assert sweep.user_config(_spec(axes={"ga": [2]}), {})["gradient_accumulation_steps"] == 4
+    assert spec["base"]["zero_optimization"] == {"reduce_bucket_size": 5}  # the spec itself is untouched
+
+
+def test_a_points_case_is_its_measured_loop_named_by_its_id():
+    spec = _spec(axes={"ga": [2], "loop": ["manual"]}, steps=2)
+    case = sweep.point_case(spec, {"ga": 2, "loop": "manual"})
+    assert case["role"] == "measured" and case["loop"] == "manual" and case["steps"] == 2
+    assert case["point"] == {"ga": 2, "loop": "manual"} and case["id"] == case["name"] == \
+        sweep.point_id(spec, {"ga": 2, "loop": "manual"})
+    assert sweep.point_case(spec, {"ga": 2})["loop"] == "engine"
+    assert sweep.point_case(spec, {"ga": 2, "model": "conditional"})["model"] == "conditional"
+    assert sweep.point_case(spec, {"ga": 2, "model": "default"}).get("model") in (None, "mlp")
+
+
+def test_a_point_id_and_the_spec_key_change_with_what_the_verdict_depends_on_only():
+    spec = _spec(axes={"ga": [2]})
+    pid, key = sweep.point_id(spec, {"ga": 2}), sweep.spec_key(spec)
+    assert len(pid) == 12 and len(key) == 12
+    same = {**spec, "stacks": [{"deepspeed": "0.18.6"}], "timeout_s": 5}
+    assert sweep.point_id(same, {"ga": 2}) == pid and sweep.spec_key(same) == key
+    for other in ({**spec, "base": {"train_micro_batch_size_per_gpu": 2}}, {**spec, "world_size": 3},
+                  {**spec, "steps": 1}):
+        assert sweep.point_id(other, {"ga": 2}) != pid and sweep.spec_key(other) != key
+    assert sweep.point_id(spec, {"ga": 4}) != pid
+    assert sweep.spec_key({**spec, "device": "cuda"}) != key
+
+
+def test_a_stack_is_named_by_the_release_it_resolves_to():
+    from kit import versions
+
+    assert sweep.release_of({"deepspeed": "0.18.6"}) == "0.18.6"
+    assert sweep.release_of({}) == versions.installed_version("deepspeed")
+
+
+# ------------------------------------------------------------------------------------------- running
+
+def test_each_world_gets_one_control_per_ga_clip_steps_and_model():
+    cases = [{"ga": 4, "steps": 3}, {"ga": 4, "steps": 3, "model": "mlp"}, {"ga": 2, "clip": 1.0, "steps": 3},
+             {"ga": 2, "steps": 3, "model": "conditional"}, {"ga": 2}]
+    got = sweep._controls(cases)
+    assert [c["name"] for c in got] == ["control GA 2 clip 0 mlp", "control GA 2 clip 0 conditional",
+                                        "control GA 2 clip 1 mlp", "control GA 4 clip 0 mlp"]
+    assert [c["steps"] for c in got] == [1, 3, 3, 3]  # a case that names no step count takes one step
+    assert all(c["role"] == "control" and c["loop"] == "torch" and c["dtype"] == "fp32" for c in got)
+
+
+def test_cases_are_dealt_in_turn_into_non_empty_shares():
+    assert sweep._deal([1, 2, 3, 4, 5], 2) == [[1, 3, 5], [2, 4]]
+    assert sweep._deal([1], 3) == [[1]] and sweep._deal([], 2) == []
+
+
+def test_the_current_records_are_the_newest_per_point_and_release_of_this_spec():
+    spec = _spec(axes={"ga": [2]}, stacks=[{}, {"deepspeed": "0.18.6"}])
+    key = sweep.spec_key(spec)
+    mine = {"stack": {}, "release": sweep.release_of({}), "spec_key": key, "id": "p", "n": 1}
+    newer = {**mine, "n": 2}
+    old = {**mine, "stack": {"deepspeed": "0.18.6"}, "release": "0.18.6", "n": 3}
+    wrong = {**old, "release": "0.18.5"}  # the stack names 0.18.6 but the record ran another release
+    got = sweep.current([mine, old, newer, wrong, {**mine, "spec_key": "other"}], spec)
+    assert sorted(r["n"] for r in got) == [2, 3]
+
+
+def test_a_sweep_run_writes_each_record_as_it_comes_and_resumes_from_them(tmp_path, monkeypatch):
+    spec = _spec(axes={"ga": [2, 4], "zero_optimization.stage": [1, 2]})
+    ran = []
+
+    def run_stack(spec_, stack, todo, sink, bar=None):
+        ran.append([c["id"] for c in todo])
+        for c in todo:
+            sink({"stack": stack, "release": sweep.release_of(stack), "spec_key": sweep.spec_key(spec_), "id": c["id"],
+                  "verdict": oracle.CANNOT_RUN if c["point"]["ga"] == 4 else oracle.NOT_AFFECTED})
+
+    monkeypatch.setattr(sweep, "run_stack", run_stack)
+    recs = sweep.run(spec, tmp_path, progress=False, jobs=2)
+    assert len(recs) == 4 and sorted(len(share) for share in ran) == [2, 2]  # two worlds, two points each
+    assert json.loads((tmp_path / "spec.json").read_text())["axes"] == spec["axes"]
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 4
+    ran.clear()
+    assert len(sweep.run(spec, tmp_path, progress=False)) == 4 and ran == []  # everything done: no world
+    sweep.run(spec, tmp_path, progress=False, retry=True, jobs=1)
+    assert len(ran) == 1 and len(ran[0]) == 2  # the two cannot-run points, in one world
+    with pytest.raises(config.ConfigError):
+        sweep.run(spec, tmp_path, progress=False, jobs=0)
+
+
+def test_a_record_coming_back_is_named_by_its_point_and_explained_when_affected():
+    rec = {"config": {"point": {"ga": 2}, "id": "abc"}, "verdict": oracle.NOT_AFFECTED, "case": "x", "role": "measured"}
+    done = sweep._finish(rec)
+    assert done["point"] == {"ga": 2} and done["id"] == "abc" and "explained_by" not in done
+
+
+# ------------------------------------------------------------------------------------------- grouping
+
+def _p(a, b, verdict, bug=None, shape=None, ratio=0.5, worst=0, i=None):
+    return {"point": {"a": a, "b": b}, "verdict": verdict, "id": i or f"{a}{b}", "explained_by": bug, "shape": shape,
+            "matches": "m" if bug else "none", "ga": 4, "stack": {}, "worst_step": worst,
+            "metrics": {"norm_ratio": ratio} if verdict != oracle.CANNOT_RUN else None}
+
+
+def test_a_group_says_its_conditions_members_bug_ratios_and_worst_steps():
+    recs = [_p(1, 0, oracle.AFFECTED, "B3", ratio=0.25, worst=1), _p(1, 1, oracle.AFFECTED, "B3", ratio=0.5, worst=2),
+            _p(0, 0, oracle.NOT_AFFECTED), _p(0, 1, oracle.NOT_AFFECTED)]
+    (g,) = sweep.groups(recs, {"a": [0, 1], "b": [0, 1], "c": ["only"]})
+    assert g == {"when": {"a": [1]}, "count": 2, "ids": ["10", "11"], "known_bug": "B3", "explained_by": ["B3"],
+                 "matches": ["m"], "shapes": ["None"], "worst_steps": [2, 3], "ratio_range": [0.25, 0.5], "example": "10"}
+    assert sweep.groups([_p(0, 0, oracle.NOT_AFFECTED)], {"a": [0], "b": [0]}) == []
+
+
+def test_the_largest_group_comes_first_and_points_no_conjunction_isolates_are_one_group_each():
+    recs = [_p(a, b, oracle.AFFECTED if (a + b) % 2 else oracle.NOT_AFFECTED, "B3" if (a + b) % 2 else None)
+            for a in range(3) for b in range(3)]
+    gs = sweep.groups(recs, {"a": [0, 1, 2], "b": [0, 1, 2]}, max_keys=1)
+    assert sum(g["count"] for g in gs) == 4 and all(g["count"] == 1 for g in gs)
+    assert all(set(g["when"]) == {"a", "b"} for g in gs)  # each point by its full coordinates
+    gs = sweep.groups(recs, {"a": [0, 1, 2], "b": [0, 1, 2]})
+    assert sum(g["count"] for g in gs) == 4 and [g["count"] for g in gs] == sorted([g["count"] for g in gs], reverse=True)
+    assert all(len(g["when"]) <= 2 for g in gs)
+    big = [_p(a, b, oracle.AFFECTED if a else oracle.NOT_AFFECTED, "B3" if a else None) for a in range(2)
+           for b in range(3)] + [_p(2, 0, oracle.AFFECTED, "B3")]
+    gs = sweep.groups(big, {"a": [0, 1, 2], "b": [0, 1, 2]})
+    assert [g["count"] for g in gs] == [4] and gs[0]["when"] == {"a": [1, 2]}
+
+
+def test_a_group_mixing_no_bug_names_none():
+    g = sweep._group([_p(1, 0, oracle.AFFECTED, "B3"), _p(1, 1, oracle.AFFECTED, None)], 0b11, {"a": [1]})
+    assert g["known_bug"] is None and g["explained_by"] == ["B3", "None"]
+    g = sweep._group([_p(1, 0, oracle.AFFECTED, None)], 0b1, {"a": [1]})
+    assert g["known_bug"] is None and g["ratio_range"] == [0.5, 0.5] and g["worst_steps"] == [1]
+    g = sweep._group([{**_p(1, 0, oracle.AFFECTED, "B3"), "metrics": None}], 0b1, {"a": [1]})
+    assert g["ratio_range"] is None
+
+
+def test_the_beam_keeps_each_selection_once_and_the_best_when_there_are_too_many(monkeypatch):
+    level = [(("x",), 0b0011, 0), (("y",), 0b0011, 1), (("z",), 0b0100, 2)]
+    assert [c[0] for c in sweep._beam(level, 0b0111, 0b0111)] == [("x",), ("z",)]
+    monkeypatch.setattr(sweep, "BEAM", 1)
+    assert [c[0] for c in sweep._beam(level, 0b0111, 0b0111)] == [("x",)]  # covers 2 uncovered, not 1
+    level = [(("wrong",), 0b1111, 0), (("right",), 0b0011, 1)]
+    assert [c[0] for c in sweep._beam(level, 0b0011, 0b0011)] == [("right",)]  # 2 per 1 beats 2 per 3
+
+
+def test_a_groups_conditions_in_words():
+    assert sweep.when_text({"a": [1]}) == "a = 1"
+    assert sweep.when_text({"a": [1, 2], "b": ["x"]}) == "a in {1, 2} x b = x"
+    assert sweep.when_text({"a": [1], "k1": ["default"], "k2": ["default"]}) == "a = 1 x k1 = default x k2 = default"
+    assert sweep.when_text({"a": [1], "k1": ["default"], "k2": ["default"], "k3": ["default"]}) == \
+        "a = 1 x no other key set"
+    assert sweep.when_text({}) == "every point"
+    assert sweep.when_text({"x.y.stage": [2]}, short=lambda a: a.split(".")[-1]) == "stage = 2"
+
+
+def test_a_group_is_described_by_its_bug_or_its_step():
+    known = {"known_bug": "B3", "when": {"a": [1]}, "count": 2, "ratio_range": [0.25, 0.5], "matches": ["m1", "m2"],
+             "shapes": ["s"]}
+    assert sweep.describe(known) == "[B3] a = 1: 2 configs; ratio 0.250-0.500; the step is m1, m2"
+    unknown = {**known, "known_bug": None, "ratio_range": None}
+    assert sweep.describe(unknown) == "[UNKNOWN] a = 1: 2 configs; the step is s"
+    assert sweep.describe({**unknown, "shapes": []}) == "[UNKNOWN] a = 1: 2 configs; the step is m1; m2"
+
+
+def test_a_tie_is_separated_by_the_smallest_sibling_ga_of_the_same_stack_and_axes():
+    tie = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.AFFECTED, "matches": "a or b",
+           "id": "two", "ties": ["a", "b"]}
+
+    def sib(ga, matches="a", stack=None, verdict=oracle.AFFECTED, bug="B3"):
+        return {"point": {"ga": ga, "s": 1}, "ga": ga, "stack": stack or {}, "verdict": verdict, "id": f"ga{ga}",
+                "matches": matches, "explained_by": bug, "explanation": f"{bug} at {ga}"}
+
+    for others, want in (([sib(8), sib(3)], "ga3"), ([sib(2)], None), ([sib(4, stack={"deepspeed": "0.18.6"})], None),
+                         ([sib(4, verdict=oracle.NOT_AFFECTED)], None), ([sib(4, bug=None)], None),
+                         ([sib(4, "c"), sib(8, "b")], "ga8")):
+        r = dict(tie)
+        sweep.separate([r, *others])
+        assert r.get("separated_by") == want, (others, r)
+    r = dict(tie)
+    sweep.separate([r, sib(3)])
+    assert r["explanation"] == "B3 at 3 (at GA 2 the step is a or b; the same config at GA 3 separates them: 'a')"
+    done = {**tie, "explained_by": "B4"}
+    sweep.separate([done, sib(4)])
+    assert done["explained_by"] == "B4" and "separated_by" not in done
+    untied = {**tie, "ties": []}
+    sweep.separate([untied, sib(4)])
+    assert "explained_by" not in untied
+
+
+def test_the_summary_counts_each_stacks_verdicts_and_groups_its_affected_points():
+    spec = _spec(axes={"ga": [2]}, stacks=[{}, {"deepspeed": "0.18.6"}])
+    recs = [{**_p(1, 0, oracle.AFFECTED, "B3"), "versions": {"deepspeed": "0.19.8"}, "wall_s": 1.25},
+            {**_p(0, 0, oracle.NOT_AFFECTED), "wall_s": 2.0, "crashed_world": True},
+            {**_p(0, 0, oracle.CANNOT_RUN), "stack": {"deepspeed": "0.18.6"}, "wall_s": None}]
+    s = sweep.summarise({**spec, "axes": {"a": [0, 1], "b": [0]}}, recs)
+    mine, other = s["stacks"]
+    assert mine["stack"] == {} and mine["deepspeed"] == "0.19.8" and mine["configs"] == 2
+    assert mine["counts"][oracle.AFFECTED] == 1 and mine["counts"][oracle.NOT_AFFECTED] == 1
+    assert mine["crashed_worlds"] == 1 and mine["wall_s"] == 3.2 and len(mine["groups"]) == 1
+    assert other["deepspeed"] is None and other["counts"][oracle.CANNOT_RUN] == 1 and other["groups"] == []
+
+
+# ------------------------------------------------------------------------------------------- notebook 06's assertions
+
+def _recs_for(spec, verdict=oracle.NOT_AFFECTED, **extra):
+    out = []
+    for p in sweep.points(spec):
+        case = sweep.point_case(spec, p)
+        out.append({"stack": {}, "id": case["id"], "point": p, "verdict": verdict, "reason": "r", "ga": case["ga"],
+                    "dtype": case["dtype"], "zero_stage": case["zero_stage"], "optimizer": "DeepSpeedZeroOptimizer",
+                    "versions": {"deepspeed": "0.18.6"}, **extra})
+    return out
+
+
+def test_violations_find_a_missing_or_doubled_point_and_pass_a_complete_sweep():
+    spec = _spec(axes={"ga": [2, 4], "loop": ["engine"]})
+    recs = _recs_for(spec)
+    assert sweep.violations(spec, recs, {"stacks": []}) == []
+    assert sweep.violations(spec, recs[:1], {"stacks": []}) == ["2 points x stacks in the spec, 1 distinct records (1 in all)"]
+    assert sweep.violations(spec, recs + recs[:1], {"stacks": []}) == [
+        "2 points x stacks in the spec, 2 distinct records (3 in all)"]
+
+
+def test_violations_hold_the_upstream_tables_b3_prediction_where_it_pins_one():
+    spec = _spec(axes={"ga": [2], "loop": ["manual"], "zero_optimization.stage": [2]})
+    recs = _recs_for(spec)
+    (bad,) = sweep.violations(spec, recs, {"stacks": []})
+    assert "the upstream table says B3 hits here, measured not-affected" in bad
+    assert sweep.violations(spec, _recs_for(spec, oracle.AFFECTED), {"stacks": []}) == []
+    assert sweep.violations(spec, _recs_for(spec, oracle.CANNOT_RUN), {"stacks": []})[0].startswith("every one of the 1")
+    for changed in ({"dtype": "bf16"}, {"optimizer": "BF16_Optimizer"}, {"ga": 1}, {"versions": {"deepspeed": "0.18.2"}}):
+        assert sweep.violations(spec, [{**r, **changed} for r in recs], {"stacks": []}) == [], changed
+    off = [{**r, "point": {**r["point"], "zero_optimization.offload_optimizer.device": "cpu"}} for r in recs]
+    assert not [b for b in sweep.violations(spec, off, {"stacks": []}) if "B3 hits" in b]
+
+
+def test_violations_hold_the_kits_own_b6_and_b7_findings_where_they_ran():
+    spec = _spec(axes={"ga": [2], "zero_optimization.stage": [3], "model": ["no_grad_step"]})
+    recs = _recs_for(spec, oracle.AFFECTED, explained_by="B7", matches="x")
+    (bad,) = sweep.violations(spec, recs, {"stacks": []})
+    assert "the table pins B6 here, measured affected (B7)" in bad
+    assert sweep.violations(spec, [{**r, "explained_by": "B6"} for r in recs], {"stacks": []}) == []
+    assert sweep.violations(spec, [{**r, "verdict": oracle.INCONCLUSIVE, "below_floor": True} for r in recs],
+                            {"stacks": []}) == []  # it did not run to a verdict: nothing to hold
+    assert sweep.violations(spec, [{**r, "versions": {"deepspeed": "0.18.5"}} for r in recs], {"stacks": []}) == []
+    spec = _spec(axes={"ga": [2], "zero_optimization.stage": [2], "model": ["conditional"],
+                       "zero_optimization.offload_optimizer.device": ["cpu"], "loop": ["engine", "manual"]})
+    recs = _recs_for(spec, oracle.NOT_AFFECTED)
+    (bad,) = sweep.violations(spec, recs, {"stacks": []})  # DeepSpeed's own loop only
+    assert "the table pins B7 here, measured not-affected (None)" in bad and "'loop': 'engine'" in bad
+    assert sweep.violations(spec, [{**r, "zero_stage": 1} for r in recs], {"stacks": []}) == []
+
+
+def test_violations_need_every_group_explained_by_its_bug_and_every_unknown_one_reproduced_with_its_report():
+    spec = _spec(axes={"ga": [2]})
+    recs = _recs_for(spec)
+    g = {"when": {"a": [1]}, "count": 1, "ratio_range": None, "matches": ["m"], "shapes": ["s"]}
+    cases = [({**g, "known_bug": "B3", "explained_by": ["B3"]}, []),
+             ({**g, "known_bug": "B3", "explained_by": ["B3", "None"]}, ["not every point is explained by B3"]),
+             ({**g, "known_bug": None, "explained_by": ["None"]}, ["did not reproduce: None"]),
+             ({**g, "known_bug": None, "repro": {"reproduced": False}}, ["did not reproduce", "no upstream report"]),
+             ({**g, "known_bug": None, "repro": {"reproduced": True}, "report": "r.md"}, ["no upstream report"]),
+             ({**g, "known_bug": None, "repro": {"reproduced": True}, "report": "r.md", "config": "c.json"}, [])]
+    for group, needles in cases:
+        bad = sweep.violations(spec, recs, {"stacks": [{"groups": [group]}]})
+        assert len(bad) == len(needles) and all(n in b for n, b in zip(needles, bad)), (group, bad)
+
+
+# ------------------------------------------------------------------------------------------- tables and main
+
+def test_a_points_steps_in_one_line():
+    assert sweep.steps_text({}) == "no step judged"
+    ok, off = {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0}, {"norm_ratio": 0.5, "cosine": 1.0, "rel_l2": 0.5}
+    rec = {"steps": [{"metrics": ok}, {"metrics": off}], "worst_step": 1, "dtype": "fp32"}
+    assert sweep.steps_text(rec) == "ratio per step 1.000 / 0.500* (* off); worst: step 2"
+    assert sweep.steps_text({"steps": [{"metrics": ok}], "dtype": "fp32"}).endswith("worst: step 1")
+
+
+def test_the_one_at_a_time_table_counts_each_keys_values_and_says_why_a_point_could_not_run():
+    spec = _spec(axes={"ga": [2]}, one_at_a_time={"over": {}, "keys": {"gradient_clipping": [1.0, 2.0]}})
+    assert sweep.one_at_a_time_table(_spec(axes={"ga": [2]}), []) == "no one-at-a-time keys in this spec"
+    recs = [{"stack": {}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.CANNOT_RUN, "reason": "a | b"},
+            {"stack": {}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.AFFECTED, "reason": ""}]
+    lines = sweep.one_at_a_time_table(spec, recs).splitlines()
+    assert len(lines) == 3 and "`gradient_clipping` = 1.0" in lines[2] and "a / b" in lines[2]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[2:2 + len(oracle.VERDICTS)] == [str(int(v in (oracle.CANNOT_RUN, oracle.AFFECTED)))
+                                                 for v in oracle.VERDICTS]
+
+
+def test_the_model_table_gives_each_shapes_verdict_per_precision_and_release():
+    spec = _spec(axes={"ga": [2], "model": ["conditional", "no_grad_step"]})
+    assert sweep.model_table(spec, []) == "no model shape other than the MLP in this spec"
+
+    def r(model, dtype, verdict, bug=None, stage=3):
+        return {"stack": {}, "point": {"model": model}, "zero_stage": stage, "dtype": dtype, "verdict": verdict,
+                "explained_by": bug}
+
+    recs = [r("no_grad_step", "fp32", oracle.AFFECTED, "B6"), r("no_grad_step", "bf16", oracle.CANNOT_RUN),
+            r("conditional", "fp32", oracle.NOT_AFFECTED), r("conditional", "bf16", oracle.AFFECTED),
+            r("conditional", "fp32", oracle.INCONCLUSIVE, stage=2), r("mlp", "fp32", oracle.AFFECTED)]
+    text = sweep.model_table(spec, recs)
+    assert text.startswith("cells: bf16 / fp32\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[4:]]
+    assert [row[:4] for row in rows] == [["conditional", "2", "engine", "none"], ["conditional", "3", "engine", "none"],
+                                         ["no_grad_step", "3", "engine", "none"]]
+    assert [row[4] for row in rows] == ["- / ~", "? / ok", "x / B6"]
+
+
+def test_the_readme_table_has_a_row_per_known_bug_and_per_unknown_group():
+    g = {"when": {"zero_optimization.stage": [2]}, "count": 3, "ratio_range": [0.25, 0.5], "matches": ["m"],
+         "shapes": ["s"], "known_bug": "B3"}
+    summary = {"wall_s": 12.5, "stacks": [{"deepspeed": "0.18.6", "configs": 9,
+                                           "counts": {oracle.AFFECTED: 5, oracle.NOT_AFFECTED: 4, oracle.CANNOT_RUN: 0},
+                                           "groups": [g, {**g, "count": 1, "ratio_range": [0.1, 0.2]},
+                                                      {**g, "known_bug": None, "when": {"x.offload_optimizer.device": ["cpu"]},
+                                                       "count": 1, "repro": {"script": "repro_1.py", "reproduced": True}},
+                                                      {**g, "known_bug": None, "count": 1}]}]}
+    text = sweep.table(summary, "python -m kit.sweep s.yaml")
+    assert text.startswith("<sub>generated by `python -m kit.sweep s.yaml` (12.5 s)</sub>\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[4:]]
+    assert rows[0][:2] == ["0.18.6", "*9 configs: 5 affected, 4 not-affected*"]
+    assert rows[1] == ["0.18.6", "stage = 2 (+ 1 smaller group)", "4", "0.100–0.500", "m", "B3"]
+    assert rows[2][1:] == ["offload = cpu", "1", "0.25–0.5", "s", "**unknown**: `repro_1.py` reproduces"]
+    assert rows[3][-1] == "**unknown**"
+
+
+def test_main_sweeps_summarises_prints_and_fills_the_readme(tmp_path, monkeypatch, capsys):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("axes:\n  ga: [2]\nbase:\n  train_micro_batch_size_per_gpu: 4\n")
+    seen = {}
+
+    def run(spec, out, progress=True, retry=False, jobs=2):
+        seen.update(stacks=spec["stacks"], progress=progress, retry=retry, jobs=jobs)
+        (case,) = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+        return [{"stack": st, "id": case["id"], "point": case["point"], "verdict": oracle.AFFECTED, "explained_by": "B3",
+                 "matches": "m", "ga": 2, "metrics": {"norm_ratio": 0.5}, "versions": {"deepspeed": "0.18.6"}}
+                for st in spec["stacks"]]
+
+    monkeypatch.setattr(sweep, "run", run)
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- gradkit:table SWEEP -->\nold\n<!-- /gradkit:table -->\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [str(spec_file), "--out", str(out), "--deepspeed", "0.18.6, installed", "--no-progress",
+            "--retry-cannot-run", "--jobs", "1", "--readme", str(readme)]
+    assert sweep.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert seen == {"stacks": [{"deepspeed": "0.18.6"}, {}], "progress": False, "retry": True, "jobs": 1}
+    assert "stack 0.18.6 (DeepSpeed 0.18.6): 1 configs, 1 affected" in printed
+    assert "  [B3] every point: 1 configs; ratio 0.500-0.500; the step is m" in printed
+    assert f"2 records in {out / 'records.jsonl'}" in printed and "replaced the sweep table" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["stacks"]) == 2 and summary["wall_s"] >= 0
+    assert "python -m kit.sweep " + " ".join(argv) in readme.read_text() and "old" not in readme.read_text()
