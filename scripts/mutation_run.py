@@ -110,7 +110,7 @@ def forget_survivors(session: Path) -> None:
     import sqlite3
 
     with sqlite3.connect(session) as db:
-        db.execute("DELETE FROM work_results WHERE test_outcome = 'survived'")
+        db.execute("DELETE FROM work_results WHERE upper(test_outcome) = 'SURVIVED'")
     world = session.with_suffix(".world.json")
     if world.exists():
         done = json.loads(world.read_text())
