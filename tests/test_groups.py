@@ -289,3 +289,95 @@ def test_a_record_without_a_worst_step_takes_its_first_and_keeps_a_matching_name
     assert " at step " not in oracle.verdict(one, ctrl)[1]  # one step: no "worst of"
     two = {**one, "steps": [{}, {}]}  # no worst_step recorded: the first
     assert "at step 1 (the worst of 2)" in oracle.verdict(two, ctrl)[1]
+
+
+# ---- the third mutation run's survivors: each pins the behaviour a surviving mutant changed
+
+def test_a_weight_with_no_right_one_is_said_as_a_share_to_a_tenth_and_never_as_minus_zero():
+    # rows 0-2 of one rank of 3 micro-batches, row 0 has no right weight (x = 0): said as w * k, to a tenth
+    third = 1 / 3
+    assert oracle._group_shape([0, 1, 2], [-0.001, third, third], [0.0, third, third], 1, 3) == \
+        "rank 0 micro-batch 1 x0, the others reaching it x1"
+    assert oracle._group_shape([0, 1, 2], [0.25 / 3, third, third], [0.0, third, third], 1, 3) == \
+        "rank 0 micro-batch 1 x0.2, the others reaching it x1"  # 0.25 to a tenth
+    assert oracle._group_shape([0, 1, 2], [third / 2, third, third], [third, third, third], 1, 3) == \
+        "rank 0 micro-batch 1 x0.5, the others reaching it x1"
+    assert oracle._group_shape([0, 1, 2], [0.5, 0.5, 0.165], [0.5, 0.5, 0.0], 1, 2) == \
+        "every micro-batch reaching it x1; the previous step's micro-batches x0.3"  # 0.33 to a tenth
+    assert oracle.describe_weights([0.5, 0.25], [0.5, 0.0], 1, 2) == "micro-batch 2 x0.5, the others x1"
+    assert oracle.describe_weights([0.5, -0.001], [0.5, 0.0], 1, 2) == "micro-batch 2 x0, the others x1"
+
+
+def test_one_micro_batch_on_one_rank_names_the_previous_steps_share():
+    assert oracle.describe_weights([1.0, 0.5], [1.0, 0.0], 1, 1) == \
+        "every micro-batch x1; the previous step's micro-batches x0.5"
+
+
+def test_rows_past_the_previous_step_are_not_the_previous_steps():
+    # k = 2: rows 2-3 are the previous step's micro-batches; a basis longer than that says nothing more of them
+    assert oracle.describe_weights([0.5, 0.5, 0.0, 0.0, 0.7, 0.7], [0.5, 0.5, 0, 0, 0, 0], 1, 2) == "every micro-batch x1"
+
+
+def test_a_lost_part_is_named_only_where_no_boundary_micro_batch_of_any_rank_reaches_it():
+    def step(rows):
+        g = _group(rel_err=0.5, lost="x")
+        g["attribution"]["rows"] = rows
+        return {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "groups": {"expert": g}}
+
+    assert oracle.part_pattern(step([0, 1]), "fp32", 1, 2) == []  # row 1: the boundary of one rank of 2
+    assert oracle.part_pattern(step([0]), "fp32", 1, 2) == [oracle.PART_LOST]
+    assert oracle.part_pattern(step([2, 3]), "fp32", 2, 2) == []  # row 3: rank 1's boundary
+    rec = {"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [step([2, 3])]}
+    assert oracle.annotate_steps(rec)["parts"] == []  # the record's own world size and GA are used
+    rec = {"dtype": "fp32", "world_size": 1, "ga": 2, "steps": [step([0])]}
+    assert oracle.annotate_steps(rec)["parts"] == [oracle.PART_LOST]
+    rec = {"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [step([1])]}  # rank 0's boundary, with 2 ranks
+    assert oracle.annotate_steps(rec)["parts"] == []
+
+
+def test_signals_exactly_at_a_limit_are_within_it():
+    tol = oracle.tolerance("fp32")
+    at_rel = {"rel_err": tol.rel_l2, "expected_zero": True, "attribution": {"misplaced_weight": 0.0, "rows": []}}
+    assert oracle.part_pattern({"groups": {"g": at_rel}}, "fp32", 1, 2) == []
+    at_mis = _group(rel_err=0.0, misplaced=tol.misplaced_weight)
+    assert oracle.groups_off({"groups": {"g": at_mis}}, "fp32") == []
+    uses_at = _group(rel_err=0.5, uses=tol.misplaced_weight, expected_zero=True)
+    assert oracle.groups_off({"groups": {"g": uses_at}}, "fp32") == [
+        "g: updated by 0.5 of the step's norm where its right update is 0"]  # the uses are within their limit
+    uses_edge = _group(rel_err=0.5, uses=0.5, expected_zero=True)
+    uses_edge["uses"]["residual"] = 0.05  # a fit of the uses with this residual does not explain the group
+    assert oracle.groups_off({"groups": {"g": uses_edge}}, "fp32")[0].startswith("g: updated by 0.5")
+    k = 2
+    whole = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0},
+             "attribution": {"weights": [0.5, 0.5, 0.5 / k, 0.5 / k], "misplaced_weight": 0.5}}
+    assert oracle.part_pattern(whole, "fp32", 1, k) == []  # exactly half a share: not more than half
+    whole["attribution"]["weights"][2] = 0.26
+    assert oracle.part_pattern(whole, "fp32", 1, k) == [oracle.PART_STALE]
+
+
+def test_a_group_judged_against_a_zero_step_does_not_divide_by_zero():
+    basis = torch.eye(2, dtype=torch.float64)
+    g = oracle.judge_groups(torch.tensor([1.0, 0.0], dtype=torch.float64), basis, torch.zeros(2, dtype=torch.float64),
+                            torch.zeros(2, dtype=torch.float64), {"all": torch.tensor([0, 1])}, 1, 2)
+    assert g["all"]["expected_zero"] and g["all"]["rel_err"] > 1e100
+
+
+def test_the_spread_of_three_ranks_is_from_rank_0_when_the_others_differ_from_each_other():
+    v = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert abs(oracle.spread([v, v * 1.01, v * 0.99]) - 0.01) < 1e-12  # from rank 1 it would read 0.02
+
+
+def test_a_read_floor_doubles_into_the_limits_and_a_nan_cosine_is_said_against_1():
+    sigs = oracle.signals({"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32",
+                           "read_floor": 0.01})
+    assert {s["signal"]: s["limit"] for s in sigs}["rel. error"] == 0.02
+    word, why = oracle.verdict({"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": math.nan}, "dtype": "fp32"},
+                               {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"})
+    assert word == oracle.AFFECTED and "cosine nan > 1 (fp32)" in why
+
+
+def test_the_logged_norm_of_a_step_without_an_index_is_step_1_and_the_first_off_step_is_named():
+    rec = oracle.annotate_norms(_rec([{"reference_norm": 10.0, "logged_norm": 10.0}]))
+    assert rec["norm_reason"].startswith("step 1: ")
+    steps = [{"step": s, "reference_norm": 10.0, "logged_norm": 20.0 + s} for s in range(3)]
+    assert oracle.annotate_norms(_rec(steps))["norm_reason"].startswith("step 1: the logged grad norm 20 ")
