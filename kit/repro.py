@@ -201,13 +201,17 @@ def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=str(Path(path).parent), preexec_fn=launch.die_with_parent)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=str(Path(path).parent),
-                             preexec_fn=launch.die_with_parent)
-    except subprocess.TimeoutExpired as e:
-        return 124, f"timed out after {timeout_s:g} s: {(e.stdout or b'')[-2000:]!r}"
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: killing torchrun alone would leave them running
+        lifecycle.kill_tree(proc.pid)
+        stdout, _ = proc.communicate()
+        return 124, f"timed out after {timeout_s:g} s: {stdout[-2000:]!r}"
     finally:  # the script's DeepSpeed world on CPU leaves its comm op's shared memory behind, as every one does
         lifecycle.remove_orphan_segments(grace_s=5.0)
-    text = "\n".join(line for line in (out.stdout + out.stderr).splitlines()
+    text = "\n".join(line for line in (stdout + stderr).splitlines()
                      if "REPRODUCED" in line or "reproduced" in line or line.startswith("{\"deepspeed\""))
-    return out.returncode, text or (out.stdout + out.stderr)[-2000:]
+    return proc.returncode, text or (stdout + stderr)[-2000:]

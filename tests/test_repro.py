@@ -52,6 +52,13 @@ def test_the_script_runs_the_records_point_with_its_dtypes_limits(tmp_path, dtyp
         rec["config"]["ds_config"]
 
 
+def test_the_same_point_writes_the_same_script_whatever_the_order_of_its_config_keys(tmp_path):
+    rec = _rec()
+    flipped = json.loads(json.dumps(rec))
+    flipped["config"]["ds_config"] = dict(reversed(list(rec["config"]["ds_config"].items())))
+    assert repro.write(rec, tmp_path / "a.py", "t").read_text() == repro.write(flipped, tmp_path / "a.py", "t").read_text()
+
+
 def test_a_record_without_a_step_count_is_one_step_and_a_routed_model_says_so(tmp_path):
     assert _constants(repro.write(_rec(), tmp_path / "a.py", "t"))["STEPS"] == 1
     text = repro.write(_rec(model="conditional"), tmp_path / "b.py", "t").read_text()
@@ -90,6 +97,10 @@ def _st(weights, off=True, residual=0.0):
     ([_st([0.0, 1.0], residual=0.0)], {"weights": [0.0, 1.0], "residual": 0.3}, False),
     ([_st([0.0, 1.0], residual=repro.STRUCTURAL)], {"weights": [0.0, 1.0], "residual": 0.3}, True),  # at the limit
     ([_st([0.0, 1.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": repro.STRUCTURAL}, True),
+    ([_st([0.0, 1.0], residual=repro.STRUCTURAL)], {"weights": [0.0, 1.0], "residual": 0.0}, False),  # at the limit
+    ([_st([0.15, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, True),              # exactly at the tolerance
+    ([{"off": True, "weights_x_right": [0.0, 1.0]}], {"weights": [0.0, 1.0], "residual": 0.0}, True),  # no residual: 0
+    ([{"off": True, "weights_x_right": [0.0, 1.0]}], {"weights": [0.0, 1.0], "residual": 0.3}, False),
     ([], {"weights": [0.0, 1.0], "residual": 0.0}, False),
 ])
 def test_a_reproduction_needs_an_off_step_of_the_groups_shape(steps, shape, want):
@@ -105,31 +116,54 @@ def test_a_reproduction_without_a_shape_is_its_own_judgement_and_exit_status():
     assert repro.said(_line([]) + "\n" + _line([])) is None
 
 
-STAND_IN = '''import json, os, sys, time
+STAND_IN = '''import json, os, sys
 rank = int(os.environ["RANK"])
 if rank == 0:
     print("some noise")
     print(json.dumps({"deepspeed": "stand-in", "world": int(os.environ["WORLD_SIZE"]), "cpu": os.environ.get(
         "DS_ACCELERATOR"), "threads": os.environ.get("OMP_NUM_THREADS"), "reproduced": True}), flush=True)
     print("REPRODUCED: a stand-in", flush=True)
-time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
 sys.exit(1)
 '''
 
 
-def test_verify_runs_the_script_under_torchrun_and_keeps_its_judged_lines(tmp_path):
+def test_verify_runs_the_script_under_torchrun_in_the_stacks_environment_and_keeps_its_judged_lines(tmp_path,
+                                                                                                    monkeypatch):
+    from kit import versions
+
+    asked = []
+    real = versions.resolve_stack
+    monkeypatch.setattr(versions, "resolve_stack", lambda stack, packages: asked.append(stack) or real({}, packages))
     script = tmp_path / "repro_stand_in.py"
     script.write_text(STAND_IN)
-    rc, output = repro.verify(script, world_size=2, timeout_s=120)
+    rc, output = repro.verify(script, world_size=2, stack={"deepspeed": "0.18.6"}, timeout_s=120)
     assert rc == 1, output
+    assert asked == [{"deepspeed": "0.18.6"}]
     lines = output.splitlines()
     assert "some noise" not in output and lines[-1] == "REPRODUCED: a stand-in"
     assert json.loads(lines[0]) == {"deepspeed": "stand-in", "world": 2, "cpu": "cpu", "threads": "1", "reproduced": True}
     assert repro.reproduced(rc, output)
+    rc, output = repro.verify(script, world_size=1, device="cuda", timeout_s=120)  # a GPU run: no DS_ACCELERATOR
+    assert json.loads(output.splitlines()[0])["cpu"] is None and asked[-1] == {}
 
 
-def test_verify_stops_a_script_that_hangs_at_its_timeout(tmp_path):
+def test_a_script_that_judges_nothing_gives_the_end_of_what_it_printed(tmp_path):
+    script = tmp_path / "repro_silent.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '0':\n    sys.stdout.write('A' * 3000)\n")
+    rc, output = repro.verify(script, world_size=1, timeout_s=120)
+    assert rc == 0 and output.endswith("A") and len(output) == 2000 and not repro.reproduced(rc, output)
+
+
+def _running(script) -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_verify_stops_a_script_that_hangs_at_its_timeout_and_leaves_none_of_its_ranks(tmp_path):
     script = tmp_path / "repro_hang.py"
-    script.write_text("import time\ntime.sleep(600)\n")
-    rc, output = repro.verify(script, world_size=1, timeout_s=4)
-    assert rc == 124 and output.startswith("timed out after 4 s") and not repro.reproduced(rc, output)
+    script.write_text("import sys, time\nprint('A' * 3000, flush=True)\ntime.sleep(600)\n")
+    rc, output = repro.verify(script, world_size=2, timeout_s=6)
+    assert rc == 124 and output.startswith("timed out after 6 s: 'A") and not repro.reproduced(rc, output)
+    assert output.count("A") == 1999  # the last 2000 characters of what it printed (its last newline included)
+    assert _running(script) == []  # torchrun's ranks run in sessions of their own: killed with it
