@@ -271,3 +271,51 @@ def test_the_path_check_runs_its_plan_in_one_world_and_writes_what_it_printed(tm
         check.main(["--path", "fsdp2", "--json", str(tmp_path / "no" / "x.json")])
     monkeypatch.setattr(runner, "run", lambda *a, **k: [_rec("accumulate", "measured", "not-affected")])
     assert check.main(["--path", "accelerate", "--world-size", "1", "--allow-one-rank"]) == 0
+
+
+def test_the_path_checks_measure_the_world_notebook_07_measures():
+    """The check's cases are the probe's own at the user's setting: the same model size, micro-batch and data seed
+    as notebook 07's cells, so that a check's numbers are the notebook's."""
+    from kit.probes import accelerate_ga, fsdp2
+
+    for path, probe_plan in (("fsdp2", fsdp2.plan((4,))), ("accelerate", accelerate_ga.plan((4,)))):
+        _, cases, _, _ = _plan("--path", path)
+        ref = probe_plan[0]
+        assert all((c["micro_batch"], c["hidden"], c["seed"]) == (ref["micro_batch"], ref["hidden"], ref["seed"])
+                   for c in cases), path
+
+
+def test_an_fsdp_accelerate_config_without_a_version_is_fsdp1_and_refused(tmp_path):
+    from kit import check_paths
+
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text("distributed_type: FSDP\nfsdp_config: {}\n")
+    with pytest.raises(config.ConfigError, match="FSDP version 1: the kit checks FSDP2 only"):
+        check_paths.accelerate_settings(str(cfg))
+
+
+def test_each_record_is_explained_by_its_own_paths_mechanism_and_each_loop_gets_its_own_fix():
+    from kit import check_paths
+
+    hft = _rec("trainer", "measured", "affected", bug="HFT", versions={"torch": "2.13.0", "transformers": "4.45.2"})
+    assert check_paths.explanation(hft).startswith("each micro-batch's loss is the mean over its own label tokens")
+    assert check_paths.explanation({**hft, "case": "no such case"}) is None
+    recs = [_rec("sync_each_batch", "measured", "affected"), _rec("last_window", "measured", "affected"),
+            _rec("last_window_fixed", "fix", "not-affected", config={"fix": "scale", "fixes": "last_window"}),
+            _rec("sync_each_batch", "fix", "affected", ratio=0.9, config={"fix": "upgrade", "fixes": "sync_each_batch"})]
+    rows = {r["loop"]: r for r in check_paths.summarise(recs)["loops"]}
+    assert rows["sync_each_batch"]["fix"] == {"what": "upgrade", "verdict": "affected", "ratio": 0.9}
+    assert rows["last_window"]["fix"] == {"what": "scale", "verdict": "not-affected", "ratio": 1.0}
+
+
+def test_a_long_reason_is_cut_at_300_characters_and_the_json_is_indented_by_one(tmp_path, monkeypatch):
+    from kit import check_paths, runner
+
+    recs = [_rec("accumulate", "measured", "affected", reason="r" * 400)]
+    a = check.parser().parse_args(["--path", "accelerate"])
+    lines = check_paths.report(recs, check_paths.summarise(recs), a, []).splitlines()
+    assert "      " + "r" * 300 in lines and "r" * 301 not in "\n".join(lines)
+    monkeypatch.setattr(runner, "run", lambda *a, **k: recs)
+    out = tmp_path / "c.json"
+    check.main(["--path", "accelerate", "--json", str(out)])
+    assert out.read_text().startswith('{\n "path": "accelerate",\n "summary": {\n  "verdict"')
