@@ -68,7 +68,7 @@ def test_bad_path_input_exits_2_before_anything_launches(monkeypatch, argv, need
     ("mixed_precision: bf16\n", "judges Accelerate's accumulation in fp32"),
     ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n", "FSDP2 only"),
     ("- a\n- list\n", "mapping of keys"),
-    ("a: [unclosed\n", "is not YAML"),
+    ("a: [unclosed\n", "is not YAML: while parsing a flow sequence$"),  # yaml's first line only
 ])
 def test_an_accelerate_config_the_check_cannot_judge_is_refused_with_one_sentence(tmp_path, monkeypatch, yaml_text, needle):
     monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
@@ -249,13 +249,14 @@ def test_the_path_check_runs_its_plan_in_one_world_and_writes_what_it_printed(tm
     seen = {}
 
     def run(probe, cases, stacks, world_sizes, device, timeout_s, meta, label):
-        seen.update(probe=probe.id, cases=cases, stacks=stacks, world_sizes=world_sizes, device=device)
+        seen.update(probe=probe.id, cases=cases, stacks=stacks, world_sizes=world_sizes, device=device, meta=meta)
         return _path_recs()
 
     monkeypatch.setattr(runner, "run", run)
     out = tmp_path / "check.json"
     assert check.main(["--path", "accelerate", "--steps", "3", "--world-size", "3", "--json", str(out)]) == 1
     assert seen["probe"] == "ACC" and seen["world_sizes"] == (3,) and seen["stacks"] == [{}]
+    assert seen["meta"] == {"seed": 0}  # the data seed notebook 07 uses
     assert all(c["steps"] == 3 for c in seen["cases"]) and len(seen["cases"]) == 2
     printed = capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -311,10 +312,12 @@ def test_each_record_is_explained_by_its_own_paths_mechanism_and_each_loop_gets_
 def test_a_long_reason_is_cut_at_300_characters_and_the_json_is_indented_by_one(tmp_path, monkeypatch):
     from kit import check_paths, runner
 
-    recs = [_rec("accumulate", "measured", "affected", reason="r" * 400)]
+    recs = [_rec("accumulate", "measured", "affected", reason="r" * 400),
+            _rec("sync_each_batch", "measured", "not-affected", shape="every micro-batch x1")]
     a = check.parser().parse_args(["--path", "accelerate"])
     lines = check_paths.report(recs, check_paths.summarise(recs), a, []).splitlines()
     assert "      " + "r" * 300 in lines and "r" * 301 not in "\n".join(lines)
+    assert not [line for line in lines if "the step is" in line]  # a step's words only where it is affected
     monkeypatch.setattr(runner, "run", lambda *a, **k: recs)
     out = tmp_path / "c.json"
     check.main(["--path", "accelerate", "--json", str(out)])

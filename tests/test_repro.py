@@ -73,6 +73,9 @@ def test_the_shape_of_a_step_is_each_weight_as_a_multiple_of_its_right_one():
     assert str(got["weights"][2]) == "0.0"  # never -0.0
     assert repro.shape_of({"attribution": {**a, "residual": 0.0}, "world_size": 1, "ga": 2}) == \
         {"weights": [0.0, 1.0], "residual": 0.0}
+    half = repro.shape_of({"attribution": {"weights": [0.125, 0.25], "expected_weights": [0.25, 0.25]}, "world_size": 1,
+                           "ga": 2})
+    assert half["weights"] == [0.5, 1.0]  # to a tenth, not to a whole
     no_residual = {k: v for k, v in a.items() if k != "residual"}
     assert repro.shape_of({"attribution": no_residual, "world_size": 1, "ga": 1})["residual"] == 0.0
 
@@ -123,6 +126,7 @@ if rank == 0:
     print(json.dumps({"deepspeed": "stand-in", "world": int(os.environ["WORLD_SIZE"]), "cpu": os.environ.get(
         "DS_ACCELERATOR"), "threads": os.environ.get("OMP_NUM_THREADS"), "reproduced": True}), flush=True)
     print("REPRODUCED: a stand-in", flush=True)
+    print("a line that says reproduced is kept", flush=True)
 sys.exit(1)
 '''
 
@@ -140,7 +144,7 @@ def test_verify_runs_the_script_under_torchrun_in_the_stacks_environment_and_kee
     assert rc == 1, output
     assert asked == [{"deepspeed": "0.18.6"}]
     lines = output.splitlines()
-    assert "some noise" not in output and lines[-1] == "REPRODUCED: a stand-in"
+    assert "some noise" not in output and lines[1:] == ["REPRODUCED: a stand-in", "a line that says reproduced is kept"]
     assert json.loads(lines[0]) == {"deepspeed": "stand-in", "world": 2, "cpu": "cpu", "threads": "1", "reproduced": True}
     assert repro.reproduced(rc, output)
     rc, output = repro.verify(script, world_size=1, device="cuda", timeout_s=120)  # a GPU run: no DS_ACCELERATOR
