@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
     .venv/bin/python scripts/bench.py --suite      # the README's test command, timed (runs/bench_suite.json)
+    python3 scripts/bench.py --suite --repeat 5    # in a fresh clone: five runs in a row, each timed
     .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
     .venv/bin/python scripts/bench.py --readme README.md   # the README's performance table from those files
 
@@ -23,7 +24,8 @@ Measures, side by side in one run, on this machine:
   site) with the kit's cache as it is, and with --cold also from an empty kit cache (its prefetch step installs
   every overlay and builds every comm op the notebooks need), each notebook's wall time, the prefetch's;
 - with --suite (runs/bench_suite.json): `bash scripts/test.sh` (setup, then the whole test suite on two xdist
-  workers) from a clean environment, as CI runs it; its wall time and pytest's own count and time.
+  workers) from a clean environment, as CI runs it; its wall time and pytest's own count and time; with
+  --repeat N, N times in a row (issue 27's check for flaky tests: run it in a fresh clone), every run kept.
 """
 from __future__ import annotations
 
@@ -287,6 +289,8 @@ PERF_ROWS = [
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
      "≤ 360 s", "s"),
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
+    ("bench_suite.json", "passed_runs", "the suite {repeat} times in a row (`--suite --repeat N`, in a fresh clone: "
+     "the first run builds the venv, overlays and comm ops), each run's wall time: {walls} s", "every run", "runs"),
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
@@ -385,24 +389,34 @@ def paths_bench(json_path: str) -> int:
     return 0
 
 
-def suite_bench(json_path: str) -> int:
-    """The README's test command, as CI runs it (a clean environment), timed from outside."""
+def suite_bench(json_path: str, repeat: int = 1) -> int:
+    """The README's test command, as CI runs it (a clean environment), timed from outside; ``repeat`` times in a row
+    (run from a fresh clone, the first run also builds the venv, the overlays and the comm ops). The row of the
+    table is the last run; every run's wall time, count and exit status are kept."""
     import re
     import subprocess
 
     env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    t0 = time.monotonic()
-    out = subprocess.run(["bash", "scripts/test.sh"], cwd=str(REPO), env=env, capture_output=True, text=True)
-    wall = time.monotonic() - t0
-    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    m = re.search(r"(\d+) passed.* in ([\d.]+)s", tail)
-    res = {"cpus": os.cpu_count(), "suite_s": round(wall, 1), "exit": out.returncode, "summary": tail,
-           "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None}
+    runs = []
+    for i in range(repeat):
+        t0 = time.monotonic()
+        out = subprocess.run(["bash", "scripts/test.sh"], cwd=str(REPO), env=env, capture_output=True, text=True)
+        wall = time.monotonic() - t0
+        tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+        m = re.search(r"(\d+) passed.* in ([\d.]+)s", tail)
+        runs.append({"suite_s": round(wall, 1), "exit": out.returncode, "summary": tail,
+                     "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None})
+        print(f"run {i + 1} of {repeat}: bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode})",
+              flush=True)
+        if out.returncode:
+            Path(json_path).with_suffix(f".run{i + 1}.log").write_text(out.stdout[-20000:] + out.stderr[-5000:])
+    res = {"cpus": os.cpu_count(), **runs[-1], "repeat": repeat, "runs": runs,
+           "passed_runs": sum(r["exit"] == 0 for r in runs), "walls": ", ".join(f"{r['suite_s']:.0f}" for r in runs)}
     path = Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
-    print(f"bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode}); written to {path}")
-    return out.returncode
+    print(f"{res['passed_runs']} of {repeat} runs passed ({res['walls']} s); written to {path}")
+    return 0 if res["passed_runs"] == repeat else 1
 
 
 def _rows_by_command(table: str) -> dict[str, list[str]]:
@@ -440,7 +454,9 @@ def perf_table(folder: Path, old: str = "") -> str:
         if not data[name] and kept.get(cmd):
             lines.append(kept[cmd].pop(0))
             continue
-        shown = "not measured yet" if value is None else (f"{value:.1f}{unit}" if unit == "×" else f"{value:.1f} {unit}")
+        shown = "not measured yet" if value is None else (f"{value:.1f}{unit}" if unit == "×" else
+                                                          f"{value} of {data[name].get('repeat')} passed" if unit == "runs"
+                                                          else f"{value:.1f} {unit}")
         what = what.format_map(collections.defaultdict(lambda: "?", data[name]))
         lines.append(f"| {what} | {shown} | {target or '-'} | `{cmd}` |")
     return "\n".join(lines) + "\n"
@@ -469,6 +485,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
     ap.add_argument("--suite", action="store_true", help="only time the README's test command (runs/bench_suite.json)")
+    ap.add_argument("--repeat", type=int, default=1, help="with --suite: run it this many times in a row")
     ap.add_argument("--bisect", action="store_true", help="only time gradkit bisect of B5's config (runs/bench_bisect.json)")
     ap.add_argument("--paths", action="store_true",
                     help="only time gradkit check --path fsdp2|accelerate|trainer (runs/bench_paths.json)")
@@ -487,7 +504,7 @@ def main() -> int:
     if a.bisect:
         return bisect_bench(a.json or str(REPO / "runs" / "bench_bisect.json"))
     if a.suite:
-        return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"))
+        return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"), a.repeat)
     if a.runall:
         return runall_bench(a.json or str(REPO / "runs" / "bench_runall.json"), a.cold)
     a.json = a.json or str(REPO / "runs" / "bench.json")
