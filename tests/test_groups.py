@@ -381,3 +381,59 @@ def test_the_logged_norm_of_a_step_without_an_index_is_step_1_and_the_first_off_
     assert rec["norm_reason"].startswith("step 1: ")
     steps = [{"step": s, "reference_norm": 10.0, "logged_norm": 20.0 + s} for s in range(3)]
     assert oracle.annotate_norms(_rec(steps))["norm_reason"].startswith("step 1: the logged grad norm 20 ")
+
+
+def test_the_reference_of_a_model_with_a_part_a_micro_batch_does_not_reach_is_zero_there():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    m = TwoHeads()
+    batches = [(torch.randn(3, 2), torch.randn(3, 2)) for _ in range(2)]
+    basis, weights, reference = oracle.reference_gradients(m, batches, lambda o, y: ((o - y) ** 2).mean())
+    assert basis.shape == (2, 12) and weights.tolist() == [0.5, 0.5]
+    assert basis[:, 6:].abs().sum().item() == 0.0 and basis[:, :6].abs().sum().item() > 0
+
+
+def test_the_fits_residual_is_relative_to_the_fitted_vector_at_any_scale():
+    basis = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64)
+    for scale in (1e-2, 1.0, 1e2):
+        a = oracle.attribute(torch.tensor([scale, 0.0, 0.0], dtype=torch.float64), basis, [1.0])
+        assert abs(a["residual"] - 1.0) < 1e-12, scale  # nothing of it is in the basis
+
+
+def test_a_micro_batch_every_one_of_three_ranks_has_is_said_once():
+    assert oracle._positions([0, 2, 4], 3, 2) == "micro-batch 1 on every rank"
+    assert oracle._positions([0, 2], 3, 2) == "rank 0 micro-batch 1, rank 1 micro-batch 1"
+
+
+def _bf16_rec(step, **kw):
+    return {"dtype": "bf16", "world_size": 2, "ga": 2, "steps": [step], "worst_step": 0, **kw}
+
+
+def test_a_record_without_a_judge_dtype_is_judged_at_its_own_dtypes_limits():
+    tie = {"metrics": {"rel_l2": 0.01, "norm_ratio": 1.01, "cosine": 1.0},
+           "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
+    assert oracle.annotate_steps(_bf16_rec(tie))["matches"] == "global mean"  # within bf16's limits
+    assert oracle.annotate_steps(_bf16_rec(tie, dtype="fp32"))["matches"].startswith("ambiguous")
+    group = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "groups": {"g": _group(rel_err=0.01)}}
+    assert oracle.annotate_steps(_bf16_rec(group))["shape"] is None  # within bf16's limits: nothing said
+    assert "g: s (rel. error 0.01)" in oracle.annotate_steps(_bf16_rec(group, dtype="fp32"))["shape"]
+    norm = {"step": 0, "reference_norm": 10.0, "logged_norm": 10.1}
+    assert oracle.annotate_norms(_bf16_rec(norm))["norm_verdict"] == oracle.NOT_AFFECTED
+    assert oracle.annotate_norms(_bf16_rec(norm, dtype="fp32"))["norm_verdict"] == oracle.AFFECTED
+
+
+def test_a_whole_step_is_stale_from_just_past_its_limits_and_a_tie_is_the_mean_only_within_them():
+    k = 2
+    step = {"metrics": {"rel_l2": 1.5e-4, "norm_ratio": 1.0, "cosine": 1.0},  # 1.5x the fp32 limit
+            "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
+    assert oracle.part_pattern(step, "fp32", 1, k) == [oracle.PART_STALE]
+    tie = {"metrics": {"rel_l2": 1.5e-4, "norm_ratio": 1.0, "cosine": 1.0},
+           "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
+    assert oracle._named(tie, "fp32") == "ambiguous between 'global mean' and 'last / N'"
