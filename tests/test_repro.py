@@ -47,7 +47,8 @@ def test_the_script_runs_the_records_point_with_its_dtypes_limits(tmp_path, dtyp
     assert (k["LOOP"], k["N"], k["MB"], k["STEPS"]) == ("manual", 3, 2, 3)
     assert (k["TOL"], k["MISPLACED"], k["ROUND"]) == (limits.rel_l2, limits.misplaced_weight, oracle.ROUNDING[dtype])
     assert text.startswith('"""a title\n') and "--nproc_per_node=2 repro_x.py" in text and "(0.18.6 here)" in text
-    assert shapes.get("mlp").source() in text and "ROUTED = False" in text and "needs only torch and deepspeed" in text
+    assert shapes.get("mlp").source() in text and "ROUTED = False" in text
+    assert "needs only torch and deepspeed (0.18.6 here).\n" in text
     assert json.loads(ast.literal_eval(text.split("CONFIG = json.loads(")[1].split(")\n")[0])) == \
         rec["config"]["ds_config"]
 
@@ -63,6 +64,8 @@ def test_a_record_without_a_step_count_is_one_step_and_a_routed_model_says_so(tm
     assert _constants(repro.write(_rec(), tmp_path / "a.py", "t"))["STEPS"] == 1
     text = repro.write(_rec(model="conditional"), tmp_path / "b.py", "t").read_text()
     assert "ROUTED = True" in text and shapes.get("conditional").source() in text
+    text = repro.write(_rec(model="frozen"), tmp_path / "c.py", "t").read_text()  # a PEFT LoRA model
+    assert "needs only torch and deepspeed (0.18.6 here) and peft.\n" in text
 
 
 def test_the_shape_of_a_step_is_each_weight_as_a_multiple_of_its_right_one():
@@ -76,6 +79,9 @@ def test_the_shape_of_a_step_is_each_weight_as_a_multiple_of_its_right_one():
     half = repro.shape_of({"attribution": {"weights": [0.125, 0.25], "expected_weights": [0.25, 0.25]}, "world_size": 1,
                            "ga": 2})
     assert half["weights"] == [0.5, 1.0]  # to a tenth, not to a whole
+    third = repro.shape_of({"attribution": {"weights": [1 / 12, 0.25], "expected_weights": [0.25, 0.25]},
+                            "world_size": 1, "ga": 2})
+    assert third["weights"] == [0.3, 1.0]  # to a tenth, not to a hundredth
     no_residual = {k: v for k, v in a.items() if k != "residual"}
     assert repro.shape_of({"attribution": no_residual, "world_size": 1, "ga": 1})["residual"] == 0.0
 
@@ -140,7 +146,7 @@ def test_verify_runs_the_script_under_torchrun_in_the_stacks_environment_and_kee
     monkeypatch.setattr(versions, "resolve_stack", lambda stack, packages: asked.append(stack) or real({}, packages))
     script = tmp_path / "repro_stand_in.py"
     script.write_text(STAND_IN)
-    rc, output = repro.verify(script, world_size=2, stack={"deepspeed": "0.18.6"}, timeout_s=120)
+    rc, output = repro.verify(script, stack={"deepspeed": "0.18.6"}, timeout_s=120)  # 2 ranks by default
     assert rc == 1, output
     assert asked == [{"deepspeed": "0.18.6"}]
     lines = output.splitlines()
