@@ -172,7 +172,7 @@ def _running(script) -> list:
 
 def test_verify_stops_a_script_that_hangs_at_its_timeout_and_leaves_none_of_its_ranks(tmp_path):
     script = tmp_path / "repro_hang.py"
-    script.write_text("import sys, time\nprint('A' * 3000, flush=True)\ntime.sleep(600)\n")
+    script.write_text("import os, time\nif os.environ['RANK'] == '0':\n    print('A' * 3000, flush=True)\ntime.sleep(600)\n")
     rc, output = repro.verify(script, world_size=2, timeout_s=6)
     assert rc == 124 and output.startswith("timed out after 6 s: 'A") and not repro.reproduced(rc, output)
     assert output.count("A") == 1999  # the last 2000 characters of what it printed (its last newline included)
