@@ -455,3 +455,246 @@ def test_main_sweeps_summarises_prints_and_fills_the_readme(tmp_path, monkeypatc
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["stacks"]) == 2 and summary["wall_s"] >= 0
     assert "python -m kit.sweep " + " ".join(argv) in readme.read_text() and "old" not in readme.read_text()
+
+
+# ------------------------------------------------------------------------------------------- one stack's world
+# (runner.world_for and launch.run_world replaced: the pieces rank 0 would report, a world that breaks)
+
+EXACT = {"metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0}}
+OFF = {"metrics": {"norm_ratio": 0.25, "cosine": 1.0, "rel_l2": 0.75}}
+
+
+class _Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, k):
+        self.n += k
+
+
+def _world(monkeypatch, script):
+    """``script(cases) -> list of pieces, or a piece list ending in an exception``: one entry per launch."""
+    from kit import launch, runner
+
+    launches = []
+    monkeypatch.setattr(runner, "world_for", lambda *a, **k: ("world", None))
+
+    def run_world(target, payload, world, on_partial=None):
+        launches.append([c["name"] for c in payload["cases"]])
+        for piece in script(len(launches), payload["cases"]):
+            if isinstance(piece, Exception):
+                raise piece
+            on_partial(piece)
+        return []
+
+    monkeypatch.setattr(launch, "run_world", run_world)
+    return launches
+
+
+def _stack_spec():
+    return _spec(axes={"ga": [2, 4], "zero_optimization.stage": [1, 2]})
+
+
+def test_one_stacks_points_are_judged_against_their_own_gas_control_as_each_comes_back(monkeypatch):
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    off_id = todo[3]["id"]
+
+    def script(n, cases):
+        return [EXACT if c["role"] == "control" or c["id"] != off_id else OFF for c in cases]
+
+    launches = _world(monkeypatch, script)
+    got, bar = [], _Bar()
+    sweep.run_stack(spec, {}, todo, got.append, bar)
+    assert len(launches) == 1 and launches[0][:2] == ["control GA 2 clip 0 mlp", "control GA 4 clip 0 mlp"]
+    assert [r["id"] for r in got] == [c["id"] for c in todo] and bar.n == 4
+    assert [r["verdict"] for r in got] == [oracle.NOT_AFFECTED] * 3 + [oracle.AFFECTED]
+    assert all(r["spec_key"] == sweep.spec_key(spec) and r["release"] == sweep.release_of({}) and r["stack"] == {}
+               and r["point"] == c["point"] and r["step_count"] == spec["steps"] for r, c in zip(got, todo))
+    assert got[3]["explained_by"] is None and "explanation" in got[3]  # an affected point is explained (or said not)
+
+
+def test_a_point_judged_against_an_off_control_is_inconclusive_and_one_without_a_control_too(monkeypatch):
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+
+    def script(n, cases):  # GA 2's control is off; GA 4's never reports (the world ends after GA 2's points)
+        pieces = []
+        for c in cases:
+            if c["role"] == "control":
+                pieces.append(OFF if c["ga"] == 2 else EXACT)
+        return pieces + [EXACT for c in cases if c["role"] != "control"]
+
+    _world(monkeypatch, script)
+    got = []
+    sweep.run_stack(spec, {}, todo, got.append)
+    assert {r["verdict"] for r in got if r["ga"] == 2} == {oracle.INCONCLUSIVE}
+    assert {r["verdict"] for r in got if r["ga"] == 4} == {oracle.NOT_AFFECTED}
+
+
+def test_a_point_that_breaks_its_world_costs_only_itself_and_the_world_goes_on_after_it(monkeypatch):
+    from kit import launch
+
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    crash = todo[1]["id"]
+
+    def script(n, cases):
+        out = []
+        for c in cases:
+            if c["role"] != "control" and c["id"] == crash:
+                return out + [launch.LaunchError("rank 1 died: planted\nits traceback")]
+            out.append(EXACT)
+        return out
+
+    launches = _world(monkeypatch, script)
+    got, bar = [], _Bar()
+    sweep.run_stack(spec, {}, todo, got.append, bar)
+    assert len(launches) == 2 and bar.n == 4
+    assert launches[1] == [c["name"] for c in sweep._controls(todo[2:])] + [c["name"] for c in todo[2:]]
+    assert [r["id"] for r in got] == [c["id"] for c in todo]
+    broken = got[1]
+    assert broken["verdict"] == oracle.CANNOT_RUN and broken["crashed_world"] is True
+    assert "this point broke the world (rank 1 died: planted); the sweep relaunched it" in broken["reason"]
+    assert [r["verdict"] for r in got if r["id"] != crash] == [oracle.NOT_AFFECTED] * 3
+    assert not any(r.get("crashed_world") for r in got if r["id"] != crash)
+
+
+def test_a_world_that_fails_before_its_controls_makes_every_remaining_point_cannot_run(monkeypatch):
+    from kit import launch
+
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    launches = _world(monkeypatch, lambda n, cases: [EXACT, launch.LaunchError("gloo: planted\nmore")])
+    got, bar = [], _Bar()
+    sweep.run_stack(spec, {}, todo, got.append, bar)
+    assert len(launches) == 1 and bar.n == 4 and [r["id"] for r in got] == [c["id"] for c in todo]
+    assert all(r["verdict"] == oracle.CANNOT_RUN and "the world failed before its controls: gloo: planted" in r["reason"]
+               for r in got)
+
+
+def test_a_stack_that_does_not_install_makes_each_of_its_points_cannot_run_with_why(monkeypatch):
+    from kit import runner
+
+    class CannotRun(Exception):
+        reason = "no such release: planted"
+
+    def fail(*a, **k):
+        raise CannotRun("x")
+
+    monkeypatch.setattr(runner, "world_for", fail)
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    got = []
+    sweep.run_stack(spec, {"deepspeed": "0.0.1"}, todo, got.append)
+    assert len(got) == 4 and all(r["verdict"] == oracle.CANNOT_RUN and "no such release: planted" in r["reason"]
+                                 and r["release"] == "0.0.1" for r in got)
+
+
+def test_the_groups_come_largest_first():
+    recs = [_p(1, 0, oracle.AFFECTED, "B3"), _p(1, 1, oracle.AFFECTED, "B3"), _p(1, 2, oracle.AFFECTED, "B3"),
+            _p(0, 0, oracle.AFFECTED, "B4"), _p(0, 1, oracle.NOT_AFFECTED), _p(0, 2, oracle.NOT_AFFECTED)]
+    gs = sweep.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
+    assert [(g["known_bug"], g["count"]) for g in gs] == [("B3", 3), ("B4", 1)]
+    assert sweep._group([{k: v for k, v in recs[0].items() if k != "worst_step"}], 1, {})["worst_steps"] == [1]
+
+
+def test_the_beam_ranks_by_new_points_per_point_wrongly_selected():
+    import pytest as _pytest
+
+    level = [(("b",), 0b1111, 0), (("a",), 0b0011, 1)]  # b: 3 new, 1 wrong; a: 2 new, none wrong
+    with _pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sweep, "BEAM", 1)
+        assert [c[0] for c in sweep._beam(level, 0b0111, 0b0111)] == [("a",)]  # 2 / 1 beats 3 / 2
+
+
+def test_a_three_part_key_is_named_by_its_last_part_in_the_readme_table():
+    g = {"when": {"x.y.z": [1]}, "count": 1, "ratio_range": [0.5, 0.5], "matches": ["m"], "shapes": ["s"],
+         "known_bug": "B3"}
+    summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 1, "counts": {oracle.AFFECTED: 1}, "groups": [g]}]}
+    assert "| z = 1 |" in sweep.table(summary, "c")
+
+
+def test_the_model_table_keeps_the_specs_order_of_models():
+    spec = _spec(axes={"ga": [2], "model": ["no_grad_step", "conditional"]})
+    recs = [{"stack": {}, "point": {"model": m}, "zero_stage": 3, "dtype": "fp32", "verdict": oracle.NOT_AFFECTED}
+            for m in ("conditional", "no_grad_step")]
+    rows = sweep.model_table(spec, recs).splitlines()[4:]
+    assert [r.split("|")[1].strip() for r in rows] == ["no_grad_step", "conditional"]
+
+
+def test_a_run_shows_its_bar_makes_its_folder_and_writes_its_spec(tmp_path, monkeypatch, capsys):
+    spec = _spec(axes={"ga": [2]})
+
+    def run_stack(spec_, stack, todo, sink, bar=None):
+        for c in todo:
+            sink({"stack": stack, "release": sweep.release_of(stack), "spec_key": sweep.spec_key(spec_), "id": c["id"],
+                  "verdict": oracle.NOT_AFFECTED})
+            bar.update(1)
+
+    monkeypatch.setattr(sweep, "run_stack", run_stack)
+    out = tmp_path / "new" / "folder"
+    assert len(sweep.run(spec, out, progress=True)) == 1
+    assert "sweep: 100%" in capsys.readouterr().err
+    assert (out / "spec.json").read_text().startswith('{\n "base": {\n  "train_micro_batch_size_per_gpu": 4\n }')
+    sweep.run(spec, out, progress=False)
+    assert "sweep" not in capsys.readouterr().err
+
+
+def test_violations_match_a_records_stack_whatever_the_order_of_its_keys_and_cut_a_long_reason():
+    spec = _spec(axes={"ga": [2]}, stacks=[{"deepspeed": "0.18.6", "transformers": "5.3.0"}])
+    recs = _recs_for(spec)
+    for r in recs:
+        r["stack"] = {"transformers": "5.3.0", "deepspeed": "0.18.6"}
+    assert sweep.violations(spec, recs, {"stacks": []}) == []
+    failed = [{**r, "verdict": oracle.CANNOT_RUN, "reason": "x" * 300} for r in recs]
+    (bad,) = sweep.violations(spec, failed, {"stacks": []})
+    assert bad.endswith(f"(first reason: {'x' * 200})")
+
+
+def test_a_bad_spec_file_says_yamls_first_line_and_the_command_says_what_it_does(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("axes: [unclosed\n")
+    with pytest.raises(config.ConfigError, match="is not valid YAML: while parsing a flow sequence$"):
+        sweep.load_spec(str(bad))
+    with pytest.raises(SystemExit):
+        sweep.main(["--help"])
+    assert "Sweep the DeepSpeed configuration space with the check's oracle, and group what is affected." in \
+        " ".join(capsys.readouterr().out.split())  # the first paragraph of its docstring, as argparse wraps it
+
+
+def test_each_unknown_group_gets_a_verified_script_its_config_and_its_report(tmp_path, monkeypatch):
+    from kit import repro
+
+    spec = _spec(axes={"ga": [2, 4], "loop": ["manual"]})
+    recs = []
+    for i, p in enumerate(sweep.points(spec)):
+        case = sweep.point_case(spec, p)
+        recs.append({"id": case["id"], "point": p, "config": case, "world_size": 2, "ga": case["ga"], "stack": {},
+                     "verdict": oracle.AFFECTED, "explained_by": None, "matches": "none", "shape": f"shape {i}",
+                     "versions": {"deepspeed": "0.18.6", "torch": "2.13.0"}, "metrics": {"norm_ratio": 0.5,
+                     "cosine": 1.0, "rel_l2": 0.5}, "attribution": {"weights": [0.0] * 8, "expected_weights": [0.125] * 8,
+                     "residual": 0.0, "misplaced_weight": 0.875}, "reason": "r", "dtype": "fp32", "case": case["name"], "role": "measured"})
+    gs = sweep.groups(recs, sweep.all_axes(spec)) + [{"known_bug": "B3", "example": recs[0]["id"]}]
+    ran = []
+
+    def verify(path, world_size, stack, device):  # prints what the script would: its point's W x N weights
+        import re
+
+        ran.append((path.name, world_size, stack, device))
+        n = int(re.search(r"STEPS = '\w+', (\d+),", path.read_text()).group(1))
+        return 1, json.dumps({"deepspeed": "0.18.6", "steps": [{"off": True, "weights_x_right": [0.0] * (world_size * n),
+                                                                 "residual": 0.0}], "reproduced": True})
+
+    monkeypatch.setattr(repro, "verify", verify)
+    sweep.reproduce(spec, {}, recs, gs, tmp_path, jobs=1)
+    tag = __import__("kit.runner", fromlist=["x"]).stack_label({}).replace(" ", "_").replace("=", "-")
+    assert sorted(r[0] for r in ran) == [f"repro_{tag}_1.py", f"repro_{tag}_2.py"]  # not the known bug's group
+    assert all(r[1:] == (2, {}, "cpu") for r in ran)
+    for k, g in enumerate(gs[:2]):
+        assert g["repro"]["script"] == f"repro_{tag}_{k + 1}.py" and g["repro"]["exit"] == 1
+        assert g["repro"]["reproduced"] is True and set(g["repro"]["shape"]["weights"]) == {0.0}
+        assert g["config"] == f"config_{tag}_{k + 1}.json" and g["report"] == f"report_{tag}_{k + 1}.md"
+        assert json.loads((tmp_path / g["config"]).read_text())["gradient_accumulation_steps"] in (2, 4)
+        assert "gradkit bisect" in (tmp_path / g["report"]).read_text()
+    assert "repro" not in gs[2]
