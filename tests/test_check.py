@@ -267,6 +267,8 @@ def test_the_check_summary_takes_the_worse_of_the_step_and_the_logged_norm_and_e
     assert [st["logged_norm_ratio"] for st in engine["steps"]] == [2.0, None]
     assert manual["off"] == ["applied step"] and manual["ties"] == ["a", "b"] and manual["worst_step"] == 1
     assert [st["off"] for st in manual["steps"]] == [False, True] and manual["steps"][1]["ratio"] == 0.25
+    near = check.summarise([_ds("engine", verdict=oracle.NOT_AFFECTED, steps=_steps((1.00005, None)))])
+    assert near["loops"][0]["steps"][0]["off"] is False  # half its limit off the reference: within it
     assert manual["read_finding"] == "the masters misreport" and manual["shape"] == "the last x1"
     assert manual["explained_by"] == "B3" and manual["fix"]["verdict"] == oracle.NOT_AFFECTED
     assert manual["fix"]["ratio"] == 1.0 and manual["fix"]["what"] == check.EXPLAINS["B3"][2]
@@ -409,10 +411,12 @@ def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(t
     runs.clear()
     code = check.main([str(cfg), "--loop", "manual", "--trainer-dtype", "fp32", "--ga", "3", "--json", str(out)])
     assert code == 1 and [r[:3] for r in runs] == [("fp32", 2, ("manual",)), ("fp32", 4, ("manual",))]
+    printed = capsys.readouterr().out
+    assert f"gradkit check {cfg}: DeepSpeed" in printed and "[fp32]" not in printed  # one precision: not named
     assert runs[0][3] == {}  # the installed release
     doc = json.loads(out.read_text())
     assert doc["summary"]["loops"][0]["loop"] == "manual" and len(doc["records"]) == 4
-    assert "verdict over every precision" not in capsys.readouterr().out
+    assert "verdict over every precision" not in printed
     monkeypatch.setattr(ds_config, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted")))
     assert check.main([str(cfg), "--trainer-dtype", "fp32", "--json", str(out)]) == 3
     assert "internal error while checking fp32: RuntimeError: planted (nothing was measured: exit 3)" in \
