@@ -437,3 +437,48 @@ def test_a_whole_step_is_stale_from_just_past_its_limits_and_a_tie_is_the_mean_o
     tie = {"metrics": {"rel_l2": 1.5e-4, "norm_ratio": 1.0, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
     assert oracle._named(tie, "fp32") == "ambiguous between 'global mean' and 'last / N'"
+
+
+def test_the_reference_takes_token_targets_as_they_are():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+    batches = [(torch.tensor([1, 2]), torch.tensor([3, 4])), (torch.tensor([0, 4]), torch.tensor([2, 2]))]
+    basis, weights, ref = oracle.reference_gradients(model, batches, torch.nn.functional.cross_entropy)
+    assert basis.shape[0] == 2 and torch.isfinite(ref).all() and ref.abs().sum() > 0
+
+
+def test_a_group_whose_right_update_is_tiny_against_the_whole_step_has_none():
+    basis = torch.eye(2, dtype=torch.float64)
+    target = torch.tensor([100.0, 1e-8], dtype=torch.float64)  # 1e-10 of the whole step's norm
+    g = oracle.judge_groups(target, basis, torch.ones(2, dtype=torch.float64), target,
+                            {"big": torch.tensor([0]), "tiny": torch.tensor([1])}, 1, 2)
+    assert g["tiny"]["expected_zero"] and not g["big"]["expected_zero"]
+
+
+def test_a_previous_steps_micro_batch_is_never_lost_and_a_uses_weight_is_never_minus_zero():
+    basis = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)  # row 1: the previous step's (k = 1)
+    eff = basis[0] - 0.1 * basis[1]
+    g = oracle.judge_groups(eff, basis, torch.tensor([1.0, 0.0], dtype=torch.float64), basis[0],
+                            {"all": torch.tensor([0, 1])}, 1, 1)
+    assert g["all"]["lost"] is None
+    uses = {"all": {"first": torch.tensor([1.0, 0.0], dtype=torch.float64),
+                    "second": torch.tensor([0.0, 1.0], dtype=torch.float64)}}
+    g = oracle.judge_groups(torch.tensor([1.0, -0.001], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+                            torch.ones(2, dtype=torch.float64) / 2, torch.tensor([1.0, 1.0], dtype=torch.float64),
+                            {"all": torch.tensor([0, 1])}, 1, 2, uses)
+    assert g["all"]["uses"]["shape"] == "first x1, second x0"
+
+
+def test_a_stepless_record_is_named_at_its_own_dtypes_limits():
+    rec = {"dtype": "bf16", "metrics": {"rel_l2": 0.01, "norm_ratio": 1.01, "cosine": 1.0},
+           "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
+    assert oracle.annotate_steps(rec)["matches"] == "global mean"
+
+
+def test_a_groups_previous_step_weight_of_exactly_half_a_share_is_not_stale():
+    k = 2
+    g = _group(rel_err=0.5)
+    g["attribution"].update(rows=[0, k], weights=[0.25, 0.5 / k])
+    assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == []
+    g["attribution"]["weights"] = [0.25, 0.26]
+    assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == [oracle.PART_STALE]
