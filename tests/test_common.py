@@ -280,3 +280,135 @@ def test_the_micro_batches_are_the_ranks_data_split_in_order():
     other = [c.rank_samples(SEED, 0, 6, HIDDEN, 2), c.rank_samples(SEED, 1, 6, HIDDEN, 1),
              c.rank_samples(SEED + 1, 1, 6, HIDDEN, 2)]
     assert all(not torch.equal(o[0], x) for o in other)
+
+
+# ---- the reads of DeepSpeed's state, with stand-ins for its parameters and optimizers (the world tests run the real
+# ones): which weights a step is read from, and where each part of them comes from
+
+def _zero3(module, fill=None):
+    """``module``'s parameters as ZeRO-3 leaves them between steps (one rank): the values in ``ds_tensor``, and
+    ``p.data`` (here) filled with what the model does not compute with."""
+    for p in module.parameters():
+        full = p.detach().clone().reshape(-1)
+        p.ds_id, p.ds_numel, p.ds_tensor = 0, full.numel(), full.clone()
+        if fill is not None:
+            p.data = torch.full_like(p.data, fill)  # what p.data holds is not what the model computes with
+    return module
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    """``deepspeed.utils.safe_get_full_fp32_param`` as a stand-in: the masters a test puts in ``masters``."""
+    import sys
+    import types
+
+    masters = {}
+    ds, utils = types.ModuleType("deepspeed"), types.ModuleType("deepspeed.utils")
+    utils.safe_get_full_fp32_param = lambda p: masters.get(id(p))
+    ds.utils = utils
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    monkeypatch.setitem(sys.modules, "deepspeed.utils", utils)
+    return masters
+
+
+def test_a_zero3_models_weights_are_read_from_its_partitions_not_its_empty_data():
+    m = _zero3(torch.nn.Linear(2, 2), fill=1e38)
+    parts = c.module_parts(m)
+    assert [p.numel() for p in parts] == [4, 2] and all(p.dtype == torch.float64 for p in parts)
+    assert torch.equal(torch.cat(parts), torch.cat([p.ds_tensor for p in m.parameters()]).double())
+    assert torch.equal(c.module_weights(m), torch.cat(parts))
+    plain = torch.nn.Linear(2, 2)
+    assert torch.equal(c.module_weights(plain), c.flat_params(plain))
+    assert c.module_parts(torch.nn.Sequential()) == []
+
+
+def test_the_masters_come_from_deepspeed_then_the_optimizers_groups_then_the_fallback(fake_deepspeed):
+    m = torch.nn.Linear(2, 1)
+    w, b = m.weight, m.bias
+    fake_deepspeed[id(w)] = torch.full((1, 2), 5.0)
+    opt = type("Opt", (), {"fp16_groups": [[b]], "fp32_groups": [[torch.full((1,), 7.0)]]})()
+    assert c.full_fp32_params(m, opt).tolist() == [5.0, 5.0, 7.0]
+    fallback = [torch.zeros(2), torch.full((1,), 9.0)]
+    assert c.full_fp32_params(m, None, fallback).tolist() == [5.0, 5.0, 9.0]
+    assert c.full_fp32_params(m).tolist() == [5.0, 5.0, b.item()]
+    odd = type("Opt", (), {"fp16_groups": [b], "fp32_groups": [torch.zeros(1)]})()  # not lists of tensors: ignored
+    assert c.full_fp32_params(m, odd).tolist() == [5.0, 5.0, b.item()]
+    assert c.full_fp32_params(m, object(), fallback).dtype == torch.float64
+
+
+def test_the_two_reads_agree_within_the_module_dtypes_rounding_and_say_how_far_apart_they_are(fake_deepspeed):
+    m = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1.0, 2.0]]))
+    fake_deepspeed[id(m.weight)] = torch.tensor([[1.0, 2.0]])
+    r = c.read_weights(m, None, "fp32")
+    assert r["agree"] is True and r["max_diff"] == 0.0 and r["module"].tolist() == r["masters"].tolist() == [1.0, 2.0]
+    fake_deepspeed[id(m.weight)] = torch.tensor([[1.0, 2.002]])  # within bf16's rounding, not fp32's
+    assert c.read_weights(m, None, "bf16")["agree"] is True
+    r = c.read_weights(m, None, "fp32")
+    assert r["agree"] is False and abs(r["max_diff"] - 0.002) < 1e-6 and r["masters"][1].item() == pytest.approx(2.002)
+
+
+def test_the_engines_logged_norm_is_read_where_it_keeps_one():
+    class Engine:
+        def __init__(self, norm):
+            self.norm = norm
+
+        def get_global_grad_norm(self):
+            return self.norm
+
+    assert c.engine_norm(Engine(None)) is None and c.engine_norm(object()) is None
+    assert c.engine_norm(Engine(torch.tensor(2.5))) == 2.5 and isinstance(c.engine_norm(Engine(3)), float)
+
+
+def test_a_released_engine_is_destroyed_and_the_seed_reset():
+    destroyed = []
+    engine = type("E", (), {"destroy": lambda self: destroyed.append(True)})()
+    torch.manual_seed(123)
+    c.release(engine)
+    c.release(object())  # an engine with nothing to destroy
+    assert destroyed == [True] and torch.initial_seed() == 0
+
+
+def test_finiteness_and_gathered_floats_over_the_world():
+    assert c.all_finite(torch.tensor([1.0, 2.0])) is True
+    assert c.all_finite(torch.tensor([1.0, float("nan")])) is False
+    assert c.all_finite(torch.tensor([float("inf")])) is False
+    assert c.all_gather_floats([1.5, 2.0]) == [[1.5, 2.0]]
+    assert [t.tolist() for t in c.all_gather_flat(torch.tensor([3.0]))] == [[3.0]]
+
+
+def test_a_models_flat_weights_load_into_another_of_its_shape():
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert torch.equal(c.flat_params(c.load_flat(b, c.flat_params(a))), c.flat_params(a))
+    assert c.mse(torch.tensor([1.0, 3.0], dtype=torch.bfloat16), torch.tensor([0.0, 1.0])).item() == 2.5
+    x = torch.tensor([1, 2])
+    assert c.to_device(x, "cpu", torch.bfloat16).dtype == torch.int64  # token ids stay integers
+    assert c.to_device(torch.ones(1), "cpu", torch.bfloat16).dtype == torch.bfloat16
+    opt = c.sgd(a, lr=0.5)
+    assert opt.defaults["lr"] == 0.5 and opt.defaults["momentum"] == 0.0 and opt.defaults["weight_decay"] == 0.0
+    a.bias.requires_grad_(False)
+    assert len(c.sgd(a).param_groups[0]["params"]) == 1  # only what trains
+
+
+def test_a_rank_s_data_is_the_same_on_every_call_and_its_own():
+    x1, y1 = c.rank_samples(3, 0, 4, HIDDEN)
+    x2, y2 = c.rank_samples(3, 0, 4, HIDDEN)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and x1.shape == (4, HIDDEN)
+    teacher = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(3)) / HIDDEN ** 0.5
+    assert (y1 - x1 @ teacher).abs().max().item() < 1.0  # a teacher plus noise of 0.1
+    assert c.rank() == 0 and c.world_size() == 1 and c.device() == torch.device("cpu")
+
+
+def test_the_phases_of_a_case_add_up_their_time():
+    c._PHASES.clear()
+    with c.phase("a"):
+        pass
+    with c.phase("a"):
+        pass
+    with pytest.raises(ValueError):
+        with c.phase("b"):
+            raise ValueError
+    assert set(c._PHASES) == {"a", "b"} and all(v >= 0 for v in c._PHASES.values())
+    watch = c.Stopwatch()
+    assert 0 <= watch() < 5
