@@ -358,6 +358,10 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
     assert one[0].startswith("gradkit check ds.json: DeepSpeed 0.18.6, torch 2.13.0, 1 rank (cpu); ZeRO-None ?, GA None, "
                              "1 optimizer step each judged")
     assert one[1].startswith("  ONE RANK") and one[-2].endswith("no DeepSpeed): absent")
+    shaped = _ds("engine", verdict=oracle.NOT_AFFECTED)
+    shaped["config"]["model"] = "conditional"
+    assert check.report([shaped], check.summarise([shaped]), "ds.json", 2, "cpu").splitlines()[0].endswith(
+        "model: conditional")
 
 
 def test_the_precisions_checked_are_the_trainers_or_every_one_auto_could_resolve_to():

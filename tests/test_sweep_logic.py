@@ -728,3 +728,85 @@ def test_main_says_whether_each_unknown_groups_script_reproduces_and_writes_the_
     assert "    repro_1.py: reproduces (exit 1): line one\n" in printed
     assert "    repro_2.py: does NOT reproduce (exit 0): not reproduced\n" in printed
     assert (tmp_path / "o" / "summary.json").read_text().startswith('{\n "stacks": [\n  {')
+
+
+def test_one_known_bug_group_has_no_smaller_groups_to_mention():
+    g = {"when": {"a": [1]}, "count": 2, "ratio_range": [0.5, 0.5], "matches": ["m"], "shapes": ["s"], "known_bug": "B3"}
+    summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 2, "counts": {oracle.AFFECTED: 2}, "groups": [g]}]}
+    assert "| a = 1 | 2 |" in sweep.table(summary, "c")
+
+
+def test_notebook_06s_stacks_replace_the_specs_only_when_given():
+    p = {"SPEC": "scripts/sweeps/default.yaml", "STACKS": []}
+    own = sweep.load_spec("scripts/sweeps/default.yaml")["stacks"]
+    assert sweep.notebook_spec(p)["stacks"] == own
+    assert sweep.notebook_spec({**p, "STACKS": [{"deepspeed": "0.18.6"}]})["stacks"] == [{"deepspeed": "0.18.6"}]
+    assert [s for _, s in sweep.check_notebook({**p, "SWEEP_DIR": ""})] == own
+    with pytest.raises(config.ConfigError, match="SWEEP_DIR must be"):
+        sweep.check_notebook({**p, "SWEEP_DIR": 3})
+    with pytest.raises(config.ConfigError, match="STACKS must be a list of mappings"):
+        sweep.check_notebook({**p, "SWEEP_DIR": "", "STACKS": ["0.18.6"]})
+
+
+def test_a_tie_after_a_point_without_one_is_still_separated():
+    plain = {"point": {"ga": 4, "s": 2}, "ga": 4, "stack": {}, "verdict": oracle.NOT_AFFECTED, "id": "plain"}
+    tie = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.AFFECTED, "matches": "a or b",
+           "id": "two", "ties": ["a", "b"]}
+    four = {"point": {"ga": 4, "s": 1}, "ga": 4, "stack": {}, "verdict": oracle.AFFECTED, "id": "four", "matches": "a",
+            "explained_by": "B3", "explanation": "B3"}
+    sweep.separate([plain, tie, four])
+    assert tie["separated_by"] == "four"
+
+
+def test_a_group_needs_at_most_five_conditions_else_its_points_are_said_one_by_one():
+    import itertools
+
+    axes = {f"x{i}": [0, 1] for i in range(7)}
+    recs = []
+    for values in itertools.product([0, 1], repeat=7):
+        hit = all(values[:6])  # x0..x5 all 1: six conditions, whatever x6
+        recs.append({"point": dict(zip(axes, values)), "verdict": oracle.AFFECTED if hit else oracle.NOT_AFFECTED,
+                     "id": "".join(map(str, values)), "explained_by": "B3" if hit else None, "matches": "m", "ga": 4,
+                     "stack": {}, "metrics": {"norm_ratio": 0.5}})
+    gs = sweep.groups(recs, axes)
+    assert [g["count"] for g in gs] == [1, 1] and all(len(g["when"]) == 7 for g in gs)
+    (g,) = sweep.groups(recs, axes, max_keys=6)
+    assert g["when"] == {f"x{i}": [1] for i in range(6)}
+
+
+def test_points_said_one_by_one_name_only_the_axes_that_vary():
+    recs = [_p(a, b, oracle.AFFECTED if (a + b) % 2 else oracle.NOT_AFFECTED, "B3" if (a + b) % 2 else None)
+            for a in range(3) for b in range(3)]
+    for r in recs:
+        r["point"]["c"] = "only"
+    gs = sweep.groups(recs, {"a": [0, 1, 2], "b": [0, 1, 2], "c": ["only"]}, max_keys=1)
+    assert gs and all(set(g["when"]) == {"a", "b"} for g in gs)
+
+
+def test_a_reproduction_that_fails_to_run_is_not_swallowed(tmp_path, monkeypatch):
+    from kit import repro
+
+    spec = _spec(axes={"ga": [2]})
+    (p,) = sweep.points(spec)
+    case = sweep.point_case(spec, p)
+    rec = {"id": case["id"], "point": p, "config": case, "world_size": 2, "versions": {"deepspeed": "0.18.6"}}
+    monkeypatch.setattr(repro, "verify", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("planted")))
+    with pytest.raises(RuntimeError, match="planted"):
+        sweep.reproduce(spec, {}, [rec], [{"known_bug": None, "example": case["id"], "when": {}, "count": 1,
+                                           "ratio_range": None, "matches": [], "shapes": []}], tmp_path, jobs=1)
+
+
+def test_main_from_the_command_line_names_its_own_command_and_its_wall_time(tmp_path, monkeypatch, capsys):
+    import sys
+
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("axes:\n  ga: [2]\nbase:\n  train_micro_batch_size_per_gpu: 4\n")
+    monkeypatch.setattr(sweep, "run", lambda spec, out, **k: (tmp_path / "o").mkdir() or [])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- gradkit:table SWEEP -->\n<!-- /gradkit:table -->\n")
+    monkeypatch.setattr(sys, "argv", ["sweep.py", str(spec_file), "--out", str(tmp_path / "o"), "--readme", str(readme),
+                                      "--no-progress"])
+    monkeypatch.setattr(sweep, "table", lambda summary, command: f"{command}\n")
+    assert sweep.main() == 0
+    assert f"python -m kit.sweep {spec_file} --out" in readme.read_text()
+    assert 0 <= json.loads((tmp_path / "o" / "summary.json").read_text())["wall_s"] < 3600  # a duration, not a date
