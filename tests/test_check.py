@@ -417,6 +417,7 @@ def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(t
     assert code == 1 and [r[:3] for r in runs] == [("fp32", 2, ("manual",)), ("fp32", 4, ("manual",))]
     printed = capsys.readouterr().out
     assert f"gradkit check {cfg}: DeepSpeed" in printed and "[fp32]" not in printed  # one precision: not named
+    assert "checking each precision" not in printed
     assert runs[0][3] == {}  # the installed release
     doc = json.loads(out.read_text())
     assert doc["summary"]["loops"][0]["loop"] == "manual" and len(doc["records"]) == 4

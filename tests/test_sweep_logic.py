@@ -810,3 +810,33 @@ def test_main_from_the_command_line_names_its_own_command_and_its_wall_time(tmp_
     assert sweep.main() == 0
     assert f"python -m kit.sweep {spec_file} --out" in readme.read_text()
     assert 0 <= json.loads((tmp_path / "o" / "summary.json").read_text())["wall_s"] < 3600  # a duration, not a date
+
+
+def test_the_fewest_conditions_come_first_even_where_more_would_cover_more():
+    import itertools
+
+    axes = {"a": [0, 1], "b": [0, 1], "c": [0, 1, 2, 3, 4]}
+    recs = []
+    for a, b, cc in itertools.product(*axes.values()):
+        hit = (a == 1 and b == 1) or cc == 4
+        recs.append({"point": {"a": a, "b": b, "c": cc}, "verdict": oracle.AFFECTED if hit else oracle.NOT_AFFECTED,
+                     "id": f"{a}{b}{cc}", "explained_by": "B3" if hit else None, "matches": "m", "ga": 4, "stack": {},
+                     "metrics": {"norm_ratio": 0.5}})
+    gs = sweep.groups(recs, axes)
+    assert [(g["when"], g["count"]) for g in gs] == [({"c": [4]}, 4), ({"a": [1], "b": [1]}, 4)]
+
+
+def test_one_at_a_time_keys_that_are_not_a_mapping_are_refused():
+    with pytest.raises(config.ConfigError, match="one_at_a_time is"):
+        sweep.check_spec({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": ["gradient_clipping"]}})
+
+
+def test_a_world_error_is_said_by_its_first_line_cut_at_300_characters(monkeypatch):
+    from kit import launch
+
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    _world(monkeypatch, lambda n, cases: [launch.LaunchError("e" * 400 + "\nsecond line")])
+    got = []
+    sweep.run_stack(spec, {}, todo, got.append)
+    assert all(r["reason"].endswith(f"the world failed before its controls: {'e' * 300}") for r in got)
