@@ -230,6 +230,8 @@ def test_an_affected_record_is_named_only_by_the_bug_whose_step_it_shows(rec, bu
      "(the step is: each x1)"),
     (_ds("manual", matches="sum of all"),
      "not explained by any known bug: B3 is expected here, but the step is 'sum of all', not what B3 leaves"),
+    (_ds("manual", ds=OFFLOAD, matches="sum of all"),
+     "not explained by any known bug: B3, B7 is expected here, but the step is 'sum of all', not what B3 leaves"),
     (_ds("engine", matches="sum of all", shape="each x1"),
      "not explained by any known bug (the step is 'sum of all'; each x1)"),
     (_ds("engine", matches="sum of all"), "not explained by any known bug (the step is 'sum of all')"),
@@ -407,6 +409,7 @@ def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(t
     assert "checking each precision it could resolve to (fp32, bf16)" in printed
     assert "verdict over every precision: fp32 affected, bf16 affected -> affected (exit 1)" in printed
     assert f"gradkit check {cfg} [bf16]" in printed
+    assert out.read_text().startswith('{\n "config_file": ')
     doc = json.loads(out.read_text())
     assert doc["summary"] == {"verdict": "affected", "exit": 1} and doc["records"] == []
     assert set(doc["precisions"]) == {"fp32", "bf16"} and doc["config_file"] == str(cfg.resolve())

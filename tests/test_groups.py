@@ -473,6 +473,8 @@ def test_a_stepless_record_is_named_at_its_own_dtypes_limits():
     rec = {"dtype": "bf16", "metrics": {"rel_l2": 0.01, "norm_ratio": 1.01, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
     assert oracle.annotate_steps(rec)["matches"] == "global mean"
+    assert rec["ties"] == ["global mean", "last / N"]  # what it could not tell apart, kept
+    assert oracle.annotate_steps({"dtype": "fp32", "metrics": rec["metrics"]})["ties"] == []
 
 
 def test_a_groups_previous_step_weight_of_exactly_half_a_share_is_not_stale():

@@ -354,6 +354,10 @@ def test_violations_hold_the_kits_own_b6_and_b7_findings_where_they_ran():
     (bad,) = sweep.violations(spec, recs, {"stacks": []})  # DeepSpeed's own loop only
     assert "the table pins B7 here, measured not-affected (None)" in bad and "'loop': 'engine'" in bad
     assert sweep.violations(spec, [{**r, "zero_stage": 1} for r in recs], {"stacks": []}) == []
+    stage3 = _spec(axes={"ga": [2], "zero_optimization.stage": [3], "model": ["conditional"],
+                         "zero_optimization.offload_optimizer.device": ["cpu"], "loop": ["engine"]})
+    (bad,) = sweep.violations(stage3, _recs_for(stage3, oracle.AFFECTED, explained_by="B6"), {"stacks": []})
+    assert "the table pins B7 here, measured affected (B6)" in bad
 
 
 def test_violations_need_every_group_explained_by_its_bug_and_every_unknown_one_reproduced_with_its_report():
@@ -384,10 +388,11 @@ def test_a_points_steps_in_one_line():
 def test_the_one_at_a_time_table_counts_each_keys_values_and_says_why_a_point_could_not_run():
     spec = _spec(axes={"ga": [2]}, one_at_a_time={"over": {}, "keys": {"gradient_clipping": [1.0, 2.0]}})
     assert sweep.one_at_a_time_table(_spec(axes={"ga": [2]}), []) == "no one-at-a-time keys in this spec"
-    recs = [{"stack": {}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.CANNOT_RUN, "reason": "a | b"},
+    recs = [{"stack": {}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.CANNOT_RUN,
+             "reason": "a | b" + "c" * 300},
             {"stack": {}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.AFFECTED, "reason": ""}]
     lines = sweep.one_at_a_time_table(spec, recs).splitlines()
-    assert len(lines) == 3 and "`gradient_clipping` = 1.0" in lines[2] and "a / b" in lines[2]
+    assert len(lines) == 3 and "`gradient_clipping` = 1.0" in lines[2] and f"| a / b{'c' * 155} |" in lines[2]
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[2:2 + len(oracle.VERDICTS)] == [str(int(v in (oracle.CANNOT_RUN, oracle.AFFECTED)))
                                                  for v in oracle.VERDICTS]
