@@ -234,6 +234,10 @@ def test_an_affected_record_is_named_only_by_the_bug_whose_step_it_shows(rec, bu
      "not explained by any known bug: B3, B7 is expected here, but the step is 'sum of all', not what B3 leaves"),
     (_ds("engine", matches="sum of all", shape="each x1"),
      "not explained by any known bug (the step is 'sum of all'; each x1)"),
+    (_ds("engine", stage=3, matches="sum of all"),  # B6's hypotheses are a tuple: the step must be one of them
+     "not explained by any known bug: B6 is expected here, but the step is 'sum of all', not what B6 leaves"),
+    (_ds("manual", matches="last micro-batch"),  # a part of B3's name is not B3's step
+     "not explained by any known bug: B3 is expected here, but the step is 'last micro-batch', not what B3 leaves"),
     (_ds("engine", matches="sum of all"), "not explained by any known bug (the step is 'sum of all')"),
     (_ds("engine", matches="none", shape="each x1"), "not explained by any known bug (the step is: each x1)"),
     (_ds("engine", shape="each x1"), "not explained by any known bug (the step is: each x1)"),
@@ -334,7 +338,7 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
                 steps=_steps((1.0, 4.0))),
             _ds("manual", matches="last micro-batch / N", shape="the last x1", steps=_steps((1.0, None), (0.25, None)),
                 worst_step=1, read_finding="the masters misreport"),
-            _ds("boundary", verdict=oracle.CANNOT_RUN, metrics=None, attribution=None)]
+            _ds("boundary", verdict=oracle.CANNOT_RUN, metrics=None, attribution=None, reason="q" * 400)]
     recs[0].update(resolved_config={**_resolved(4), "zero_optimization": {"stage": 2}}, step_count=2,
                    config_notes=["a note"])
     lines = check.report(recs, check.summarise(recs), "ds.json", 2, "cpu").splitlines()
@@ -353,7 +357,7 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
                                             "check with --deepspeed)")
     assert lines[at["manual"] + 4] == "      finding (not an accumulation bug): the masters misreport"
     assert lines[at["boundary"]].split()[:6] == ["boundary", "cannot-run", "-", "-", "-", "-"]
-    assert lines[at["boundary"] + 1] == "      boundary: why"
+    assert lines[at["boundary"] + 1] == "      " + "q" * 300
     assert lines[-2:] == ["  control (plain torch.distributed, no DeepSpeed): not-affected", "verdict: affected (exit 1)"]
     one = check.report([_ds("engine", verdict=oracle.NOT_AFFECTED)], check.summarise([_ds("engine",
                        verdict=oracle.NOT_AFFECTED)]), "ds.json", 1, "cpu").splitlines()

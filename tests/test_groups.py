@@ -484,3 +484,9 @@ def test_a_groups_previous_step_weight_of_exactly_half_a_share_is_not_stale():
     assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == []
     g["attribution"]["weights"] = [0.25, 0.26]
     assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == [oracle.PART_STALE]
+
+
+def test_two_micro_batches_off_alike_are_said_together_in_the_plural():
+    w = [0.0, 0.0, 0.2, 0.2, 0.2]
+    assert oracle.describe_weights(w, [0.2] * 5, 1, 5) == "micro-batches 1,2 x0, the others x1"
+    assert oracle.describe_weights([0.0, 0.2, 0.2], [0.2] * 3, 1, 3) == "micro-batch 1 x0, the others x1"

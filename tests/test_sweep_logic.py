@@ -164,6 +164,10 @@ def test_the_current_records_are_the_newest_per_point_and_release_of_this_spec()
     wrong = {**old, "release": "0.18.5"}  # the stack names 0.18.6 but the record ran another release
     got = sweep.current([mine, old, newer, wrong, {**mine, "spec_key": "other"}], spec)
     assert sorted(r["n"] for r in got) == [2, 3]
+    unsorted = _spec(axes={"ga": [2]}, stacks=[{"transformers": "5.3.0", "deepspeed": "0.18.6"}])
+    rec = {"stack": {"deepspeed": "0.18.6", "transformers": "5.3.0"}, "release": "0.18.6",
+           "spec_key": sweep.spec_key(unsorted), "id": "p"}
+    assert sweep.current([rec], unsorted) == [rec]  # the same stack, whatever the order of its keys
 
 
 def test_a_sweep_run_writes_each_record_as_it_comes_and_resumes_from_them(tmp_path, monkeypatch):
@@ -218,6 +222,7 @@ def test_the_largest_group_comes_first_and_points_no_conjunction_isolates_are_on
             for a in range(3) for b in range(3)]
     gs = sweep.groups(recs, {"a": [0, 1, 2], "b": [0, 1, 2]}, max_keys=1)
     assert sum(g["count"] for g in gs) == 4 and all(g["count"] == 1 for g in gs)
+    assert sorted(g["ids"][0] for g in gs) == sorted(r["id"] for r in recs if r["verdict"] == oracle.AFFECTED)
     assert all(set(g["when"]) == {"a", "b"} for g in gs)  # each point by its full coordinates
     gs = sweep.groups(recs, {"a": [0, 1, 2], "b": [0, 1, 2]})
     assert sum(g["count"] for g in gs) == 4 and [g["count"] for g in gs] == sorted([g["count"] for g in gs], reverse=True)
@@ -551,7 +556,7 @@ def test_a_point_that_breaks_its_world_costs_only_itself_and_the_world_goes_on_a
         out = []
         for c in cases:
             if c["role"] != "control" and c["id"] == crash:
-                return out + [launch.LaunchError("rank 1 died: planted\nits traceback")]
+                return out + [launch.LaunchError("rank 1 died: planted" + "." * 400 + "\nits traceback")]
             out.append(EXACT)
         return out
 
@@ -563,7 +568,7 @@ def test_a_point_that_breaks_its_world_costs_only_itself_and_the_world_goes_on_a
     assert [r["id"] for r in got] == [c["id"] for c in todo]
     broken = got[1]
     assert broken["verdict"] == oracle.CANNOT_RUN and broken["crashed_world"] is True
-    assert "this point broke the world (rank 1 died: planted); the sweep relaunched it" in broken["reason"]
+    assert f"this point broke the world (rank 1 died: planted{'.' * 280}); the sweep relaunched it" in broken["reason"]
     assert [r["verdict"] for r in got if r["id"] != crash] == [oracle.NOT_AFFECTED] * 3
     assert not any(r.get("crashed_world") for r in got if r["id"] != crash)
 
