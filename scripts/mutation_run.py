@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "scripts" / "mutation"
 OUT = REPO / "runs" / "mutation"
 BIN = Path(sys.executable).parent
-TIMEOUT_S = 300.0  # per mutant; a world test that hangs is stopped by the kit's own timeouts well before
+FAST_TIMEOUT_S = 120.0  # per mutant of the fast stage (its tests take seconds: a mutant that loops forever is killed)
+TIMEOUT_S = 600.0  # per mutant of the world stage; a world test that hangs is stopped by the kit's own timeouts before
 
 
 def config(module: str, tests: str, excluded: list[str]) -> Path:
@@ -34,7 +35,7 @@ def config(module: str, tests: str, excluded: list[str]) -> Path:
     path = OUT / f"{name}.toml"
     command = pytest_command(tests)
     ops = ",\n  ".join(json.dumps(e) for e in excluded)
-    path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {TIMEOUT_S}\nexcluded-modules = []\n'
+    path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {FAST_TIMEOUT_S}\nexcluded-modules = []\n'
                     f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
                     f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [\n  {ops}\n]\n")
     return path
