@@ -185,6 +185,7 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", ds=OFFLOAD), ["B5", "B7"]),
     (_ds("boundary", ds=OFFLOAD, stage=1), ["B5", "B7"]),
     (_ds("engine", ds=OFFLOAD, ga=2), ["B7"]),                    # B5 needs a micro-step between first and last
+    (_ds("engine", ds=OFFLOAD, ga=3), ["B5", "B7"]),
     (_ds("manual", ds=OFFLOAD), ["B3", "B7"]),
     (_ds("engine", ds=OFFLOAD, version="0.19.0"), ["B7"]),
     (_ds("engine", ds=OFFLOAD, version="0.15.1"), []),
@@ -368,6 +369,13 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
     shaped["config"]["model"] = "conditional"
     assert check.report([shaped], check.summarise([shaped]), "ds.json", 2, "cpu").splitlines()[0].endswith(
         "model: conditional")
+
+
+def test_the_check_says_what_it_does_in_its_help(capsys):
+    with pytest.raises(SystemExit):
+        check.main(["--help"])
+    assert "ds_config.json``: is *this* DeepSpeed config affected by a gradient-accumulation bug?" in \
+        " ".join(capsys.readouterr().out.split())
 
 
 def test_the_precisions_checked_are_the_trainers_or_every_one_auto_could_resolve_to():
