@@ -490,3 +490,19 @@ def test_two_micro_batches_off_alike_are_said_together_in_the_plural():
     w = [0.0, 0.0, 0.2, 0.2, 0.2]
     assert oracle.describe_weights(w, [0.2] * 5, 1, 5) == "micro-batches 1,2 x0, the others x1"
     assert oracle.describe_weights([0.0, 0.2, 0.2], [0.2] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
+
+
+def test_a_micro_batch_reaches_a_group_only_above_a_billionth_of_the_largest():
+    basis = torch.tensor([[1.0, 0.0], [1e-9, 0.0], [0.0, 1.0]], dtype=torch.float64)  # row 1: exactly 1e-9 of row 0
+    g = oracle.judge_groups(torch.tensor([1.0, 1.0], dtype=torch.float64), basis, torch.ones(3, dtype=torch.float64),
+                            torch.tensor([1.0, 1.0], dtype=torch.float64), {"first": torch.tensor([0])}, 1, 3)
+    assert g["first"]["reached"] == [0]
+
+
+def test_a_group_the_whole_steps_fit_explains_to_a_tenth_of_its_right_weight_is_not_said_again():
+    whole = {"attribution": {"weights": [0.5], "residual": 0.0}}
+    g = _group(rel_err=0.5)
+    g["attribution"].update(rows=[0], weights=[0.75], expected_weights=[2.5])  # 0.25 off: exactly a tenth of 2.5
+    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == []
+    g["attribution"]["weights"] = [0.76]
+    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]

@@ -301,10 +301,11 @@ def test_the_summary_counts_each_stacks_verdicts_and_groups_its_affected_points(
     spec = _spec(axes={"ga": [2]}, stacks=[{}, {"deepspeed": "0.18.6"}])
     recs = [{**_p(1, 0, oracle.AFFECTED, "B3"), "versions": {"deepspeed": "0.19.8"}, "wall_s": 1.25},
             {**_p(0, 0, oracle.NOT_AFFECTED), "wall_s": 2.0, "crashed_world": True},
+            {**_p(0, 0, oracle.CANNOT_RUN, i="no time"), "wall_s": None},
             {**_p(0, 0, oracle.CANNOT_RUN), "stack": {"deepspeed": "0.18.6"}, "wall_s": None}]
     s = sweep.summarise({**spec, "axes": {"a": [0, 1], "b": [0]}}, recs)
     mine, other = s["stacks"]
-    assert mine["stack"] == {} and mine["deepspeed"] == "0.19.8" and mine["configs"] == 2
+    assert mine["stack"] == {} and mine["deepspeed"] == "0.19.8" and mine["configs"] == 3
     assert mine["counts"][oracle.AFFECTED] == 1 and mine["counts"][oracle.NOT_AFFECTED] == 1
     assert mine["crashed_worlds"] == 1 and mine["wall_s"] == 3.2 and len(mine["groups"]) == 1
     assert other["deepspeed"] is None and other["counts"][oracle.CANNOT_RUN] == 1 and other["groups"] == []
@@ -730,12 +731,12 @@ def test_main_says_whether_each_unknown_groups_script_reproduces_and_writes_the_
     monkeypatch.setattr(sweep, "run", lambda spec, out, **k: (tmp_path / "o").mkdir() or [])  # run() makes the folder
     g = {"when": {}, "count": 1, "ratio_range": None, "matches": ["m"], "shapes": ["s"], "known_bug": None}
     summary = {"stacks": [{"stack": {}, "deepspeed": "0.18.6", "configs": 2, "counts": {oracle.AFFECTED: 2}, "groups": [
-        {**g, "repro": {"script": "repro_1.py", "reproduced": True, "exit": 1, "output": "line one\nline two"}},
+        {**g, "repro": {"script": "repro_1.py", "reproduced": True, "exit": 1, "output": "o" * 300 + "\nline two"}},
         {**g, "repro": {"script": "repro_2.py", "reproduced": False, "exit": 0, "output": "not reproduced"}}]}]}
     monkeypatch.setattr(sweep, "summarise", lambda spec, recs, out: json.loads(json.dumps(summary)))
     assert sweep.main([str(spec_file), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "    repro_1.py: reproduces (exit 1): line one\n" in printed
+    assert f"    repro_1.py: reproduces (exit 1): {'o' * 200}\n" in printed
     assert "    repro_2.py: does NOT reproduce (exit 0): not reproduced\n" in printed
     assert (tmp_path / "o" / "summary.json").read_text().startswith('{\n "stacks": [\n  {')
 
