@@ -203,7 +203,8 @@ def mechanisms(recs: list[dict]) -> list[dict]:
             seen.add((path, case, qualname, version))
             # the lines without the header (the file of each release) and without their numbers
             body = [line[9:] for line in code.split("\n")[1:]]
-            same = next((m for m in out if m["path"] == path and m["case"] == case and m["body"] == body), None)
+            same = next((m for m in out if m["path"] == path and m["case"] == case and m["body"] == body), None) \
+                if body else None  # two sources that could not be read are not the same lines
             if same is not None:  # another release ships the same lines: named, not printed again
                 same["releases"].append(release(r))
                 same["cell"] = f"{path} · {case} on {', '.join(same['releases'])}"

@@ -110,3 +110,126 @@ def test_the_notebooks_assertions_name_a_missing_path_and_a_pinned_release_that_
                "affected" in s for s in said)
     newer = [_rec("ACC", "accumulate", oracle.NOT_AFFECTED, "9.0.0")]
     assert any("newer than the table" in f for f in without_ds.findings(newer))
+
+
+# ---- the mutation run's survivors: the code shown per cell, the matrix's worst record, the fixes' records
+
+def _code(calls, bodies=None):
+    """A stand-in for ``kit.source.excerpt``: a header naming the version, then numbered lines (9 characters of
+    number and mark, as the real one) of the body given for that release (default: the same for every release)."""
+    def excerpt(package, relpath, qualname, marks, version="installed"):
+        calls.append((package, qualname, version))
+        body = (bodies or {}).get(version, ["a = 1", "b = 2"])
+        if body is None:
+            return None
+        if body == "raise":
+            raise OSError("planted")
+        return "\n".join([f"--- {qualname} ({version})"] + [f"{n:>6}   {line}" for n, line in enumerate(body, 10)])
+    return excerpt
+
+
+def test_a_mechanisms_code_is_read_from_the_release_that_ran_and_shown_once_for_releases_that_ship_it_alike(
+        monkeypatch):
+    from kit import source
+
+    calls = []
+    monkeypatch.setattr(source, "excerpt", _code(calls))
+    recs = [_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9),
+            _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9),
+            _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9, ga=2),  # the same cell: read once
+            _rec("ACC", "last_window", oracle.AFFECTED, "0.30.1", 0.5),  # another case with the same lines
+            _rec("ACC", "sync_each_batch", oracle.NOT_AFFECTED, "1.15.0"),
+            _rec("DDP", "sum_not_mean", oracle.AFFECTED, "2.13.0+cpu", 4.0)]  # no mechanism: a loop bug
+    found = without_ds.mechanisms(recs)
+    assert [m["cell"] for m in found] == ["ACC · sync_each_batch on accelerate 0.28.0, accelerate 0.30.1",
+                                          "ACC · last_window on accelerate 0.30.1"]
+    assert found[0]["releases"] == ["accelerate 0.28.0", "accelerate 0.30.1"] and "body" not in found[0]
+    assert found[0]["code"].startswith("--- Accelerator.accumulate (0.28.0)")
+    assert calls == [("accelerate", "Accelerator.accumulate", "0.28.0"), ("accelerate", "Accelerator.accumulate", "0.30.1"),
+                     ("accelerate", "Accelerator.backward", "0.30.1")]
+
+
+def test_releases_whose_lines_differ_are_shown_apart_and_the_installed_release_is_read_as_installed(monkeypatch):
+    from kit import source
+
+    calls = []
+    monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["a = 1"], "0.30.1": ["b = 1"]}))
+    recs = [_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9),
+            _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9)]
+    assert [m["cell"] for m in without_ds.mechanisms(recs)] == ["ACC · sync_each_batch on accelerate 0.28.0",
+                                                               "ACC · sync_each_batch on accelerate 0.30.1"]
+    calls.clear()
+    raised = _rec("FSDP2", "sync_last", oracle.CANNOT_RUN, "2.13.0+cpu", error="uniform gradient dtype")
+    without_ds.mechanisms([raised])
+    assert calls == [("torch", "foreach_reduce", "installed")]  # the installed torch, local tag and all
+
+
+def test_a_source_that_cannot_be_read_or_has_no_such_function_is_said(monkeypatch):
+    from kit import source
+
+    monkeypatch.setattr(source, "excerpt", _code([], {"0.28.0": "raise", "0.30.1": None}))
+    found = without_ds.mechanisms([_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9),
+                                   _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9)])
+    assert found[0]["code"] == "(the source of accelerate 0.28.0 could not be read: planted)"
+    assert found[1]["code"] == "(not found)"
+
+
+def test_each_trainer_release_is_explained_by_its_own_mechanism(monkeypatch):
+    from kit import source
+
+    monkeypatch.setattr(source, "excerpt", _code([]))
+
+    def sentence(rec):
+        found = without_ds.mechanisms([rec])
+        return found[0]["sentence"] if found else None
+
+    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "4.45.2", 1.003)).startswith(
+        "each micro-batch's loss is the mean over its own label tokens")
+    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "4.46.3", 0.9)).startswith(
+        "num_items_in_batch counts labels before the model shifts them (one token too many per sequence, B1), and")
+    assert sentence(_rec("HFT", "trainer", oracle.NOT_AFFECTED, "4.46.3")) is None
+    off = _rec("HFT", "trainer", oracle.AFFECTED, "5.23.0", 0.99, config={"model": "mlp", "trainer_args": {
+        "average_tokens_across_devices": False}})
+    assert sentence(off).startswith("average_tokens_across_devices=False")
+    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "5.23.0", 0.99)) is None  # no known mechanism there
+    assert sentence(_rec("HFT", "avg_tokens_on", oracle.AFFECTED, "5.3.0", 0.9)).startswith("num_items_in_batch counts")
+    unknown = {**_rec("HFT", "trainer", oracle.AFFECTED, "4.45.2", 1.003), "versions": {}}
+    assert sentence(unknown).startswith("each micro-batch's loss")  # no release read: before every fix
+
+
+def test_a_cell_shows_its_worst_record_the_furthest_from_the_reference_and_its_words():
+    recs = [_rec("ACC", "accumulate_ragged", oracle.AFFECTED, "0.30.1", 0.9, shape="near"),
+            _rec("ACC", "accumulate_ragged", oracle.AFFECTED, "0.30.1", 1.5, shape="far", ga=2),
+            _rec("ACC", "accumulate_ragged", oracle.AFFECTED, "0.30.1", 1.1, shape="between", ga=8)]
+    (row,) = without_ds.matrix_rows(recs)
+    assert (row["ratio"], row["shape"], row["where"], row["configs"]) == (1.5, "far", "W=2 GA=2 mlp", 3)
+    raised = _rec("FSDP2", "sync_last", oracle.CANNOT_RUN, "2.13.0+cpu", reason="r" * 200,
+                  config={"model": "mlp", "setting": "bf16 / fp32 reduce"})
+    rows = without_ds.matrix_rows([raised, recs[0]])
+    assert [r["setting"] for r in rows] == ["bf16 / fp32 reduce", ""]
+    table = without_ds.markdown(rows).splitlines()
+    assert table[2].endswith(f"| {'r' * 120} |") and table[3].endswith("| near |")
+    assert without_ds.markdown([]) == "(no records)"
+    assert without_ds.setting({"config": {"setting": "fp32"}}) == "fp32" and without_ds.setting({}) == ""
+
+
+def test_a_fix_is_looked_for_on_the_broken_cells_own_path_only():
+    recs = [_rec("ACC", "last_window", oracle.AFFECTED, "0.30.1", 0.5),
+            _rec("ACC", "last_window_fixed", oracle.NOT_AFFECTED, "0.30.1"),
+            _rec("HFT", "trainer", oracle.AFFECTED, "5.23.0", 0.9),  # no newer transformers ran: no fix claimed
+            _rec("DDP", "sum_not_mean", oracle.AFFECTED, "2.13.0+cpu", 4.0)]
+    assert [(f["problem"], f["after"]) for f in without_ds.fixes(recs)] == [
+        ("ACC · last_window on accelerate 0.30.1", oracle.NOT_AFFECTED)]
+
+
+def test_fsdp2s_raise_is_fixed_by_a_bf16_reduce_on_the_same_model_and_ga():
+    def fsdp(verdict, setting, ga=2, model="conditional"):
+        r = _rec("FSDP2", "sync_last", verdict, "2.13.0+cpu", ga=ga, error="x" if verdict == oracle.CANNOT_RUN else None)
+        return {**r, "model": model, "config": {"model": model, "setting": setting}}
+
+    recs = [fsdp(oracle.CANNOT_RUN, "bf16 / fp32 reduce"), fsdp(oracle.NOT_AFFECTED, "bf16 / bf16 reduce"),
+            fsdp(oracle.AFFECTED, "bf16 / bf16 reduce", ga=4),  # another GA: not this raise's fix
+            fsdp(oracle.AFFECTED, "bf16 / bf16 reduce", model="mlp")]
+    (fix,) = without_ds.fixes(recs)
+    assert fix["problem"] == "FSDP2 · sync_last on torch 2.13.0+cpu" and fix["before"] == oracle.CANNOT_RUN
+    assert fix["after"] == oracle.NOT_AFFECTED and fix["configs_after"] == 1
