@@ -412,3 +412,32 @@ def test_the_phases_of_a_case_add_up_their_time():
     assert set(c._PHASES) == {"a", "b"} and all(v >= 0 for v in c._PHASES.values())
     watch = c.Stopwatch()
     assert 0 <= watch() < 5
+
+
+def test_outside_a_world_a_process_is_rank_0_of_1():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "from kit.probes import common as c; print(c.rank(), c.world_size())"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "1"]
+
+
+def test_average_grads_reaches_every_trainable_parameter_after_a_frozen_one():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    m[0].weight.requires_grad_(False)
+    c.average_grads(m)
+    assert m[0].weight.grad is None and all(p.grad is not None for p in list(m.parameters())[1:])
+
+
+def test_a_model_of_one_group_is_judged_whole_only():
+    assert "groups" not in loop(ga=2, steps=1)
+
+
+def test_the_reference_cache_keeps_the_newest_only_when_it_is_over_its_size(monkeypatch):
+    monkeypatch.setattr(c, "_REFERENCE_BYTES", 1)
+    sh = shapes.get("mlp")
+    m = sh.build(SEED, HIDDEN, DEPTH)
+    for step in range(3):
+        c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("cache test", step))
+    assert len(c._REFERENCES) == 1 and next(iter(c._REFERENCES))[2] == ("cache test", 2)

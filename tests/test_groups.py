@@ -506,3 +506,16 @@ def test_a_group_the_whole_steps_fit_explains_to_a_tenth_of_its_right_weight_is_
     assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == []
     g["attribution"]["weights"] = [0.76]
     assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
+
+
+def test_a_tiny_negative_share_is_zero_and_exactly_at_a_limit_is_within_it():
+    third = 1 / 3
+    assert oracle._group_shape([0, 1, 2], [-0.001, third, third], [third] * 3, 1, 3) == \
+        "rank 0 micro-batch 1 x0, the others reaching it x1"
+    at = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0},  # severity exactly 1: within
+          "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
+    assert oracle.part_pattern(at, "fp32", 1, 2) == []
+    assert oracle.groups_off({"groups": {"g": _group(rel_err=1e-4)}}, "fp32") == []
+    tie = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0},
+           "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
+    assert oracle._named(tie, "fp32") == "global mean"

@@ -851,3 +851,47 @@ def test_a_world_error_is_said_by_its_first_line_cut_at_300_characters(monkeypat
     got = []
     sweep.run_stack(spec, {}, todo, got.append)
     assert all(r["reason"].endswith(f"the world failed before its controls: {'e' * 300}") for r in got)
+
+
+def test_a_point_that_breaks_the_world_right_after_its_controls_is_that_point(monkeypatch):
+    from kit import launch
+
+    spec = _stack_spec()
+    todo = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+
+    def script(n, cases):
+        if n == 1:
+            return [EXACT for c in cases if c["role"] == "control"] + [launch.LaunchError("planted")]
+        return [EXACT] * len(cases)
+
+    launches = _world(monkeypatch, script)
+    got = []
+    sweep.run_stack(spec, {}, todo, got.append)
+    assert len(launches) == 2 and got[0]["crashed_world"] is True and got[0]["id"] == todo[0]["id"]
+    assert [r["verdict"] for r in got[1:]] == [oracle.NOT_AFFECTED] * 3
+
+
+def test_a_stack_named_with_its_keys_in_any_order_runs_its_points(tmp_path, monkeypatch):
+    spec = _spec(axes={"ga": [2]}, stacks=[{"transformers": "5.3.0", "deepspeed": "0.18.6"}])
+    seen = []
+    monkeypatch.setattr(sweep, "run_stack", lambda spec_, stack, todo, sink, bar=None: seen.append(len(todo)))
+    sweep.run(spec, tmp_path, progress=False)
+    assert seen == [1]
+
+
+def test_the_one_at_a_time_table_goes_on_past_a_stack_without_a_value():
+    spec = _spec(axes={"ga": [2]}, stacks=[{}, {"deepspeed": "0.18.6"}],
+                 one_at_a_time={"over": {}, "keys": {"gradient_clipping": [1.0]}})
+    recs = [{"stack": {"deepspeed": "0.18.6"}, "point": {"gradient_clipping": 1.0}, "verdict": oracle.AFFECTED}]
+    lines = sweep.one_at_a_time_table(spec, recs).splitlines()
+    assert len(lines) == 3 and "| 0.18.6 |" in lines[2]
+
+
+def test_an_inconclusive_points_reason_is_cut_at_200_and_an_unknown_group_without_ratios_reads_0():
+    spec = _spec(axes={"ga": [2]})
+    recs = _recs_for(spec, oracle.INCONCLUSIVE, reason="w" * 300)
+    (bad,) = sweep.violations(spec, recs, {"stacks": []})
+    assert bad.endswith(f"inconclusive: {'w' * 200}")
+    g = {"when": {"a": [1]}, "count": 1, "ratio_range": None, "matches": ["m"], "shapes": ["s"], "known_bug": None}
+    summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 1, "counts": {oracle.AFFECTED: 1}, "groups": [g]}]}
+    assert "| a = 1 | 1 | 0–0 | s | **unknown** |" in sweep.table(summary, "c")
