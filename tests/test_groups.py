@@ -519,3 +519,21 @@ def test_a_tiny_negative_share_is_zero_and_exactly_at_a_limit_is_within_it():
     tie = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
     assert oracle._named(tie, "fp32") == "global mean"
+
+
+def test_a_micro_batch_at_exactly_half_its_right_weight_is_not_lost_and_no_share_reads_minus_zero():
+    g = oracle.judge_groups(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+                            torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64),
+                            {"all": torch.tensor([0, 1])}, 1, 2)
+    assert g["all"]["lost"] is None
+    g = oracle.judge_groups(torch.tensor([0.2, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+                            torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64),
+                            {"all": torch.tensor([0, 1])}, 1, 2)
+    assert g["all"]["lost"] == "rank 0 micro-batch 1"
+    assert oracle._group_shape([0, 1, 2, 3], [0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0.0, 0.0], 1, 2) == \
+        "every micro-batch reaching it x1; the previous step's micro-batches x0.4, 0"
+    third = 1 / 3
+    assert oracle.describe_weights([-0.001, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
+    assert oracle.describe_weights([third, third, third / 2], [third] * 3, 1, 3) == "micro-batch 3 x0.5, the others x1"
+    assert oracle.describe_weights([0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0, 0], 1, 2) == \
+        "every micro-batch x1; the previous step's micro-batches 0.4, 0 (x their share)"

@@ -32,6 +32,7 @@ def test_a_spec_gets_its_defaults_and_every_point_resolves():
     ({"axes": {"dtype": ["fp8"]}}, "dtype values must be among"),
     ({"axes": {"model": ["gpt9"]}}, "gpt9"),
     ({"axes": {"ga": [2]}, "skip": ["ga"]}, "a skip rule maps axes"),
+    ({"axes": {"ga": [2, 65]}}, "in 1..64, got 65"),
     ({"axes": {"ga": [2]}, "steps": 0}, "steps"),
     ({"axes": {"ga": [2]}, "world_size": 99}, "world_size=99"),
     ({"axes": {"ga": [2]}, "timeout_s": -1}, "timeout"),
@@ -895,3 +896,38 @@ def test_an_inconclusive_points_reason_is_cut_at_200_and_an_unknown_group_withou
     g = {"when": {"a": [1]}, "count": 1, "ratio_range": None, "matches": ["m"], "shapes": ["s"], "known_bug": None}
     summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 1, "counts": {oracle.AFFECTED: 1}, "groups": [g]}]}
     assert "| a = 1 | 1 | 0–0 | s | **unknown** |" in sweep.table(summary, "c")
+
+
+def test_every_point_affected_alike_is_one_group_of_every_point():
+    recs = [_p(a, b, oracle.AFFECTED, "B3") for a in range(2) for b in range(2)]
+    (g,) = sweep.groups(recs, {"a": [0, 1], "b": [0, 1]})
+    assert g["when"] == {} and g["count"] == 4 and sweep.when_text(g["when"]) == "every point"
+
+
+def test_more_stacks_than_worlds_at_a_time_still_run_every_point_and_the_bar_shows_by_default(tmp_path, monkeypatch,
+                                                                                                capsys):
+    spec = _spec(axes={"ga": [2]}, stacks=[{}, {"deepspeed": "0.18.6"}, {"deepspeed": "0.19.0"}])
+    seen = []
+
+    def run_stack(spec_, stack, todo, sink, bar=None):
+        seen.append((json.dumps(stack), len(todo)))
+        bar.update(len(todo))
+
+    monkeypatch.setattr(sweep, "run_stack", run_stack)
+    sweep.run(spec, tmp_path, jobs=2)
+    assert sorted(seen) == sorted((json.dumps(st), 1) for st in spec["stacks"])
+    assert "sweep: 100%" in capsys.readouterr().err
+
+
+def test_a_tie_finds_its_sibling_and_notebook_06_its_points_whatever_the_order_of_their_keys():
+    tie = {"point": {"s": 1, "ga": 2}, "ga": 2, "stack": {"deepspeed": "0.18.6", "transformers": "5.3.0"},
+           "verdict": oracle.AFFECTED, "matches": "a or b", "id": "two", "ties": ["a", "b"]}
+    four = {"point": {"ga": 4, "s": 1}, "ga": 4, "stack": {"transformers": "5.3.0", "deepspeed": "0.18.6"},
+            "verdict": oracle.AFFECTED, "id": "four", "matches": "a", "explained_by": "B3", "explanation": "B3"}
+    sweep.separate([tie, four])
+    assert tie["separated_by"] == "four"
+    spec = _spec(axes={"ga": [2]}, stacks=[{"transformers": "5.3.0", "deepspeed": "0.18.6"}])
+    recs = _recs_for(spec)
+    for r in recs:
+        r["stack"] = {"deepspeed": "0.18.6", "transformers": "5.3.0"}
+    assert sweep.violations(spec, recs, {"stacks": []}) == []
