@@ -537,3 +537,32 @@ def test_a_micro_batch_at_exactly_half_its_right_weight_is_not_lost_and_no_share
     assert oracle.describe_weights([third, third, third / 2], [third] * 3, 1, 3) == "micro-batch 3 x0.5, the others x1"
     assert oracle.describe_weights([0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0, 0], 1, 2) == \
         "every micro-batch x1; the previous step's micro-batches 0.4, 0 (x their share)"
+
+
+def test_the_edges_of_a_groups_judgement():
+    # a right update exactly a billionth of the whole step's is none
+    target = torch.tensor([1.0, 1e-9], dtype=torch.float64)
+    g = oracle.judge_groups(target, torch.eye(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), target,
+                            {"b": torch.tensor([1])}, 1, 2)
+    assert g["b"]["expected_zero"]
+    # a misplaced weight exactly at its limit, or a group with no fit at all, is within it
+    tol = oracle.tolerance("fp32")
+    at = {"rel_err": 0.0, "expected_zero": True, "attribution": {"misplaced_weight": tol.misplaced_weight, "rows": []}}
+    assert oracle.part_pattern({"groups": {"g": at}}, "fp32", 1, 2) == []
+    bare = {"rel_err": 0.0, "expected_zero": True}
+    assert oracle.part_pattern({"groups": {"g": bare}}, "fp32", 1, 2) == []
+    # a whole step within its limits is never stale, whatever its fit says
+    within = {"metrics": {"rel_l2": 0.5e-4, "norm_ratio": 1.0, "cosine": 1.0},
+              "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
+    assert oracle.part_pattern(within, "fp32", 1, 2) == []
+    # a whole-step fit with a residual of exactly 0.05 does not explain a group
+    whole = {"attribution": {"weights": [0.75], "residual": 0.05}}
+    g = _group(rel_err=0.5)
+    g["attribution"].update(rows=[0], weights=[0.75], expected_weights=[2.5])
+    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
+    # shares to a tenth, never a hundredth
+    third = 1 / 3
+    assert oracle._group_shape([0, 1, 2], [0.33 * third, third, third], [third] * 3, 1, 3) == \
+        "rank 0 micro-batch 1 x0.3, the others reaching it x1"
+    assert oracle.describe_weights([0.33 * third, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0.3, the others x1"
+    assert oracle.describe_weights([0.11, third, third], [0.0, third, third], 1, 3) == "micro-batch 1 x0.3, the others x1"
