@@ -156,9 +156,9 @@ def test_a_judgement_that_raises_is_raised_after_every_step_is_taken():
 
     model = shapes.get("mlp").build(SEED, HIDDEN, DEPTH)
     with pytest.raises(ValueError, match="reference|zero|nothing"):  # nothing moved: a zero effective gradient is fine,
-        c.judge_steps(2, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
+        c.judge_steps(3, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
                       hypotheses=lambda w, n, p: (_ for _ in ()).throw(ValueError("nothing to explain")))
-    assert taken == [0, 1]
+    assert taken == [0, 1, 2]  # every rank takes every step's collectives, whatever rank 0's judgement did
 
 
 def test_a_shape_with_parameter_groups_is_judged_per_group():
@@ -441,3 +441,72 @@ def test_the_reference_cache_keeps_the_newest_only_when_it_is_over_its_size(monk
     for step in range(3):
         c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("cache test", step))
     assert len(c._REFERENCES) == 1 and next(iter(c._REFERENCES))[2] == ("cache test", 2)
+
+
+def test_a_phase_adds_the_time_between_its_start_and_end_to_its_name(monkeypatch):
+    clock = iter([10.0, 10.123456, 20.0, 20.5])
+    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
+    c._PHASES.clear()
+    with c.phase("steps"):
+        pass
+    with c.phase("steps"):
+        pass
+    assert c._PHASES == {"steps": pytest.approx(0.623456)}
+
+
+def test_a_cases_phases_are_kept_to_a_tenth_of_a_millisecond_and_a_long_error_is_cut(monkeypatch):
+    def run_one(case):
+        if case["name"] == "long":
+            raise ValueError("x" * 5000)
+        c._PHASES["steps"] = 0.123456
+        return {}
+
+    out = c.run_cases({"cases": [{"name": "timed", "ga": 1}, {"name": "long", "ga": 1}]}, run_one)
+    assert out[0]["phases"]["steps"] == 0.1235
+    assert out[1]["error"] == "ValueError: " + "x" * 500 and len(out[1]["traceback"]) == 3000
+
+
+def test_a_rank_whose_peers_do_not_arrive_after_a_case_stops_the_world_saying_which_case(monkeypatch):
+    monkeypatch.setattr(c, "world_size", lambda: 2)
+    monkeypatch.setattr(c.dist, "new_group", lambda **k: "side group")
+
+    def barrier(group, timeout, wait_all_ranks):
+        assert group == "side group" and wait_all_ranks
+        raise RuntimeError("Rank 1 failed to pass monitoredBarrier in 120000 ms" + "." * 400 + "\nmore")
+
+    monkeypatch.setattr(c.dist, "monitored_barrier", barrier)
+    with pytest.raises(c.WorldDesynchronised) as e:
+        c.run_cases({"cases": [{"name": "bad", "ga": 4}]}, lambda case: (_ for _ in ()).throw(KeyError("k")))
+    said = str(e.value)
+    assert said.startswith("case 'bad' (GA=4) ended on rank 0 (error: KeyError: 'k') but not on every rank within 120 s: ")
+    assert said.endswith(": " + ("Rank 1 failed to pass monitoredBarrier in 120000 ms" + "." * 400)[:300])
+
+
+def test_the_data_and_the_judgement_default_to_the_first_step():
+    assert torch.equal(c.rank_samples(SEED, 0, 4, HIDDEN)[0], c.rank_samples(SEED, 0, 4, HIDDEN, step=0)[0])
+    assert torch.equal(c.micro_batches(SEED, 0, 2, 2, HIDDEN)[1][0], c.micro_batches(SEED, 0, 2, 2, HIDDEN, step=0)[1][0])
+    sh = shapes.get("mlp")
+    start = sh.build(SEED, HIDDEN, DEPTH)
+    _, _, reference = c.reference_at(start, sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0), sh, 1.0, ("default step", 0))
+    out, *_ = c.judge(reference.clone(), start, SEED, 2, MB, HIDDEN, shape=sh)
+    assert out["metrics"]["rel_l2"] < 1e-12
+
+
+def test_the_reference_cache_counts_8_bytes_a_number(monkeypatch):
+    sh = shapes.get("mlp")
+    m = sh.build(SEED, HIDDEN, DEPTH)
+    c._REFERENCES.clear()
+    first = c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 0), sh, 1.0, ("bytes", 0))
+    monkeypatch.setattr(c, "_REFERENCE_BYTES", 2 * first[0].numel() * 8)  # room for two
+    for step in (1, 2):
+        c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("bytes", step))
+    assert [k[2] for k in c._REFERENCES] == [("bytes", 1), ("bytes", 2)]
+
+
+def test_a_rank_uses_the_gpu_only_where_there_is_one_and_deepspeed_is_not_told_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert c.device() == torch.device("cpu")
+    monkeypatch.delenv("DS_ACCELERATOR")
+    assert c.device() == torch.device("cuda", 0)
