@@ -233,3 +233,33 @@ def test_fsdp2s_raise_is_fixed_by_a_bf16_reduce_on_the_same_model_and_ga():
     (fix,) = without_ds.fixes(recs)
     assert fix["problem"] == "FSDP2 · sync_last on torch 2.13.0+cpu" and fix["before"] == oracle.CANNOT_RUN
     assert fix["after"] == oracle.NOT_AFFECTED and fix["configs_after"] == 1
+
+
+def test_a_cells_worst_record_is_the_furthest_from_1_on_either_side_and_one_row_is_a_table():
+    recs = [_rec("ACC", "accumulate_ragged", oracle.AFFECTED, "0.30.1", 1.5, shape="above"),
+            _rec("ACC", "accumulate_ragged", oracle.AFFECTED, "0.30.1", 0.2, shape="below", ga=2)]
+    (row,) = without_ds.matrix_rows(recs)
+    assert (row["ratio"], row["shape"]) == (0.2, "below")
+    assert without_ds.markdown([row]).splitlines()[2].startswith("| ACC | accumulate_ragged | accelerate 0.30.1 |")
+
+
+def test_mechanisms_and_fixes_look_past_records_and_releases_that_have_none(monkeypatch):
+    from kit import source
+
+    monkeypatch.setattr(source, "excerpt", _code([]))
+    found = without_ds.mechanisms([_rec("DDP", "no_sync", oracle.NOT_AFFECTED, "2.13.0+cpu"),
+                                   _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9)])
+    assert [m["cell"] for m in found] == ["ACC · sync_each_batch on accelerate 0.30.1"]
+    recs = [_rec("ACC", "last_window", oracle.AFFECTED, "0.30.1", 0.5),  # no fixed window ran on 0.30.1
+            _rec("ACC", "last_window", oracle.AFFECTED, "0.31.0", 0.5),
+            _rec("ACC", "last_window_fixed", oracle.NOT_AFFECTED, "0.31.0")]
+    assert [f["problem"] for f in without_ds.fixes(recs)] == ["ACC · last_window on accelerate 0.31.0"]
+
+
+def test_a_newer_release_fix_is_the_newest_release_of_that_same_case():
+    recs = [_rec("HFT", "trainer", oracle.AFFECTED, "4.45.2", 1.003),
+            _rec("HFT", "trainer", oracle.AFFECTED, "4.46.3", 0.9),
+            _rec("HFT", "avg_tokens_off", oracle.AFFECTED, "5.23.0", 0.99)]  # another case on a newer release
+    got = {f["problem"]: f for f in without_ds.fixes(recs)}
+    fix = got["HFT · trainer on transformers 4.45.2"]
+    assert fix["fix_release"] == "transformers 4.46.3" and fix["after"] == oracle.AFFECTED
