@@ -204,6 +204,7 @@ def test_a_step_read_from_rounded_weights_carries_its_floor():
     out = c.judge_steps(1, read, take, seed=SEED, ga=2, micro_batch=MB, hidden=HIDDEN, dtype="bf16", shape=sh)
     assert out["read"] == {"judged_from": "module weights", "masters_agree": False, "max_diff": 1.0}
     assert out["read_floor"] > 0 and out["metrics"]["rel_l2"] < 1e-6
+    assert "clip_coef" not in out  # no clipping unless asked for
 
 
 def test_sample_shares_weigh_each_micro_batch_by_its_samples():
@@ -333,6 +334,8 @@ def test_the_masters_come_from_deepspeed_then_the_optimizers_groups_then_the_fal
     assert c.full_fp32_params(m).tolist() == [5.0, 5.0, b.item()]
     odd = type("Opt", (), {"fp16_groups": [b], "fp32_groups": [torch.zeros(1)]})()  # not lists of tensors: ignored
     assert c.full_fp32_params(m, odd).tolist() == [5.0, 5.0, b.item()]
+    half = type("Opt", (), {"fp16_groups": [[b]], "fp32_groups": [torch.zeros(1)]})()  # one side a list: ignored too
+    assert c.full_fp32_params(m, half).tolist() == [5.0, 5.0, b.item()]
     assert c.full_fp32_params(m, object(), fallback).dtype == torch.float64
 
 
@@ -510,3 +513,46 @@ def test_a_rank_uses_the_gpu_only_where_there_is_one_and_deepspeed_is_not_told_c
     assert c.device() == torch.device("cpu")
     monkeypatch.delenv("DS_ACCELERATOR")
     assert c.device() == torch.device("cuda", 0)
+
+
+def test_a_cases_other_time_is_what_its_phases_leave_and_never_below_zero():
+    def run_one(case):
+        c._PHASES["steps"] = 100.0  # more than the case took: nothing is left for "other"
+        return {}
+
+    (out,) = c.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
+    assert out["phases"] == {"steps": 100.0, "other": 0.0}
+
+
+def test_a_tied_weights_uses_are_judged_against_the_clipped_step():
+    free = loop(ga=2, steps=1, shape="tied")
+    out = loop(ga=2, steps=1, shape="tied", clip=0.5 * free["reference_norm"])
+    uses = [g["uses"] for g in out["groups"].values() if g.get("uses")]
+    assert uses and all(u["misplaced_weight"] < 1e-6 for u in uses) and verdict(out) == oracle.NOT_AFFECTED
+
+
+def test_versions_name_deepspeed_where_a_rank_imported_it(fake_deepspeed):
+    import sys
+
+    sys.modules["deepspeed"].__version__ = "9.9.9"
+    assert c.versions()["deepspeed"] == "9.9.9"
+
+
+def test_a_probe_case_takes_two_judged_steps_by_default():
+    from kit.probes import ddp_no_sync
+
+    out = ddp_no_sync.run_case({"name": "control", "ga": 2, "micro_batch": MB, "hidden": HIDDEN, "seed": SEED})
+    assert [s["step"] for s in out["steps"]] == [0, 1] and c.STEPS == 2
+
+
+def test_the_probes_data_is_the_same_as_every_earlier_run_of_the_kit():
+    """A fingerprint of the data stream: the sweep reuses records of earlier runs for the same point (and the README's
+    numbers were measured on it), so the data a (seed, rank, step) names must not change between kit versions."""
+    import hashlib
+
+    def print_of(*args):
+        x, y = c.rank_samples(*args)
+        return hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
+
+    assert [print_of(0, 0, 4, 8, 0), print_of(0, 1, 4, 8, 0), print_of(0, 0, 4, 8, 1), print_of(3, 1, 2, 8, 2)] == \
+        ["1600b5a78bb6da61", "d6787d21e1e64a9b", "65794e758d93ca72", "160582b203342459"]
