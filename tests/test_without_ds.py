@@ -263,3 +263,40 @@ def test_a_newer_release_fix_is_the_newest_release_of_that_same_case():
     got = {f["problem"]: f for f in without_ds.fixes(recs)}
     fix = got["HFT · trainer on transformers 4.45.2"]
     assert fix["fix_release"] == "transformers 4.46.3" and fix["after"] == oracle.AFFECTED
+
+
+def test_the_trainer_mechanisms_hold_on_their_own_releases_only(monkeypatch):
+    from kit import source
+
+    monkeypatch.setattr(source, "excerpt", _code([]))
+
+    def sentence(rec):
+        found = without_ds.mechanisms([rec])
+        return found[0]["sentence"] if found else None
+
+    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "4.46.0", 0.9)).startswith(
+        "num_items_in_batch counts labels before the model shifts them (one token too many per sequence, B1), and")
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "5.23.0", 0.99)).startswith(
+        "average_tokens_across_devices=False")
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "4.46.3", 0.99)) is None
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.NOT_AFFECTED, "5.23.0")) is None
+    assert sentence(_rec("HFT", "avg_tokens_on", oracle.NOT_AFFECTED, "4.46.3")) is None
+
+
+def test_a_fix_says_its_ratio_and_a_trajectory_is_no_cell():
+    recs = [_rec("ACC", "last_window", oracle.AFFECTED, "0.30.1", 0.5),
+            _rec("ACC", "last_window_fixed", oracle.NOT_AFFECTED, "0.30.1", 1.0001)]
+    (fix,) = without_ds.fixes(recs)
+    assert (fix["ratio_before"], fix["ratio_after"]) == (0.5, 1.0001)
+    symptom = _rec("HFT", "trainer", oracle.AFFECTED, "4.45.2", 2.0, role="symptom")
+    assert [r["role"] for r in without_ds.matrix_rows([symptom, recs[0]])] == ["measured"]
+
+
+def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_first_are_apart(monkeypatch):
+    from kit import source
+
+    bodies = {"0.28.0": ["a = 1", "b = 2"], "0.30.1": ["a = 1", "b = 2"], "0.29.0": ["c = 3", "b = 2"]}
+    monkeypatch.setattr(source, "excerpt", _code([], bodies))
+    recs = [_rec("ACC", "sync_each_batch", oracle.AFFECTED, v, 0.9) for v in ("0.28.0", "0.30.1", "0.29.0")]
+    assert [m["cell"] for m in without_ds.mechanisms(recs)] == [
+        "ACC · sync_each_batch on accelerate 0.28.0, accelerate 0.30.1", "ACC · sync_each_batch on accelerate 0.29.0"]
