@@ -931,3 +931,23 @@ def test_a_tie_finds_its_sibling_and_notebook_06_its_points_whatever_the_order_o
     for r in recs:
         r["stack"] = {"deepspeed": "0.18.6", "transformers": "5.3.0"}
     assert sweep.violations(spec, recs, {"stacks": []}) == []
+
+
+def test_the_beam_keeps_the_order_it_was_given_while_it_holds_them_all(monkeypatch):
+    monkeypatch.setattr(sweep, "BEAM", 2)
+    level = [(("worse",), 0b1111, 0), (("better",), 0b0011, 1)]
+    assert [c[0] for c in sweep._beam(level, 0b0011, 0b0011)] == [("worse",), ("better",)]
+
+
+def test_b6_is_pinned_only_for_no_grad_step_on_zero3():
+    spec = _spec(axes={"ga": [2], "zero_optimization.stage": [3], "loop": ["engine"]})
+    assert sweep.violations(spec, _recs_for(spec), {"stacks": []}) == []
+
+
+def test_a_tie_on_a_point_that_is_not_affected_is_left_alone():
+    quiet = {"point": {"ga": 2, "s": 1}, "ga": 2, "stack": {}, "verdict": oracle.NOT_AFFECTED, "matches": "a or b",
+             "id": "two", "ties": ["a", "b"]}
+    four = {"point": {"ga": 4, "s": 1}, "ga": 4, "stack": {}, "verdict": oracle.AFFECTED, "id": "four", "matches": "a",
+            "explained_by": "B3", "explanation": "B3"}
+    sweep.separate([quiet, four])
+    assert "explained_by" not in quiet
