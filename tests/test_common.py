@@ -556,3 +556,9 @@ def test_the_probes_data_is_the_same_as_every_earlier_run_of_the_kit():
 
     assert [print_of(0, 0, 4, 8, 0), print_of(0, 1, 4, 8, 0), print_of(0, 0, 4, 8, 1), print_of(3, 1, 2, 8, 2)] == \
         ["1600b5a78bb6da61", "d6787d21e1e64a9b", "65794e758d93ca72", "160582b203342459"]
+
+
+def test_a_stopwatch_reads_to_the_millisecond(monkeypatch):
+    clock = iter([5.0, 6.2346])
+    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
+    assert c.Stopwatch()() == 1.235
