@@ -300,3 +300,14 @@ def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_f
     recs = [_rec("ACC", "sync_each_batch", oracle.AFFECTED, v, 0.9) for v in ("0.28.0", "0.30.1", "0.29.0")]
     assert [m["cell"] for m in without_ds.mechanisms(recs)] == [
         "ACC · sync_each_batch on accelerate 0.28.0, accelerate 0.30.1", "ACC · sync_each_batch on accelerate 0.29.0"]
+
+
+def test_a_release_after_a_cell_already_read_is_still_read(monkeypatch):
+    from kit import source
+
+    calls = []
+    monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["x = 0"]}))
+    recs = [_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9),
+            _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9, ga=2),  # the same cell: not read again
+            _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9)]
+    assert len(without_ds.mechanisms(recs)) == 2 and [c[2] for c in calls] == ["0.30.1", "0.28.0"]
