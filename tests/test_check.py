@@ -276,6 +276,10 @@ def test_the_check_summary_takes_the_worse_of_the_step_and_the_logged_norm_and_e
     assert [st["off"] for st in manual["steps"]] == [False, True] and manual["steps"][1]["ratio"] == 0.25
     near = check.summarise([_ds("engine", verdict=oracle.NOT_AFFECTED, steps=_steps((1.00005, None)))])
     assert near["loops"][0]["steps"][0]["off"] is False  # half its limit off the reference: within it
+    edge = [{"step": i, "metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": rel}, "attribution": {
+        "misplaced_weight": 0.0}, "reference_norm": 2.0} for i, rel in enumerate((1e-4, 1.5e-4))]
+    at = check.summarise([_ds("engine", verdict=oracle.AFFECTED, steps=edge)])["loops"][0]["steps"]
+    assert [st["off"] for st in at] == [False, True]  # exactly at the limit: within; 1.5x: off
     assert manual["read_finding"] == "the masters misreport" and manual["shape"] == "the last x1"
     assert manual["explained_by"] == "B3" and manual["fix"]["verdict"] == oracle.NOT_AFFECTED
     assert manual["fix"]["ratio"] == 1.0 and manual["fix"]["what"] == check.EXPLAINS["B3"][2]
