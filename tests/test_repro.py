@@ -100,6 +100,7 @@ def _st(weights, off=True, residual=0.0):
     ([_st([0.16, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),             # just outside it
     ([_st([0.0, 1.0], off=False), _st([1.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),
     ([_st([1.0, 1.0]), _st([0.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, True),  # a later step matches
+    ([_st([0.0, 1.0], off=False), _st([0.0, 1.0])], {"weights": [0.0, 1.0], "residual": 0.0}, True),  # after one in
     ([_st([0.0, 1.0, 0.0])], {"weights": [0.0, 1.0], "residual": 0.0}, False),        # another world's shape
     ([_st([0.0, 1.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": 0.0}, False),  # not a structural step
     ([_st([5.0, 5.0], residual=0.2)], {"weights": [0.0, 1.0], "residual": 0.3}, True),   # both beyond the basis
