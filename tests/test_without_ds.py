@@ -195,6 +195,14 @@ def test_each_trainer_release_is_explained_by_its_own_mechanism(monkeypatch):
     assert sentence(_rec("HFT", "avg_tokens_on", oracle.AFFECTED, "5.3.0", 0.9)).startswith("num_items_in_batch counts")
     unknown = {**_rec("HFT", "trainer", oracle.AFFECTED, "4.45.2", 1.003), "versions": {}}
     assert sentence(unknown).startswith("each micro-batch's loss")  # no release read: before every fix
+    # each on its own releases only: 4.46.0 is past the first fix; avg_tokens_* only where affected
+    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "4.46.0", 0.9)).startswith(
+        "num_items_in_batch counts labels before the model shifts them (one token too many per sequence, B1), and")
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "5.23.0", 0.99)).startswith(
+        "average_tokens_across_devices=False")
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "4.46.3", 0.99)) is None
+    assert sentence(_rec("HFT", "avg_tokens_off", oracle.NOT_AFFECTED, "5.23.0")) is None
+    assert sentence(_rec("HFT", "avg_tokens_on", oracle.NOT_AFFECTED, "4.46.3")) is None
 
 
 def test_a_cell_shows_its_worst_record_the_furthest_from_the_reference_and_its_words():
@@ -263,24 +271,6 @@ def test_a_newer_release_fix_is_the_newest_release_of_that_same_case():
     got = {f["problem"]: f for f in without_ds.fixes(recs)}
     fix = got["HFT · trainer on transformers 4.45.2"]
     assert fix["fix_release"] == "transformers 4.46.3" and fix["after"] == oracle.AFFECTED
-
-
-def test_the_trainer_mechanisms_hold_on_their_own_releases_only(monkeypatch):
-    from kit import source
-
-    monkeypatch.setattr(source, "excerpt", _code([]))
-
-    def sentence(rec):
-        found = without_ds.mechanisms([rec])
-        return found[0]["sentence"] if found else None
-
-    assert sentence(_rec("HFT", "trainer", oracle.AFFECTED, "4.46.0", 0.9)).startswith(
-        "num_items_in_batch counts labels before the model shifts them (one token too many per sequence, B1), and")
-    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "5.23.0", 0.99)).startswith(
-        "average_tokens_across_devices=False")
-    assert sentence(_rec("HFT", "avg_tokens_off", oracle.AFFECTED, "4.46.3", 0.99)) is None
-    assert sentence(_rec("HFT", "avg_tokens_off", oracle.NOT_AFFECTED, "5.23.0")) is None
-    assert sentence(_rec("HFT", "avg_tokens_on", oracle.NOT_AFFECTED, "4.46.3")) is None
 
 
 def test_a_fix_says_its_ratio_and_a_trajectory_is_no_cell():
