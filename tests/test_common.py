@@ -123,6 +123,9 @@ def test_hypotheses_and_extra_measurements_see_the_world_and_the_step_they_judge
     assert [s["extra"] for s in out["steps"]] == [{"step": s, "gathered": {"step": s}, "rows": 2, "weights": [0.5, 0.5]}
                                                  for s in (0, 1)]
     assert all(s["hypotheses"]["best"] == "sum" for s in out["steps"]), out["steps"][0]["hypotheses"]
+    for s in out["steps"]:  # the ratio each hypothesis predicts, against the step's own (unclipped) reference
+        assert s["hypotheses"]["predicted_ratio"]["exact"] == pytest.approx(1.0)
+        assert s["hypotheses"]["predicted_ratio"]["sum"] == pytest.approx(2.0)
 
 
 def test_the_worst_step_is_the_one_reported_and_every_step_is_kept():
