@@ -30,7 +30,7 @@ def test_a_spec_gets_its_defaults_and_every_point_resolves():
     ({"axes": {"ga": []}}, "axis 'ga' must be a non-empty list"),
     ({"axes": {"ga": 2}}, "axis 'ga' must be a non-empty list"),
     ({"axes": {"dtype": ["fp8"]}}, "dtype values must be among"),
-    ({"axes": {"model": ["gpt9"]}}, "gpt9"),
+    ({"axes": {"model": ["gpt9"]}}, "^unknown model shape 'gpt9'"),
     ({"axes": {"ga": [2]}, "skip": ["ga"]}, "a skip rule maps axes"),
     ({"axes": {"ga": [2, 65]}}, "in 1..64, got 65"),
     ({"axes": {"ga": [2]}, "steps": 0}, "steps"),
@@ -45,6 +45,9 @@ def test_a_spec_gets_its_defaults_and_every_point_resolves():
     ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {"dtype": ["fp32"]}, "keys": {"gradient_clipping": [1.0]}}},
      "one_at_a_time.over.dtype"),
     ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"ga": [1.0]}}}, "one_at_a_time.keys.ga"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"loop": ["manual"]}}}, "one_at_a_time.keys.loop"),
+    ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"gradient_clipping": 1.0}}},
+     "one_at_a_time.keys.gradient_clipping"),
     ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"gradient_clipping": []}}},
      "one_at_a_time.keys.gradient_clipping"),
     ({"axes": {"ga": [2]}, "one_at_a_time": {"over": {}, "keys": {"gradient_clipping": ["default"]}}},
@@ -70,7 +73,7 @@ def test_a_spec_file_is_read_and_a_bad_one_said_in_one_sentence(tmp_path):
     bad.write_text("axes: [unclosed\n")
     with pytest.raises(config.ConfigError, match="is not valid YAML"):
         sweep.load_spec(str(bad))
-    with pytest.raises(config.ConfigError, match="cannot read the sweep spec"):
+    with pytest.raises(config.ConfigError, match="cannot read the sweep spec .*absent.yaml: No such file or directory$"):
         sweep.load_spec(str(tmp_path / "absent.yaml"))
 
 
@@ -129,6 +132,7 @@ def test_a_point_id_and_the_spec_key_change_with_what_the_verdict_depends_on_onl
                   {**spec, "steps": 1}):
         assert sweep.point_id(other, {"ga": 2}) != pid and sweep.spec_key(other) != key
     assert sweep.point_id(spec, {"ga": 4}) != pid
+    assert sweep.point_id(spec, {"ga": 2, "loop": "manual"}) == sweep.point_id(spec, {"loop": "manual", "ga": 2})
     assert sweep.spec_key({**spec, "device": "cuda"}) != key
 
 
@@ -169,6 +173,10 @@ def test_the_current_records_are_the_newest_per_point_and_release_of_this_spec()
     rec = {"stack": {"deepspeed": "0.18.6", "transformers": "5.3.0"}, "release": "0.18.6",
            "spec_key": sweep.spec_key(unsorted), "id": "p"}
     assert sweep.current([rec], unsorted) == [rec]  # the same stack, whatever the order of its keys
+    ordered = _spec(axes={"ga": [2]}, stacks=[{"deepspeed": "0.18.6", "transformers": "5.3.0"}])
+    rec = {"stack": {"transformers": "5.3.0", "deepspeed": "0.18.6"}, "release": "0.18.6",
+           "spec_key": sweep.spec_key(ordered), "id": "p"}
+    assert sweep.current([rec], ordered) == [rec]
 
 
 def test_a_sweep_run_writes_each_record_as_it_comes_and_resumes_from_them(tmp_path, monkeypatch):
@@ -185,7 +193,8 @@ def test_a_sweep_run_writes_each_record_as_it_comes_and_resumes_from_them(tmp_pa
     recs = sweep.run(spec, tmp_path, progress=False, jobs=2)
     assert len(recs) == 4 and sorted(len(share) for share in ran) == [2, 2]  # two worlds, two points each
     assert json.loads((tmp_path / "spec.json").read_text())["axes"] == spec["axes"]
-    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 4
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and all(list(json.loads(x)) == sorted(json.loads(x)) for x in lines)
     ran.clear()
     assert len(sweep.run(spec, tmp_path, progress=False)) == 4 and ran == []  # everything done: no world
     sweep.run(spec, tmp_path, progress=False, retry=True, jobs=1)
@@ -652,7 +661,7 @@ def test_a_run_shows_its_bar_makes_its_folder_and_writes_its_spec(tmp_path, monk
     assert len(sweep.run(spec, out, progress=True)) == 1
     assert "sweep: 100%" in capsys.readouterr().err
     assert (out / "spec.json").read_text().startswith('{\n "base": {\n  "train_micro_batch_size_per_gpu": 4\n }')
-    sweep.run(spec, out, progress=False)
+    sweep.run(spec, tmp_path / "other", progress=False)  # work to do, and no bar asked for
     assert "sweep" not in capsys.readouterr().err
 
 
@@ -665,6 +674,9 @@ def test_violations_match_a_records_stack_whatever_the_order_of_its_keys_and_cut
     failed = [{**r, "verdict": oracle.CANNOT_RUN, "reason": "x" * 300} for r in recs]
     (bad,) = sweep.violations(spec, failed, {"stacks": []})
     assert bad.endswith(f"(first reason: {'x' * 200})")
+    two = _spec(axes={"ga": [2, 4]})
+    failed = [{**r, "verdict": oracle.CANNOT_RUN, "reason": f"reason {i}"} for i, r in enumerate(_recs_for(two))]
+    assert sweep.violations(two, failed, {"stacks": []})[0].endswith("(first reason: reason 0)")
 
 
 def test_a_bad_spec_file_says_yamls_first_line_and_the_command_says_what_it_does(tmp_path, capsys):
@@ -951,3 +963,40 @@ def test_a_tie_on_a_point_that_is_not_affected_is_left_alone():
             "explained_by": "B3", "explanation": "B3"}
     sweep.separate([quiet, four])
     assert "explained_by" not in quiet
+
+
+def test_of_two_conditions_that_cover_as_many_points_the_first_comes_first():
+    import itertools
+
+    axes = {"a": [0, 1], "b": [0, 1], "c": [0, 1]}
+    recs = []
+    for a, b, cc in itertools.product(*axes.values()):
+        hit = a == 1 or b == 1
+        recs.append({"point": {"a": a, "b": b, "c": cc}, "verdict": oracle.AFFECTED if hit else oracle.NOT_AFFECTED,
+                     "id": f"{a}{b}{cc}", "explained_by": "B3" if hit else None, "matches": "m", "ga": 4, "stack": {},
+                     "metrics": {"norm_ratio": 0.5}})
+    assert [(g["when"], g["count"]) for g in sweep.groups(recs, axes)] == [({"a": [1]}, 4), ({"b": [1]}, 2)]
+
+
+def test_a_group_of_five_conditions_is_found_by_default():
+    import itertools
+
+    axes = {f"x{i}": [0, 1] for i in range(6)}
+    recs = []
+    for values in itertools.product([0, 1], repeat=6):
+        hit = all(values[:5])
+        recs.append({"point": dict(zip(axes, values)), "verdict": oracle.AFFECTED if hit else oracle.NOT_AFFECTED,
+                     "id": "".join(map(str, values)), "explained_by": "B3" if hit else None, "matches": "m", "ga": 4,
+                     "stack": {}, "metrics": {"norm_ratio": 0.5}})
+    (g,) = sweep.groups(recs, axes)
+    assert g["when"] == {f"x{i}": [1] for i in range(5)} and g["count"] == 2
+
+
+def test_main_says_its_wall_time_to_a_tenth_of_a_second(tmp_path, monkeypatch):
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text("axes:\n  ga: [2]\nbase:\n  train_micro_batch_size_per_gpu: 4\n")
+    monkeypatch.setattr(sweep, "run", lambda spec, out, **k: (tmp_path / "o").mkdir() or [])
+    calls = []
+    monkeypatch.setattr(sweep.time, "time", lambda: 100.0 if not calls.append(1) and len(calls) == 1 else 112.345)
+    sweep.main([str(spec_file), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["wall_s"] == 12.3
