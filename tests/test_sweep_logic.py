@@ -1000,3 +1000,14 @@ def test_main_says_its_wall_time_to_a_tenth_of_a_second(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.time, "time", lambda: 100.0 if not calls.append(1) and len(calls) == 1 else 112.345)
     sweep.main([str(spec_file), "--out", str(tmp_path / "o"), "--no-progress"])
     assert json.loads((tmp_path / "o" / "summary.json").read_text())["wall_s"] == 12.3
+
+
+def test_a_bug_with_three_groups_mentions_two_smaller_ones_and_one_shaped_point_is_a_table():
+    g = {"when": {"a": [1]}, "count": 3, "ratio_range": [0.5, 0.5], "matches": ["m"], "shapes": ["s"], "known_bug": "B3"}
+    summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 5, "counts": {oracle.AFFECTED: 5},
+                           "groups": [g, {**g, "count": 1}, {**g, "count": 1}]}]}
+    assert "| a = 1 (+ 2 smaller groups) | 5 |" in sweep.table(summary, "c")
+    spec = _spec(axes={"ga": [2], "model": ["conditional"]})
+    one = [{"stack": {}, "point": {"model": "conditional"}, "zero_stage": 3, "dtype": "fp32",
+            "verdict": oracle.NOT_AFFECTED}]
+    assert sweep.model_table(spec, one).splitlines()[-1].startswith("| conditional | 3 | engine | none | ok")
