@@ -249,7 +249,7 @@ def test_a_skeleton_holds_the_weights_it_is_given_and_at_most_eight_are_kept():
     assert torch.equal(c.flat_params(m), (flat * 2).float().double())
     for h in range(10):
         c.skeleton(sh, SEED, 4 + h, DEPTH, c.flat_params(sh.build(SEED, 4 + h, DEPTH)))
-    assert len(c._SKELETONS) <= 8
+    assert len(c._SKELETONS) == 8  # at most eight, the newest
 
 
 def test_a_case_that_raises_becomes_an_error_result_and_the_next_case_still_runs():
@@ -349,6 +349,12 @@ def test_the_two_reads_agree_within_the_module_dtypes_rounding_and_say_how_far_a
     fake_deepspeed[id(m.weight)] = torch.tensor([[1.0, 2.0]])
     r = c.read_weights(m, None, "fp32")
     assert r["agree"] is True and r["max_diff"] == 0.0 and r["module"].tolist() == r["masters"].tolist() == [1.0, 2.0]
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[0.0, 1.00390625]]))  # a zero weight, and one exactly bf16's rounding off
+    fake_deepspeed[id(m.weight)] = torch.tensor([[0.0, 1.0]])
+    assert c.read_weights(m, None, "bf16")["agree"] is True
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([[1.0, 2.0]]))
     fake_deepspeed[id(m.weight)] = torch.tensor([[1.0, 2.002]])  # within bf16's rounding, not fp32's
     assert c.read_weights(m, None, "bf16")["agree"] is True
     r = c.read_weights(m, None, "fp32")
@@ -436,8 +442,22 @@ def test_average_grads_reaches_every_trainable_parameter_after_a_frozen_one():
     assert m[0].weight.grad is None and all(p.grad is not None for p in list(m.parameters())[1:])
 
 
-def test_a_model_of_one_group_is_judged_whole_only():
+def test_a_model_of_one_group_is_judged_whole_only_and_one_of_two_groups_by_each_too():
     assert "groups" not in loop(ga=2, steps=1)
+    assert len(loop(ga=2, steps=1, shape="no_grad_step")["groups"]) == 2
+
+
+def test_a_tied_weights_uses_are_judged_against_the_scaled_loss():
+    out = loop(ga=2, steps=1, shape="tied", scale=8.0)
+    uses = [g["uses"] for g in out["groups"].values() if g.get("uses")]
+    assert uses and all(u["misplaced_weight"] < 1e-6 for u in uses)
+
+
+def test_the_shares_of_two_ranks_count_the_samples_of_both(monkeypatch):
+    monkeypatch.setattr(c, "world_size", lambda: 2)
+    monkeypatch.setattr(c.dist, "all_reduce", lambda t: t.mul_(2))  # the other rank holds as many samples
+    batches = [(torch.zeros(n, 2), None) for n in (1, 3)]
+    assert c.sample_shares(batches) == [1 * 2 / 8, 3 * 2 / 8]
 
 
 def test_the_reference_cache_keeps_the_newest_only_when_it_is_over_its_size(monkeypatch):
