@@ -32,7 +32,7 @@ def test_a_spec_gets_its_defaults_and_every_point_resolves():
     ({"axes": {"dtype": ["fp8"]}}, "dtype values must be among"),
     ({"axes": {"model": ["gpt9"]}}, "^unknown model shape 'gpt9'"),
     ({"axes": {"ga": [2]}, "skip": ["ga"]}, "a skip rule maps axes"),
-    ({"axes": {"ga": [2, 65]}}, "in 1..64, got 65"),
+    ({"axes": {"ga": [2, 65]}}, "^gradient accumulation steps must be an integer in 1..64, got 65"),
     ({"axes": {"ga": [2]}, "steps": 0}, "steps"),
     ({"axes": {"ga": [2]}, "world_size": 99}, "world_size=99"),
     ({"axes": {"ga": [2]}, "timeout_s": -1}, "timeout"),
@@ -134,6 +134,7 @@ def test_a_point_id_and_the_spec_key_change_with_what_the_verdict_depends_on_onl
     assert sweep.point_id(spec, {"ga": 4}) != pid
     assert sweep.point_id(spec, {"ga": 2, "loop": "manual"}) == sweep.point_id(spec, {"loop": "manual", "ga": 2})
     assert sweep.spec_key({**spec, "device": "cuda"}) != key
+    assert sweep.spec_key(dict(reversed(list(spec.items())))) == key  # the same spec, whatever its keys' order
 
 
 def test_a_stack_is_named_by_the_release_it_resolves_to():
@@ -1011,3 +1012,12 @@ def test_a_bug_with_three_groups_mentions_two_smaller_ones_and_one_shaped_point_
     one = [{"stack": {}, "point": {"model": "conditional"}, "zero_stage": 3, "dtype": "fp32",
             "verdict": oracle.NOT_AFFECTED}]
     assert sweep.model_table(spec, one).splitlines()[-1].startswith("| conditional | 3 | engine | none | ok")
+
+
+def test_a_bugs_row_shows_its_largest_groups_conditions_and_a_stack_without_groups_is_one_row():
+    g = {"when": {"a": [1]}, "count": 3, "ratio_range": [0.5, 0.5], "matches": ["m"], "shapes": ["s"], "known_bug": "B3"}
+    summary = {"stacks": [{"deepspeed": "0.18.6", "configs": 4, "counts": {oracle.AFFECTED: 4},
+                           "groups": [g, {**g, "when": {"b": [2]}, "count": 1}]}]}
+    assert "| a = 1 (+ 1 smaller group) | 4 |" in sweep.table(summary, "c")
+    alone = {"stacks": [{"deepspeed": "0.18.6", "configs": 2, "counts": {oracle.NOT_AFFECTED: 2}, "groups": []}]}
+    assert sweep.table(alone, "c").splitlines()[-1].startswith("| 0.18.6 | *2 configs: 2 not-affected* |")
