@@ -515,7 +515,7 @@ def test_the_data_and_the_judgement_default_to_the_first_step():
     start = sh.build(SEED, HIDDEN, DEPTH)
     _, _, reference = c.reference_at(start, sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0), sh, 1.0, ("default step", 0))
     out, *_ = c.judge(reference.clone(), start, SEED, 2, MB, HIDDEN, shape=sh)
-    assert out["metrics"]["rel_l2"] < 1e-12
+    assert out["metrics"]["rel_l2"] < 1e-12 and "clip_coef" not in out  # and no clipping unless asked for
 
 
 def test_the_reference_cache_counts_8_bytes_a_number(monkeypatch):
@@ -527,6 +527,9 @@ def test_the_reference_cache_counts_8_bytes_a_number(monkeypatch):
     for step in (1, 2):
         c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("bytes", step))
     assert [k[2] for k in c._REFERENCES] == [("bytes", 1), ("bytes", 2)]
+    monkeypatch.setattr(c, "_REFERENCE_BYTES", 3 * first[0].numel() * 7)  # room for two at 8 bytes, not three
+    c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 3), sh, 1.0, ("bytes", 3))
+    assert [k[2] for k in c._REFERENCES] == [("bytes", 2), ("bytes", 3)]
 
 
 def test_a_rank_uses_the_gpu_only_where_there_is_one_and_deepspeed_is_not_told_cpu(monkeypatch):
@@ -585,3 +588,29 @@ def test_a_stopwatch_reads_to_the_millisecond(monkeypatch):
     clock = iter([5.0, 6.2346])
     monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
     assert c.Stopwatch()() == 1.235
+
+
+def test_a_rank_other_than_0_takes_every_step_and_reports_nothing(monkeypatch):
+    monkeypatch.setattr(c, "rank", lambda: 1)
+    taken = []
+    model = shapes.get("mlp").build(SEED, HIDDEN, DEPTH)
+
+    def take(step, batches):
+        taken.append(step)
+        return None, None
+
+    assert c.judge_steps(2, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN) == {}
+    assert taken == [0, 1]
+
+
+def test_a_cases_other_time_is_kept_to_a_tenth_of_a_millisecond(monkeypatch):
+    clock = iter([0.0, 1.235])
+    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
+
+    def run_one(case):
+        c._PHASES["steps"] = 0.12345
+        return {}
+
+    (out,) = c.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
+    other = out["phases"]["other"]
+    assert out["wall_s"] == 1.235 and abs(other - 1.11155) <= 0.00005 and round(other, 4) == other != round(other, 3)
