@@ -614,3 +614,14 @@ def test_a_cases_other_time_is_kept_to_a_tenth_of_a_millisecond(monkeypatch):
     (out,) = c.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
     other = out["phases"]["other"]
     assert out["wall_s"] == 1.235 and abs(other - 1.11155) <= 0.00005 and round(other, 4) == other != round(other, 3)
+
+
+def test_hypotheses_of_a_clipped_step_are_judged_against_the_clipped_reference():
+    free = loop(ga=2, steps=1)
+
+    def hypotheses(w, n, previous):
+        return {"exact": [1 / n] * n}
+
+    out = loop(ga=2, steps=1, clip=0.5 * free["reference_norm"], hypotheses=hypotheses)
+    assert out["hypotheses"]["best"] == "exact" and out["hypotheses"]["best_matches"]
+    assert out["hypotheses"]["predicted_ratio"]["exact"] == pytest.approx(1.0)
