@@ -4,11 +4,14 @@
 # __pycache__. Not part of the test command: its result is a benchmark (score, survivors, wall time).
 #   bash scripts/mutation.sh                       # every module of scripts/mutation/targets.yaml
 #   bash scripts/mutation.sh kit/oracle.py         # one module (a session resumes where it stopped)
+#   bash scripts/mutation.sh --fast --again kit/sweep.py   # its survivors again, against the tests as they are now
+#   bash scripts/mutation.sh --readme README.md    # runs/mutation/summary.json as the README's table
 # Writes runs/mutation/<module>.sqlite (the session) and runs/mutation/summary.json (score and survivors).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 .venv/bin/python -c "import cosmic_ray" 2>/dev/null || .venv/bin/python -m pip install -q cosmic-ray==8.7.0
 export PYTHONDONTWRITEBYTECODE=1 GRADKIT_CACHE="${GRADKIT_CACHE:-$PWD/.gradkit-cache}"
-git diff --quiet -- kit || { echo "error: kit/ has uncommitted changes; a mutation run rewrites its files in place" >&2; exit 2; }
+[ "${1:-}" = "--readme" ] || git diff --quiet -- kit || {
+  echo "error: kit/ has uncommitted changes; a mutation run rewrites its files in place" >&2; exit 2; }
 exec .venv/bin/python scripts/mutation_run.py "$@"
