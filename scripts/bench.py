@@ -408,8 +408,10 @@ def suite_bench(json_path: str, repeat: int = 1) -> int:
                      "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None})
         print(f"run {i + 1} of {repeat}: bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode})",
               flush=True)
-        if out.returncode:
-            Path(json_path).with_suffix(f".run{i + 1}.log").write_text(out.stdout[-20000:] + out.stderr[-5000:])
+        if out.returncode:  # what failed, kept (a fresh clone has no runs/ folder yet)
+            log = Path(json_path).with_suffix(f".run{i + 1}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(out.stdout[-20000:] + out.stderr[-5000:])
     res = {"cpus": os.cpu_count(), **runs[-1], "repeat": repeat, "runs": runs,
            "passed_runs": sum(r["exit"] == 0 for r in runs), "walls": ", ".join(f"{r['suite_s']:.0f}" for r in runs)}
     path = Path(json_path)

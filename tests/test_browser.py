@@ -113,6 +113,9 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
+KILL_GUARD_S = 30.0  # stopped ranks die within seconds (tests/test_faults.py uses the same guard)
+
+
 def _ranks(server_pid: int) -> list:
     """The rank processes below the JupyterLab server (its kernel's worlds)."""
     from kit import launch
@@ -181,7 +184,9 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
             stop.click()
         wait.until(lambda d: "interrupted" in status())
         timings[f"{how}_to_message_s"] = round(time.monotonic() - t0, 1)
-        assert _all_gone(ranks, within_s=5.0), f"{how}: ranks still alive"
+        # a hang guard, 10x the seconds it takes (the time itself is kept with the screenshots' timings)
+        assert _all_gone(ranks, within_s=KILL_GUARD_S), f"{how}: ranks still alive after {KILL_GUARD_S} s"
+        timings[f"{how}_to_ranks_gone_s"] = round(time.monotonic() - t0, 1)
         assert "world(s) stopped, their ranks killed" in status()
         assert not run.get_attribute("disabled") and stop.get_attribute("disabled")
         browser.save_screenshot(str(folder / f"4-explorer-after-{how}.png"))

@@ -75,8 +75,8 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
             if (f / launch.OWNER_FILE).exists() and (f / launch.OWNER_FILE).read_text().split()[0] == str(caller.pid)]
     caller.send_signal(signal.SIGKILL)
     caller.wait()
-    gone, alive = psutil.wait_procs(tree, timeout=5.0)
-    assert not alive, f"outlived their caller by 5 s: {[p.pid for p in alive]}"
+    gone, alive = psutil.wait_procs(tree, timeout=30.0)  # a hang guard: they go within a second or two
+    assert not alive, f"outlived their caller by 30 s: {[p.pid for p in alive]}"
     # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
     launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
     assert len(mine) == 1 and not mine[0].exists()
