@@ -29,6 +29,7 @@ if not (CHROMIUM and DRIVER):
                 allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 KERNEL_STATUS = ("const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
@@ -174,7 +175,17 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
     for how in ("interrupt", "stop"):
         warm = {p.pid for p in _ranks(lab["pid"])}
         run.click()
-        wait.until(lambda d: "cases done" in status() and {p.pid for p in _ranks(lab["pid"])} - warm)
+        seen = []  # what each poll saw: said when the run is never caught while its new world's ranks run
+
+        def running(d):
+            seen.append((status()[:160], sorted({p.pid for p in _ranks(lab["pid"])} - warm)))
+            return "cases done" in seen[-1][0] and seen[-1][1]
+
+        try:
+            wait.until(running)
+        except TimeoutException:
+            pytest.fail(f"{how}: the 0.18.6 run was never seen running in new ranks; polls {len(seen)}, first "
+                        f"{seen[:3]}, last {seen[-3:]}")
         ranks = [p for p in _ranks(lab["pid"]) if p.pid not in warm]
         t0 = time.monotonic()
         if how == "interrupt":
