@@ -185,6 +185,8 @@ def world_records(probe: Probe, cases: list[dict], stack: dict, version: str, me
 
     try:
         rank0 = launch.run_world(probe.target, {"cases": cases}, world, on_partial=arrived if _listening() else None)[0]
+    except launch.WorldStopped:
+        raise  # the user's Stop: no record of a failed world, and no world after it
     except launch.LaunchError as e:
         # the cases rank 0 finished before the world failed keep their results; the rest could not run
         rank0 = e.partial.get(0, [])[:len(cases)]

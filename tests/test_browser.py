@@ -7,6 +7,7 @@ then the static site of a run-all: its index and a notebook page, with their fig
 """
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -198,7 +199,10 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
         # a hang guard, 10x the seconds it takes (the time itself is kept with the screenshots' timings)
         assert _all_gone(ranks, within_s=KILL_GUARD_S), f"{how}: ranks still alive after {KILL_GUARD_S} s"
         timings[f"{how}_to_ranks_gone_s"] = round(time.monotonic() - t0, 1)
-        assert "world(s) stopped, their ranks killed" in status()
+        stopped = re.search(r"(\d+) world\(s\) stopped, their ranks killed", status())
+        assert stopped and int(stopped[1]) >= 1, status()  # the world it caught, even one still starting
+        late = [p for p in _ranks(lab["pid"]) if p.pid not in warm]  # ranks of that run that came up since
+        assert _all_gone(late, within_s=KILL_GUARD_S), f"{how}: a rank that came up after the stop still runs"
         assert not run.get_attribute("disabled") and stop.get_attribute("disabled")
         browser.save_screenshot(str(folder / f"4-explorer-after-{how}.png"))
 

@@ -78,6 +78,27 @@ def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
     assert "world stopped after case 1 of 3" in recs[1]["reason"] and "WorldDesynchronised" in recs[2]["reason"]
 
 
+def test_a_users_stop_ends_the_probe_run_and_launches_no_further_world(monkeypatch):
+    """A world stopped by the user is not a failed world whose cases become cannot-run records while the run goes
+    on to its next world: the stop reaches the caller (the explorer), and nothing else is launched."""
+    from kit import runner
+    from kit.probes import bf16_leak
+
+    calls = []
+
+    def stopped(*a, **k):
+        calls.append(1)
+        raise launch.WorldStopped("stopped while its ranks started: they were killed as they came up; nothing ran")
+
+    monkeypatch.setattr(launch, "run_world", stopped)
+    cases = [{"name": n, "role": "measured", "ga": 1, "dtype": "fp32"} for n in ("a", "b")]
+    with pytest.raises(launch.WorldStopped):
+        runner.world_records(bf16_leak.PROBE, cases, {}, "installed", {"bug": "T"}, 2, "cpu", 60)
+    with pytest.raises(launch.WorldStopped):  # two world sizes: the second is never launched
+        runner.run(bf16_leak.PROBE, cases, world_sizes=(2, 3))
+    assert calls == [1, 1]
+
+
 def test_a_rank_that_crashes_in_tear_down_after_its_result_keeps_the_result(capfd):
     out = launch.run_world("kit.selftest:abort_after_result", {"rank": 0}, world_size=2, init="torch", timeout_s=60)
     assert [r["rank"] for r in out] == [0, 1]
@@ -122,7 +143,7 @@ def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvo
         raise launch.RankFailed("rank 1 raised: Connection reset by peer", rank=1)
 
     monkeypatch.setattr(lifecycle, "_run_world_once", once)
-    with pytest.raises(launch.RankFailed):
+    with pytest.raises(launch.WorldStopped):  # said as the stop it was, never as a failed world
         launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2), keep_dir=None)
     assert calls == [1]
 
@@ -134,3 +155,32 @@ def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvo
 
     monkeypatch.setattr(lifecycle, "_run_world_once", flaky)
     assert launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2)) == ["ok", "ok"] and calls == [1, 2, 2]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["one-shot", "warm"])
+def test_a_stop_while_the_ranks_start_kills_them_as_they_come_up(monkeypatch, warm):
+    """The explorer's Stop or Interrupt while a world starts (a warm world's fork server imports the stack for
+    seconds): the world counts as stopped, its ranks are killed as soon as they are up, and the call raises
+    WorldStopped. Before, the stop found no ranks to kill ("0 world(s) stopped") and the world ran to its end,
+    then stayed up as a warm world, so the browser test's next Run reused it and never saw new ranks."""
+    import contextlib
+
+    from kit.launch import lifecycle, warm as kwarm
+
+    real, counted = lifecycle._start_ranks, []
+
+    def start_then_stop(*a, **k):
+        out = real(*a, **k)  # the ranks are processes now; the caller has not registered them yet
+        counted.append(launch.stop_worlds())
+        return out
+
+    monkeypatch.setattr(kwarm if warm else lifecycle, "_start_ranks", start_then_stop)
+    with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():
+        with pytest.raises(launch.WorldStopped, match="while its ranks started"):
+            launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
+    assert counted == [1]  # the world being started is one of the worlds stopped
+    assert not launch.ranks_below(os.getpid())  # killed, not left running (nor kept warm)
+    assert not launch._WARM
+    monkeypatch.undo()
+    with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():  # the next call runs as usual
+        assert [r["rank_sum"] for r in launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2))] == [1.0, 1.0]

@@ -20,11 +20,11 @@ version pays for the build.
 Where things are (everything other code uses is re-exported here, as ``kit.launch.NAME``):
 
 - ``spec``: the world spec and commands: ``World``, the errors (``LaunchError``, ``RankFailed``,
-  ``RankTimeout``), ``REPO_ROOT``, ``LAUNCHERS``, the hostfile, each rank's / launcher's command line and
+  ``RankTimeout``, ``WorldStopped``), ``REPO_ROOT``, ``LAUNCHERS``, the hostfile, each rank's / launcher's command line and
   environment, the torch-extensions cache check (``elf_damage``, ``repair_extensions``), and ``main``
   (``python -m kit.launch --dry-run``).
 - ``lifecycle``: the life of a world's processes: ``run_world`` (with its rendezvous retry), starting the ranks,
-  waiting for them, killing them (``die_with_parent``, ``kill_tree``, ``stop_worlds``, ``ranks_below``), and
+  waiting for them, killing them (``die_with_parent``, ``kill_tree``, ``stop_worlds``, ``check_stop``, ``ranks_below``), and
   the world folders of callers that were killed (``OWNER_FILE``, ``remove_stale_worlds``).
 - ``warm``: warm worlds, ranks kept up between calls: ``warm_worlds``, ``prewarm``, ``stop_warm_worlds``.
 - ``servers``: fork servers, which fork a stack's warm ranks with its imports paid (``NO_FORK_ENV``).
@@ -35,11 +35,11 @@ A limit or timeout is read in the submodule that defines it: set it there (``lau
 outside the package call ``launch.run_world(...)`` through this package, so replacing ``launch.run_world``
 here reaches them.
 """
-from kit.launch.lifecycle import (OWNER_FILE, PR_SET_PDEATHSIG, _session_dying_with_parent, die_with_parent, kill_tree,
-                                  ranks_below, remove_stale_worlds, run_world, stop_worlds)
+from kit.launch.lifecycle import (OWNER_FILE, PR_SET_PDEATHSIG, _session_dying_with_parent, check_stop, die_with_parent,
+                                  kill_tree, ranks_below, remove_stale_worlds, run_world, stop_worlds)
 from kit.launch.results import _failure, _PartialReader, how_it_ended
 from kit.launch.servers import _SERVERS, NO_FORK_ENV
-from kit.launch.spec import (LAUNCHERS, REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, _installed_key,
-                             elf_damage, launch_commands, launcher_env, main, rank_env, read_hostfile,
+from kit.launch.spec import (LAUNCHERS, REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, WorldStopped,
+                             _installed_key, elf_damage, launch_commands, launcher_env, main, rank_env, read_hostfile,
                              repair_extensions, worker_module_args)
 from kit.launch.warm import _WARM, WARM_MAX, prewarm, stop_warm_worlds, warm_worlds

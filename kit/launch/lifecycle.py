@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kit import config as kconfig
 from kit.launch.results import _complete, _failure, _PartialReader, _partials, _tail, how_it_ended
-from kit.launch.spec import (REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, launch_commands, launcher_env,
+from kit.launch.spec import (REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, WorldStopped, launch_commands, launcher_env,
                              rank_env, repair_extensions)
 
 if TYPE_CHECKING:
@@ -58,12 +58,23 @@ _STOPS = [0]  # how many times stop_worlds ran: a world started before a stop is
 
 def stop_worlds() -> int:
     """Kill the ranks of every world this process is running (an interrupted cell or explorer Run); how many.
-    None of them is launched again: their failure is the stop, never a rendezvous to retry."""
+    None of them is launched again: their failure is the stop, never a rendezvous to retry. A world still
+    starting counts too: its ranks are killed as soon as they are up (``check_stop``), and its call raises
+    ``WorldStopped``."""
     _STOPS[0] += 1
     live = list(_LIVE.values())
     for procs in live:
         _kill(procs)
     return len(live)
+
+
+def check_stop(stops: int, procs: list) -> None:
+    """Called once a world's ranks are started and in ``_LIVE``: if ``stop_worlds`` ran since its call began
+    (``stops``), while they started (a fork server importing the stack takes seconds), kill them now and raise
+    ``WorldStopped``. Without it a Stop during the start stopped nothing, and the world ran to its end."""
+    if _STOPS[0] != stops:
+        _kill(procs)
+        raise WorldStopped("stopped while its ranks started: they were killed as they came up; nothing ran")
 
 
 def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
@@ -151,13 +162,16 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     for attempt in range(1 + RENDEZVOUS_RETRIES):
         try:
             if warm:
-                return _run_warm(target, payload, world, on_partial)
-            return _run_world_once(target, payload, world, keep_dir, on_partial)
+                return _run_warm(target, payload, world, on_partial, stops)
+            return _run_world_once(target, payload, world, keep_dir, on_partial, stops)
         except RankFailed as e:
+            if _STOPS[0] != stops:  # its ranks died of the stop, whatever the first of them to notice says
+                raise WorldStopped(f"stopped while it ran: {str(e).splitlines()[0][:200]}", rank=e.rank,
+                                   traceback=e.traceback, logs=e.logs, partial=e.partial) from e
             # judged on the blamed rank's own error only: its peers' errors ("Then: ...") often read "Connection
             # reset by peer" whatever the blamed rank did
             own = str(e).split("\nThen: ")[0] + "\n" + (e.traceback or "")
-            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(own) or _STOPS[0] != stops:
+            if attempt == RENDEZVOUS_RETRIES or e.partial or not _is_rendezvous_error(own):
                 raise
             print(f"gradkit: the world's rendezvous failed before any case ran ({str(e).splitlines()[0][:200]}); "
                   f"launching it again ({attempt + 2} of {1 + RENDEZVOUS_RETRIES})", file=sys.stderr)
@@ -330,7 +344,8 @@ def _start_ranks(world: World, job: Path, task: dict, server: "_Server | None" =
     return procs, logs, holder
 
 
-def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None) -> list:
+def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None,
+                    stops: int | None = None) -> list:
     remove_stale_worlds()
     job = _new_world_folder(keep_dir)
     procs: list[subprocess.Popen] = []
@@ -339,6 +354,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     try:
         started, logs, holder = _start_ranks(world, job, {"target": target, "payload": payload})
         procs += started
+        check_stop(_STOPS[0] if stops is None else stops, procs)
         try:
             _wait(procs, world, job, logs, on_partial)
             if not (job / "rank0.json").exists():

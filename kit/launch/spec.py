@@ -36,6 +36,11 @@ class RankTimeout(LaunchError):
     """The world ran past its timeout; every rank was killed."""
 
 
+class WorldStopped(LaunchError):
+    """``stop_worlds`` ran while this world was starting or running (the user's Stop or Interrupt): its ranks were
+    killed, whenever they came up. Never a failed world to record or launch again: the caller stops too."""
+
+
 @dataclass
 class World:
     """How to start the ranks. Everything that is not the probe itself."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.launch.lifecycle import _LIVE, _kill, _new_world_folder, _start_ranks, _wait, release_port, remove_stale_worlds
+from kit.launch.lifecycle import _LIVE, _STOPS, _kill, check_stop, _new_world_folder, _start_ranks, _wait, release_port, remove_stale_worlds
 from kit.launch.results import _partials
 from kit.launch.servers import _SERVERS, _Forked, _server_for, _server_key, _stack_fields, _stop_server
 from kit.launch.spec import LaunchError, World
@@ -145,18 +145,25 @@ def stop_warm_worlds(servers: bool = True) -> int:
 atexit.register(stop_warm_worlds)
 
 
-def _run_warm(target: str, payload: dict, world: World, on_partial=None) -> list:
-    w = prewarm(world, target)
+def _run_warm(target: str, payload: dict, world: World, on_partial=None, stops: int | None = None) -> list:
+    stops = _STOPS[0] if stops is None else stops
+    starting: list = []  # counted by a stop_worlds while the warm world starts (it has no ranks yet)
+    _LIVE[id(starting)] = starting
+    try:
+        w = prewarm(world, target)
+    finally:
+        _LIVE.pop(id(starting), None)
     key = _warm_key(world, target)
-    w.jobs += 1
-    folder = w.job / f"job-{w.jobs}"
-    folder.mkdir()
-    tmp = folder / "spec.json.tmp"
-    tmp.write_text(json.dumps({"target": target, "payload": payload}))
-    os.replace(tmp, folder / "spec.json")  # the ranks see the job whole or not at all
     _LIVE[id(w.procs)] = w.procs
     ok = False
     try:
+        check_stop(stops, w.procs)  # a stop while it started: its ranks go (and the warm world, below)
+        w.jobs += 1
+        folder = w.job / f"job-{w.jobs}"
+        folder.mkdir()
+        tmp = folder / "spec.json.tmp"
+        tmp.write_text(json.dumps({"target": target, "payload": payload}))
+        os.replace(tmp, folder / "spec.json")  # the ranks see the job whole or not at all
         try:
             _wait(w.procs, world, folder, w.logs, on_partial, serving=True, started_in=w.job)
         except LaunchError as e:
