@@ -6,8 +6,9 @@ or it does not import; *survived* when every test passes. A module's tests come 
 ``targets.yaml`` gives it ``fast`` and ``world`` commands: every mutant runs the fast tests (seconds), and only a
 mutant that survives them runs the world tests (real 2-rank worlds, about a minute each), with
 ``cosmic-ray mutate-and-test``; their outcomes are kept in ``runs/mutation/<module>.world.json`` (resumable too;
-``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors). ``--again`` runs
-the survivors of an earlier run once more, against the tests as they are now (after tests were added for them). Survivors listed in
+``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors; a mutant the world
+stage could not run stays a survivor, tried again next time). ``--again`` runs the survivors of an earlier run
+once more, against the tests as they are now (after tests were added for them). Survivors listed in
 ``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator.
 Score = killed / (killed + survived - equivalent). ``--readme README.md`` (alone) writes ``summary.json``'s table
 into that file's ``<!-- gradkit:table MUTATION -->`` block.
@@ -95,11 +96,16 @@ def world_stage(module: str, session: Path, tests: str, rows: list[dict]) -> lis
                                       str(r["occurrence"]), pytest_command(tests)], cwd=REPO, capture_output=True,
                                      text=True, timeout=TIMEOUT_S)
                 result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
-                outcome = result.get("test_outcome") or "killed"
+                outcome = result.get("test_outcome")
             except subprocess.TimeoutExpired:
                 outcome = "killed"  # a mutant that hangs a world is caught by the timeout
+            except ValueError:
+                outcome = None
             finally:
                 restore(module)
+            if outcome is None:  # cosmic-ray said nothing readable: not run, so still a survivor (tried again)
+                print(f"  world stage {name}: not run ({(out.stderr or '').strip()[-300:]})", flush=True)
+                continue
             done[name] = {"test": outcome, "wall_s": round(time.monotonic() - t0, 1)}
             path.write_text(json.dumps(done, indent=1))
             print(f"  world stage {name}: {outcome} ({done[name]['wall_s']:.0f} s)", flush=True)
