@@ -184,3 +184,26 @@ def test_a_stop_while_the_ranks_start_kills_them_as_they_come_up(monkeypatch, wa
     monkeypatch.undo()
     with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():  # the next call runs as usual
         assert [r["rank_sum"] for r in launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2))] == [1.0, 1.0]
+
+
+def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_that_world(monkeypatch):
+    """The browser test's flaky failure, as its failure message told it: the first world of a Run failed its
+    rendezvous on a busy machine and died (the ranks the test had seen), the Interrupt came while the world
+    launched again was starting, and that second world ran to its end and stayed up. A stop at any point of
+    a call, retries included, stops the world the call is starting."""
+    from kit.launch import lifecycle
+
+    real, calls = lifecycle._start_ranks, []
+
+    def start(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise launch.RankFailed("rank 1 raised: Connection reset by peer", rank=1)  # launched again
+        out = real(*a, **k)
+        launch.stop_worlds()  # the Interrupt, while the second world's ranks start
+        return out
+
+    monkeypatch.setattr(lifecycle, "_start_ranks", start)
+    with pytest.raises(launch.WorldStopped):
+        launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
+    assert len(calls) == 2 and not launch.ranks_below(os.getpid())
