@@ -41,7 +41,7 @@ def test_the_installed_release_runs_without_an_overlay_and_any_other_in_one(monk
 @pytest.fixture
 def index(monkeypatch, tmp_path):
     """The kit's cache in tmp_path, pip's answer chosen by the test, the overlays and the installed release faked."""
-    monkeypatch.setattr(kconfig, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kconfig, "cache_dir", lambda: tmp_path / "cache")  # not made yet: the first write makes it
     overlays = tmp_path / "overlays"
     for name, complete in (("deepspeed-0.17.0", True), ("deepspeed-0.16.0", False), ("deepspeed-0.15.0rc1", True)):
         (overlays / name).mkdir(parents=True)
@@ -51,14 +51,16 @@ def index(monkeypatch, tmp_path):
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6+cpu")
     said = {"stdout": "deepspeed (0.10.0)\nAvailable versions: 0.10.0, 0.9.0, 0.10.0rc1, 0.2.0, 0.9.1\n", "calls": 0}
 
-    def run(cmd, **kw):
+    def run(cmd, capture_output=False, text=False, timeout=None, **kw):  # as subprocess.run answers
         said["calls"] += 1
+        assert timeout, "pip must not hang a bisect"
         if said.get("raise"):
             raise said["raise"]
-        return subprocess.CompletedProcess(cmd, 0, said["stdout"], "")
+        out = said["stdout"] if text else said["stdout"].encode()
+        return subprocess.CompletedProcess(cmd, 0, out if capture_output else None, "")
 
     monkeypatch.setattr(bisect.subprocess, "run", run)
-    return tmp_path / "releases" / "deepspeed.json", said
+    return tmp_path / "cache" / "releases" / "deepspeed.json", said
 
 
 def test_the_index_is_asked_once_a_day_its_final_releases_in_order_and_kept(index):
@@ -73,6 +75,19 @@ def test_the_index_is_asked_once_a_day_its_final_releases_in_order_and_kept(inde
     assert time.strftime("%Y-%m-%d", time.gmtime()) in where
     cache.write_text(json.dumps({"fetched": time.time() - bisect.INDEX_MAX_AGE_S - 5, "releases": ["0.1.0"]}))
     assert bisect.index_releases() == (["0.3.0"], "the package index") and said["calls"] == 2  # a day old: asked
+
+
+def test_the_cached_list_is_kept_for_exactly_a_day(index, monkeypatch):
+    cache, said = index
+    now = 1_700_000_000.0
+    monkeypatch.setattr(bisect.time, "time", lambda: now)
+    cache.parent.mkdir(parents=True)
+    for age, asked in ((86399.0, 0), (86400.0, 1), (86401.0, 1), (3600.0, 0)):
+        said["calls"] = 0
+        cache.write_text(json.dumps({"fetched": now - age, "releases": ["0.1.0"]}))
+        found, where = bisect.index_releases()
+        assert said["calls"] == asked, (age, where)
+        assert found == (["0.2.0", "0.9.0", "0.9.1", "0.10.0"] if asked else ["0.1.0"])
 
 
 def test_offline_the_cached_list_is_used_and_said_else_the_releases_the_kit_already_has(index):
@@ -306,6 +321,24 @@ def test_the_middle_release_is_measured_first_and_a_skipped_one_gives_way_to_its
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.5.0", "0.6.0")]
 
 
+def test_between_two_anchors_the_middle_one_is_measured_first_then_the_middle_of_the_half_that_changes():
+    order = [f"0.{i}.0" for i in range(13)]
+    measure, calls = measuring({r: (bad() if i < 6 else GOOD) for i, r in enumerate(order)})
+    found = bisect.search(order, measure, stride=4, confirm=False)
+    assert calls == ["0.0.0", "0.4.0", "0.8.0", "0.12.0", "0.6.0", "0.5.0"]  # between 4 and 8: 6, then 5
+    assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.5.0", "0.6.0")]
+
+
+def test_a_first_release_that_does_not_run_gives_way_to_the_next_that_does_below_the_grids_first_anchor():
+    order = [f"0.{i}.0" for i in range(9)]
+    results = {r: bad() for r in order}
+    results.update({"0.0.0": SKIP, "0.1.0": GOOD})
+    measure, calls = measuring(results)
+    found = bisect.search(order, measure, stride=4, confirm=False)
+    assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.1.0", "0.2.0")]
+    assert calls.count("0.8.0") == 1 and calls.count("0.0.0") == 1  # each release measured once
+
+
 def test_a_change_says_which_way_it_goes_between_which_releases_and_whether_it_repeated():
     ch = {"before": "0.1.0", "after": "0.2.0", "between": [], "from": GOOD, "to": bad("x")}
     assert bisect.describe(ch) == "0.1.0 -> 0.2.0: last good 0.1.0, first bad 0.2.0: the step becomes x"
@@ -368,9 +401,27 @@ def test_the_commit_of_a_release_is_read_from_its_package_and_unknown_is_none(mo
              "b": _release(tmp_path / "b", {"git_version_info_installed.py": "git_hash = 'unknown'\n",
                                             "git_version_info.py": "git_hash=\"def456\"\n"}),
              "c": _release(tmp_path / "c", {"git_version_info.py": "git_hash=''\n"}), "d": None,
-             "e": _release(tmp_path / "e", {"other.py": ""})}
+             "e": _release(tmp_path / "e", {"other.py": ""}),
+             "f": _release(tmp_path / "f", {"git_version_info.py": "git_hash='fff'\n"})}  # only the older name
     monkeypatch.setattr(bisect, "_source_root", lambda r, p=bisect.PACKAGE: roots[r])
-    assert [bisect.git_hash(r) for r in "abcde"] == ["abc123", "def456", None, None, None]
+    assert [bisect.git_hash(r) for r in "abcdef"] == ["abc123", "def456", None, None, None, "fff"]
+
+
+def test_a_releases_source_is_its_resolved_stacks_package_folder_and_none_where_it_cannot_install(monkeypatch, tmp_path):
+    asked = []
+
+    def resolve_stack(stack, packages):
+        asked.append((stack, packages))
+        if stack.get("deepspeed") == "0.1.0":
+            raise versions.CannotRun("no wheel")
+        return SimpleNamespace(roots={"deepspeed": str(tmp_path)} if stack else {})
+
+    monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6")
+    monkeypatch.setattr(versions, "resolve_stack", resolve_stack)
+    monkeypatch.setattr(versions, "module_name", lambda p: p.replace("-", "_"))
+    assert bisect._source_root("0.17.0") == tmp_path / "deepspeed"
+    assert asked == [({"deepspeed": "0.17.0"}, ("deepspeed",))]
+    assert bisect._source_root("0.1.0") is None and bisect._source_root("0.18.6") is None  # no root said: none
 
 
 ENGINE_A = ("class DeepSpeedEngine:\n    def backward(self, loss):\n        return loss\n"
@@ -406,6 +457,13 @@ def test_the_diff_holds_the_changed_added_and_removed_functions_on_the_path_cut_
     assert len(step["diff"].splitlines()) == 31 and step["diff"].endswith(f"\n... ({84 - 30} more lines)")
     assert funcs["DeepSpeedEngine.new_boundary"]["lines"] == 2 and "more lines" not in funcs[
         "DeepSpeedEngine.new_boundary"]["diff"]
+    default = {f["name"]: f for f in bisect.diff("0.1.0", "0.2.0", None)["files"][0]["functions"]}
+    assert default["DeepSpeedEngine.step"]["diff"].endswith("\n... (24 more lines)")  # 60 lines by default
+    ctx = ENGINE_A.replace("        a20 = 20\n", "        a20 = 21\n")  # one line changed: two lines around it
+    roots["0.1.5"] = _release(tmp_path / "c", {"runtime/engine.py": ctx})
+    one = {f["name"]: f for f in bisect.diff("0.1.0", "0.1.5", None)["files"][0]["functions"]}["DeepSpeedEngine.step"]
+    assert one["diff"].splitlines()[3:] == ["         a18 = 18", "         a19 = 19", "-        a20 = 20",
+                                            "+        a20 = 21", "         a21 = 21", "         a22 = 22"]
     whole = bisect.diff("0.1.0", "0.2.0", "DeepSpeedZeroOptimizer_Stage3", max_lines=84)  # 84 lines: all of them
     assert "more lines" not in {f["name"]: f for f in whole["files"][1]["functions"]}["DeepSpeedEngine.step"]["diff"]
     assert [f["file"] for f in bisect.diff("0.1.0", "0.2.0", "SGD")["files"]] == ["deepspeed/runtime/engine.py"]
@@ -446,6 +504,8 @@ def test_the_diff_text_names_the_commits_or_the_tags_and_shows_the_largest_chang
                         "b (changed, 9 lines), c (changed, 5 lines)")
     assert lines[4:] == ["<diff of b>", "<diff of c>"]
     assert bisect.diff_text(d).splitlines()[4:] == ["<diff of b>", "<diff of c>", "<diff of a>"]
+    many = {**d, "files": [{"file": "f.py", "class": "C", "functions": [fn(f"f{i}", i) for i in range(8)]}]}
+    assert bisect.diff_text(many).splitlines()[2:] == [f"<diff of f{i}>" for i in (7, 6, 5, 4, 3, 2)]  # six at most
     for commits in ((None, "bbb"), ("aaa", None)):
         head = bisect.diff_text({**d, "commits": commits}).splitlines()[0]
         assert head.startswith("the commits between them (the packages name no commit: their release tags): "
@@ -520,6 +580,30 @@ def test_the_command_exits_1_when_the_newest_release_that_ran_is_affected_and_3_
     assert "nothing to compare: fewer than two releases ran here" in text and "newest release" not in text
     state["results"] = {"0.1.0": SKIP, "0.2.0": SKIP}
     assert bisect.main([str(cfg), "--releases", "0.1.0,0.2.0"]) == 3
+    state["results"] = {"0.1.0": GOOD, "0.2.0": bad(), "0.3.0": GOOD}  # the newest of three decides
+    assert bisect.main([str(cfg), "--releases", "0.1.0,0.2.0,0.3.0", "--stride", "1"]) == 0
+    assert "newest release that ran: 0.3.0, not-affected" in capsys.readouterr().out
+
+
+def test_the_command_says_how_the_config_was_read_and_cuts_a_reason_at_120_characters(command, capsys, tmp_path,
+                                                                                      monkeypatch):
+    from kit.probes import ds_config
+
+    cfg, state = command
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"}))
+    seen, real = [], ds_config.resolve
+    monkeypatch.setattr(ds_config, "resolve", lambda user, w, ga, dtype: seen.append((w, ga, dtype))
+                        or real(user, w, ga, dtype))
+    state["results"] = {"0.1.0": {**SKIP, "reason": "why " + "x" * 200}, "0.2.0": GOOD, "0.3.0": GOOD}
+    assert bisect.main([str(auto), "--releases", "0.1.0,0.2.0,0.3.0"]) == 0
+    text = capsys.readouterr().out
+    assert seen == [(2, 4, "fp32")]  # "auto" GA is 4 unless --ga says otherwise
+    assert "  as run: gradient_accumulation_steps auto -> 4\n" in text
+    assert f"     0.1.0: cannot-run ({('why ' + 'x' * 200)[:120]})\n" in text
+    assert "every 4 releases first" in text and "releases, 4 apart, is not seen" in text  # the default stride
+    assert bisect.parser().description.startswith("``gradkit bisect ds_config.json``: since which DeepSpeed release")
+    assert bisect.parser().description == bisect.__doc__.split("\n\n")[0]
 
 
 def test_the_command_refuses_bad_numbers_and_a_missing_json_folder_before_anything_runs(command, tmp_path):
@@ -534,8 +618,10 @@ def test_the_command_refuses_bad_numbers_and_a_missing_json_folder_before_anythi
                                 "bf16": {"enabled": "auto"}}))
     with pytest.raises(kconfig.ConfigError, match="say which with --trainer-dtype"):
         bisect.main([str(auto), "--releases", "0.1.0,0.2.0"])
-    with pytest.raises(kconfig.ConfigError, match="the B4 probe's stack names"):
-        bisect.main(["--probe", "B4", "--axis", "torch", "--releases", "0.1.0,0.2.0"])
+    for axis in ("torch", "transformers"):
+        with pytest.raises(kconfig.ConfigError, match=rf"--axis {axis}: the B4 probe's stack names \['deepspeed'\] "
+                                                      r"\(torch is the installed one\)"):
+            bisect.main(["--probe", "B4", "--axis", axis, "--releases", "0.1.0,0.2.0"])
     with pytest.raises(kconfig.ConfigError, match="one of the two"):
         bisect.main(["--releases", "0.1.0,0.2.0"])
     assert state["made"] == [] and state["prefetched"] == []
