@@ -140,14 +140,22 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
     stop = browser.find_element(By.XPATH, "//button[contains(@class, 'jupyter-button') and .='Stop']")
     status = lambda: browser.find_element(By.CSS_SELECTOR, ".widget-html-content").text  # noqa: E731
     figure = lambda: browser.find_elements(By.CSS_SELECTOR, ".widget-output img")  # noqa: E731
-    wait.until(lambda d: status() == "choose a configuration and press Run")  # widgets, with no figure yet
+    def until(cond, what: str):  # a wait that, when it times out, says what the page showed
+        try:
+            return wait.until(cond)
+        except TimeoutException:
+            browser.save_screenshot(str(folder / f"failed-{what.replace(' ', '-')}.png"))
+            pytest.fail(f"waited 240 s for {what}; the status line: {status()!r}; figures: {len(figure())}; "
+                        f"ranks: {sorted(p.pid for p in _ranks(lab['pid']))}")
+
+    until(lambda d: status() == "choose a configuration and press Run", "the widgets")  # with no figure yet
     assert not figure() and stop.get_attribute("disabled")
     browser.save_screenshot(str(folder / "1-explorer-before-run.png"))
 
     # Run the default selection (B3, ZeRO-2: the manual loop loses micro-batches on every release)
     t0 = time.monotonic()
     run.click()
-    wait.until(lambda d: figure() and "x the reference" in status())
+    until(lambda d: figure() and "x the reference" in status(), "the first figure")
     timings["first_run_click_to_figure_s"] = round(time.monotonic() - t0, 1)
     assert "ZeRO 2" in status() and ": affected:" in status(), status()
     assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 600", figure()[0])
@@ -160,9 +168,9 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
     Select(zero.find_element(By.TAG_NAME, "select")).select_by_visible_text("3")
     t0 = time.monotonic()
     run.click()
-    wait.until(lambda d: not figure())
+    until(lambda d: not figure(), "the figure cleared")
     assert "previous figure is cleared" in browser.find_element(By.CSS_SELECTOR, ".widget-output").text
-    wait.until(lambda d: figure() and "ZeRO 3" in status() and "x the reference" in status())
+    until(lambda d: figure() and "ZeRO 3" in status() and "x the reference" in status(), "the ZeRO-3 figure")
     timings["warm_run_click_to_figure_s"] = round(time.monotonic() - t0, 1)
     assert ": not-affected:" in status(), status()
     assert {p.pid for p in _ranks(lab["pid"])} == first_ranks  # the same ranks ran it: nothing relaunched
@@ -194,7 +202,7 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
                                                   "button[data-command='notebook:interrupt-kernel']").click()
         else:
             stop.click()
-        wait.until(lambda d: "interrupted" in status())
+        until(lambda d: "interrupted" in status(), f"the {how} said")
         timings[f"{how}_to_message_s"] = round(time.monotonic() - t0, 1)
         # a hang guard, 10x the seconds it takes (the time itself is kept with the screenshots' timings)
         assert _all_gone(ranks, within_s=KILL_GUARD_S), f"{how}: ranks still alive after {KILL_GUARD_S} s"
