@@ -11,22 +11,9 @@ import pytest
 from kit import bisect, oracle, versions
 from kit import config as kconfig
 
-GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0]}
+from tests.test_bisect import GOOD, bad, measuring
+
 SKIP = {"verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": "does not install here"}
-
-
-def bad(step="last micro-batch / N"):
-    return {"verdict": oracle.AFFECTED, "step": step, "ratios": [0.4]}
-
-
-def measuring(results: dict):
-    calls = []
-
-    def measure(release):
-        calls.append(release)
-        return {"release": release, **results[release]}
-
-    return measure, calls
 
 
 # ---------------------------------------------------------------------------------------------- releases
