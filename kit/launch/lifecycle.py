@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from kit import config as kconfig
 from kit.launch.results import _complete, _failure, _PartialReader, _partials, _tail, how_it_ended
-from kit.launch.spec import (REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, WorldStopped, launch_commands, launcher_env,
-                             rank_env, repair_extensions)
+from kit.launch.spec import (REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, WorldStopped, launch_commands,
+                             launcher_env, rank_env, repair_extensions)
 
 if TYPE_CHECKING:
     from kit.launch.servers import _Server
@@ -344,8 +344,7 @@ def _start_ranks(world: World, job: Path, task: dict, server: "_Server | None" =
     return procs, logs, holder
 
 
-def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial=None,
-                    stops: int | None = None) -> list:
+def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | None, on_partial, stops: int) -> list:
     remove_stale_worlds()
     job = _new_world_folder(keep_dir)
     procs: list[subprocess.Popen] = []
@@ -354,7 +353,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     try:
         started, logs, holder = _start_ranks(world, job, {"target": target, "payload": payload})
         procs += started
-        check_stop(_STOPS[0] if stops is None else stops, procs)
+        check_stop(stops, procs)
         try:
             _wait(procs, world, job, logs, on_partial)
             if not (job / "rank0.json").exists():

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.launch.lifecycle import _LIVE, _STOPS, _kill, check_stop, _new_world_folder, _start_ranks, _wait, release_port, remove_stale_worlds
+from kit.launch.lifecycle import (_LIVE, _kill, _new_world_folder, _start_ranks, _wait, check_stop, release_port,
+                                  remove_stale_worlds)
 from kit.launch.results import _partials
 from kit.launch.servers import _SERVERS, _Forked, _server_for, _server_key, _stack_fields, _stop_server
 from kit.launch.spec import LaunchError, World
@@ -145,8 +146,7 @@ def stop_warm_worlds(servers: bool = True) -> int:
 atexit.register(stop_warm_worlds)
 
 
-def _run_warm(target: str, payload: dict, world: World, on_partial=None, stops: int | None = None) -> list:
-    stops = _STOPS[0] if stops is None else stops
+def _run_warm(target: str, payload: dict, world: World, on_partial, stops: int) -> list:
     starting: list = []  # counted by a stop_worlds while the warm world starts (it has no ranks yet)
     _LIVE[id(starting)] = starting
     try:
