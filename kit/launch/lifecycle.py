@@ -68,12 +68,12 @@ def stop_worlds() -> int:
     return len(live)
 
 
-def check_stop(stops: int, procs: list) -> None:
+def check_stop(stops: int) -> None:
     """Called once a world's ranks are started and in ``_LIVE``: if ``stop_worlds`` ran since its call began
-    (``stops``), while they started (a fork server importing the stack takes seconds), kill them now and raise
-    ``WorldStopped``. Without it a Stop during the start stopped nothing, and the world ran to its end."""
+    (``stops``), while they started (a fork server importing the stack takes seconds), raise ``WorldStopped``; the
+    caller's clean-up kills the ranks, as for any failed world. Without it a Stop during the start stopped nothing,
+    and the world ran to its end."""
     if _STOPS[0] != stops:
-        _kill(procs)
         raise WorldStopped("stopped while its ranks started: they were killed as they came up; nothing ran")
 
 
@@ -353,7 +353,7 @@ def _run_world_once(target: str, payload: dict, world: World, keep_dir: str | No
     try:
         started, logs, holder = _start_ranks(world, job, {"target": target, "payload": payload})
         procs += started
-        check_stop(stops, procs)
+        check_stop(stops)  # a stop while they started: the finally below kills them
         try:
             _wait(procs, world, job, logs, on_partial)
             if not (job / "rank0.json").exists():

@@ -157,7 +157,7 @@ def _run_warm(target: str, payload: dict, world: World, on_partial, stops: int) 
     _LIVE[id(w.procs)] = w.procs
     ok = False
     try:
-        check_stop(stops, w.procs)  # a stop while it started: its ranks go (and the warm world, below)
+        check_stop(stops)  # a stop while it started: the finally below discards the world, its ranks killed
         w.jobs += 1
         folder = w.job / f"job-{w.jobs}"
         folder.mkdir()
