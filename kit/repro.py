@@ -214,4 +214,19 @@ def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "
         lifecycle.remove_orphan_segments(grace_s=5.0)
     text = "\n".join(line for line in (stdout + stderr).splitlines()
                      if "REPRODUCED" in line or "reproduced" in line or line.startswith("{\"deepspeed\""))
-    return proc.returncode, text or (stdout + stderr)[-2000:]
+    return proc.returncode, text or unjudged(stdout + stderr)
+
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def unjudged(output: str, keep: int = 2000) -> str:
+    """What to show of a run that printed no judgement: its last ``keep`` characters, and before them the first
+    rank's traceback (its first ``keep`` characters) where that falls outside them. torchrun's own error summary
+    follows a rank's crash and alone fills the tail, so the tail alone never says why the rank died."""
+    first = output.find(TRACEBACK)
+    if first < 0 or first >= len(output) - keep:
+        return output[-keep:]
+    if first + keep >= len(output) - keep:  # the traceback runs into the tail: one piece, nothing left out
+        return output[first:]
+    return output[first:first + keep] + "\n[...]\n" + output[-keep:]

@@ -165,6 +165,37 @@ def test_a_script_that_judges_nothing_gives_the_end_of_what_it_printed(tmp_path)
     assert rc == 0 and output.endswith("A") and len(output) == 2000 and not repro.reproduced(rc, output)
 
 
+
+def test_a_rank_that_crashes_shows_its_traceback_though_torchruns_summary_and_later_output_fill_the_tail(tmp_path):
+    script = tmp_path / "repro_crash.py"
+    script.write_text("import os, sys, time, traceback\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    try:\n        raise RuntimeError('rank 1 fell over here')\n"
+                      "    except RuntimeError:\n        traceback.print_exc()\n"
+                      "    sys.stderr.write('B' * 3000 + '\\n'); sys.exit(1)\n"
+                      "time.sleep(60)\n")
+    rc, output = repro.verify(script, world_size=2, timeout_s=120)
+    assert rc == 1 and not repro.reproduced(rc, output)
+    head, tail = output.split("\n[...]\n")
+    assert head.startswith(repro.TRACEBACK) and "RuntimeError: rank 1 fell over here" in head, output
+    assert len(tail) == 2000 and "B" * 100 not in tail[-300:]  # the tail: torchrun's summary after the rank's output
+
+
+T = repro.TRACEBACK
+
+
+@pytest.mark.parametrize("output, want", [
+    ("A" * 3000, "A" * 2000),  # no traceback: the tail
+    ("A" * 500 + T + "B" * 1000, "A" * 500 + T + "B" * 1000),  # all of it is shorter than the tail
+    ("A" * 1000 + T + "B" * 1966, "A" + T + "B" * 1966),  # the traceback starts inside the tail: the tail
+    ("A" * 100 + T + "B" * 2500, T + "B" * 2500),  # it runs into the tail: one piece
+    ("A" * 100 + T + "B" * 1967 + "C" * 2000, T + "B" * 1967 + "C" * 2000),  # it just reaches the tail: one piece
+    ("A" * 100 + T + "B" * 1968 + "C" * 2000, T + "B" * 1967 + "\n[...]\n" + "C" * 2000),  # one character between
+    ("A" * 100 + T + "B" * 5000 + "C" * 2000, T + "B" * (2000 - len(T)) + "\n[...]\n" + "C" * 2000),
+])
+def test_a_run_without_a_judgement_keeps_the_first_traceback_and_the_tail(output, want):
+    assert repro.unjudged(output) == want
+
 def _running(script) -> list:
     import psutil
 
