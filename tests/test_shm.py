@@ -64,3 +64,29 @@ def test_an_orphan_segment_is_removed_and_a_mapped_one_kept():
             view.close()
             held.unlink()
             young.unlink()
+
+
+def test_a_worlds_segments_go_while_its_port_is_still_held_and_no_others(monkeypatch):
+    """A world that gets the same port number next makes segments of the same names: they must be removed before
+    the number is free again, never after (then they could be that next world's)."""
+    import socket
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    uid = os.getuid()
+    ours = [lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port}_{r}" for r in (0, 1)]
+    others = [lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port + 1}_0",  # another world's
+              lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port}_x"]  # not a rank's
+    held = []
+    real = lifecycle._unlink
+    monkeypatch.setattr(lifecycle, "_unlink", lambda paths: held.append(holder.fileno() != -1) or real(paths))
+    for p in ours + others:
+        p.write_bytes(b"\0")
+    try:
+        assert sorted(lifecycle.release_port(holder)) == ours
+        assert held == [True] and holder.fileno() == -1  # removed while held; the port is free afterwards
+        assert not any(p.exists() for p in ours) and all(p.exists() for p in others)
+    finally:
+        for p in ours + others:
+            p.unlink(missing_ok=True)

@@ -238,9 +238,11 @@ def release_port(holder) -> list[Path]:
         port = holder.getsockname()[1]
     except OSError:  # closed already (a launcher's world listened on it itself): remove_orphan_segments takes them
         return []
-    holder.close()
-    segments = SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*")
-    return _unlink(p for p in segments if p.name.rsplit("_", 1)[-1].isdigit())  # ..._<port>_<rank>
+    try:  # the segments go while the port is still held: a world that gets the number next makes its own after
+        segments = SHM_DIR.glob(f"{SHM_PREFIX}_{os.getuid()}_*_{port}_*")
+        return _unlink(p for p in segments if p.name.rsplit("_", 1)[-1].isdigit())  # ..._<port>_<rank>
+    finally:
+        holder.close()
 
 
 def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
