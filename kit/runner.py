@@ -99,7 +99,7 @@ def first_time(stack: dict, probe: Probe) -> str:
         return "; ".join(said)
     version = stack.get("deepspeed") or kversions.installed_version("deepspeed")
     if probe.init == "deepspeed":
-        built = kconfig.cache_dir() / "torch_extensions" / f"deepspeed-{version}"
+        built = kconfig.cache_dir() / "torch_extensions" / kversions.Stack({"deepspeed": version}).extensions_key
         if not any(built.rglob("*.so")) if built.exists() else True:
             said.append(f"building DeepSpeed {version}'s CPU comm op, once per release (~40 s)")
     return "; ".join(said)

@@ -146,7 +146,18 @@ class Stack:
 
     @property
     def extensions_key(self) -> str:
-        return f"deepspeed-{self.versions.get('deepspeed', 'absent')}"
+        """The folder of this stack's JIT-built ops in the kit's cache: per DeepSpeed release and build environment."""
+        return f"deepspeed-{self.versions.get('deepspeed', 'absent')}-{build_environment()}"
+
+
+def build_environment() -> str:
+    """What a JIT-built op is compiled against besides DeepSpeed's sources, as a short digest: this Python
+    environment (its prefix holds torch's headers and libraries, and the build file names their paths) and torch's
+    release. Two environments sharing the kit's cache (two clones, two venvs) must not share a build folder: torch
+    rewrites the folder's build file for whichever loads the op, so each switch rebuilt it (about a minute, every
+    rank of that release waiting on the build lock) and left the other's ranks loading a library being rewritten."""
+    text = f"{sys.prefix}|{installed_version('torch')}|{sys.version_info.major}.{sys.version_info.minor}"
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def companion_requirements(transformers_root: Path) -> dict[str, str]:

@@ -89,7 +89,7 @@ def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_p
     # 2. Run to its end: the comm op is built, and the first world after it has nothing left to do. The compiled
     #    objects of the suite's own build are put in place (ninja then links the op: the build without its ~45 s
     #    compile); the op itself is not.
-    key = f"deepspeed-{kversions.installed_version('deepspeed')}"
+    key = kversions.Stack({"deepspeed": kversions.installed_version("deepspeed")}).extensions_key
     suite = Path(os.environ["GRADKIT_CACHE"]) / "torch_extensions" / key
     if not list(suite.rglob("*.o")):  # a fresh clone where no world has built it yet: the suite needs it anyway
         launch.run_world("kit.selftest:ping", {}, world_size=1, timeout_s=600)

@@ -90,3 +90,22 @@ def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_world(private
     lock.touch()  # what a SIGKILL during init_distributed leaves
     out = launch.run_world("kit.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=60))
     assert [r["rank_sum"] for r in out] == [1.0, 1.0] and not lock.exists()
+
+
+def test_two_environments_sharing_the_cache_build_their_comm_op_in_folders_of_their_own(monkeypatch):
+    """Two clones or venvs with one GRADKIT_CACHE: torch's build file names the environment's paths, so a folder
+    shared between them was rebuilt at every switch (about a minute, every rank of that release waiting)."""
+    import sys
+
+    key = lambda release="0.19.8": versions.Stack({"deepspeed": release}).extensions_key  # noqa: E731
+    here = key()
+    assert here.startswith("deepspeed-0.19.8-") and here == key()  # one environment: one folder per release
+    assert key("0.18.9").startswith("deepspeed-0.18.9-") and key("0.18.9") != here
+    with monkeypatch.context() as m:
+        m.setattr(sys, "prefix", sys.prefix + "-another-venv")
+        assert key() != here  # another environment: its own folder
+    real = versions.installed_version
+    with monkeypatch.context() as m:
+        m.setattr(versions, "installed_version", lambda p: "2.99.0" if p == "torch" else real(p))
+        assert key() != here  # the same environment with another torch: rebuilt in a folder of its own
+    assert key() == here
