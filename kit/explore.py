@@ -251,9 +251,13 @@ class ProbeExplorer:
             return False
 
     def start(self) -> threading.Thread | None:
-        """The Run button: ``run()`` in a thread of its own, with Stop and the kernel's Interrupt armed."""
+        """The Run button: ``run()`` in a thread of its own, with Stop and the kernel's Interrupt armed. A click
+        while a run is in flight (its button disabled) is not one; a click once the button is back, while the last
+        run still draws its figure, waits for that and then runs."""
         if self.thread is not None and self.thread.is_alive():
-            return None
+            if self.button.disabled:
+                return None
+            self.thread.join()
         self.cancel.clear()
         disarm = _on_sigint(self._main_loop, self.cancel.set)
         self.thread = threading.Thread(target=self._run_then, args=(disarm,), daemon=True, name="gradkit-explorer-run")

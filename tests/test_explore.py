@@ -191,3 +191,42 @@ def test_stop_ends_a_started_run_and_says_so():
     assert "<b>interrupted</b>" in ex.status.value and ex.progress.bar_style == "danger"
     assert not ex.button.disabled and ex.stop_button.disabled
     assert "no figure: the run of B3" in ex.output.outputs[0]["data"]["text/html"]
+
+
+def test_a_click_while_the_last_run_still_draws_its_figure_runs_after_it_and_one_during_a_run_does_not():
+    """The Run button comes back before the figure is drawn: a click then (a user, or a browser test, quick after
+    the figure shows) is a Run, started once the last run has drawn; a click while a run is in flight is none."""
+    import threading
+
+    drawing, release = threading.Event(), threading.Event()
+    runner = Recorder()
+    ex = explore.ProbeExplorer(runner=runner, interactive=True)
+    real = ex.redraw
+
+    def slow_redraw(sel=None):
+        drawing.set()
+        release.wait(30)  # the figure of the first run is still being drawn
+        real(sel)
+
+    ex.redraw = slow_redraw
+    ex.button.click()
+    assert drawing.wait(30) and not ex.button.disabled  # the button is back, the first run's thread still draws
+    first = ex.thread
+    clicked = threading.Thread(target=ex.button.click)  # the kernel hears the click while the figure is drawn
+    clicked.start()
+    clicked.join(0.5)
+    assert clicked.is_alive() and len(runner.calls) == 1  # it waits for the drawing, launching nothing yet
+    ex.redraw = real
+    release.set()
+    clicked.join(30)
+    ex.thread.join(30)
+    assert ex.thread is not first and len(runner.calls) == 2 and len(ex.output.outputs) == 1
+    # a click during a run (the button disabled, as the page shows it) starts nothing
+    release.clear()
+    alive = threading.Thread(target=lambda: release.wait(30))  # a run's thread, in flight
+    alive.start()
+    ex.thread, ex.button.disabled = alive, True
+    ex.button.click()
+    assert ex.thread is alive and len(runner.calls) == 2
+    release.set()
+    alive.join(30)
