@@ -47,7 +47,12 @@ class FlockBaton:
     holds it (a world stopped or timed out during ``init_distributed``, when every rank loads the comm op) leaves
     the file, and every later rank of that release waits for it forever (pytorch#189245; torch 2.13 still has it).
     Here the ranks take ``flock`` on ``lock.flock``, which the kernel drops when a holder dies, and whoever holds
-    it removes a ``lock`` file left behind. The interface is ``FileBaton``'s, as ``cpp_extension`` calls it."""
+    it removes a ``lock`` file left behind. The interface is ``FileBaton``'s, as ``cpp_extension`` calls it.
+
+    A ``lock`` file a live process holds open is torch's own baton of a process that is not one of the kit's ranks
+    (the sweep's reproduction script, which ``kit.repro.verify`` runs as plain DeepSpeed in the kit's build folder):
+    that build is waited for, never taken over. Removing its lock made the holder's own ``release()`` fail
+    (``FileNotFoundError``) and its rank exit 1 in ``init_distributed``."""
 
     def __init__(self, lock_file_path, wait_seconds=0.1, warn_after_seconds=None):
         self.lock_file_path, self.fd = lock_file_path, None
@@ -62,6 +67,9 @@ class FlockBaton:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
+            os.close(fd)
+            return False
+        if lock_holder(self.lock_file_path) is not None:  # torch's own baton, held by a live process: its build
             os.close(fd)
             return False
         self.fd = fd
@@ -79,11 +87,39 @@ class FlockBaton:
             fcntl.flock(fd, fcntl.LOCK_EX)  # returns when the builder is done, or dead
         finally:
             os.close(fd)
+        said = False
+        while (holder := lock_holder(self.lock_file_path)) is not None:  # a build under torch's own baton
+            if not said:
+                print(f"gradkit: waiting for process {holder}'s build in {Path(self.lock_file_path).parent} "
+                      "(torch's own build lock)", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.1)
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the lock
             self.fd = None
+
+
+def lock_holder(path) -> int | None:
+    """The pid of another live process that holds ``path`` open (torch's ``FileBaton`` keeps its lock file open
+    while it builds); None when the file is gone or nobody holds it (a holder that died)."""
+    if not os.path.exists(path):
+        return None
+    target = os.path.realpath(path)
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        if fds.parent.name == str(os.getpid()):
+            continue
+        try:
+            for fd in os.scandir(fds):
+                try:
+                    if os.readlink(fd.path) == target:
+                        return int(fds.parent.name)
+                except OSError:
+                    pass
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return None
 
 
 def use_flock_baton() -> None:

@@ -92,6 +92,77 @@ def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_world(private
     assert [r["rank_sum"] for r in out] == [1.0, 1.0] and not lock.exists()
 
 
+
+HOLD = ("import os, sys\n"  # torch's FileBaton: the lock made with O_EXCL, held open, closed and removed at release
+        "fd = os.open(sys.argv[1], os.O_CREAT | os.O_EXCL)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.read()\n"
+        "os.close(fd)\n"
+        "os.remove(sys.argv[1])\n")
+
+
+def _hold(lock):
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_build_under_torchs_own_lock_is_waited_for_never_taken_over(tmp_path):
+    """The sweep's reproduction script is plain DeepSpeed: its ranks build the comm op under torch's own baton in
+    the kit's build folder. A kit rank took the flock, removed that live lock as a dead builder's, and the script's
+    rank then failed in its own release() (FileNotFoundError): exit 1 before anything was judged."""
+    import threading
+
+    from kit.worker import FlockBaton, lock_holder
+
+    lock = tmp_path / "lock"
+    holder = _hold(lock)
+    assert lock_holder(lock) == holder.pid
+    assert FlockBaton(str(lock)).try_acquire() is False and lock.exists()  # not taken over
+    waiting = threading.Thread(target=FlockBaton(str(lock)).wait)
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive()  # it waits for that build
+    holder.communicate("")  # the build is done: the holder releases its own baton
+    assert holder.returncode == 0  # and its release() found its lock
+    waiting.join(30)  # a hang guard: it returns within a poll
+    assert not waiting.is_alive()
+    lock.touch()  # a lock whose holder died: nobody holds it open, so it is taken over
+    assert lock_holder(lock) is None
+    baton = FlockBaton(str(lock))
+    assert baton.try_acquire() and not lock.exists()
+    baton.release()
+
+
+def test_a_world_waits_for_a_build_under_torchs_own_lock_and_the_holder_ends_well(private_cache, tmp_path):
+    """The same in a real world: its ranks say they wait for the holder's build, leave its lock alone, and run
+    once it is released; the holder's release succeeds."""
+    import threading
+    import time
+
+    shared, cache = private_cache
+    ext = cache / "torch_extensions"
+    shutil.copytree(shared / "torch_extensions" / launch._installed_key(), ext / launch._installed_key())
+    (lock,) = [so.parent / "lock" for so in (ext / launch._installed_key()).rglob("*.so")]
+    holder = _hold(lock)
+    job, out = tmp_path / "world", {}
+    world = threading.Thread(target=lambda: out.update(r=launch.run_world(
+        "kit.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=300), keep_dir=str(job))))
+    world.start()
+    deadline = time.monotonic() + 240  # a hang guard: the ranks reach the build lock within seconds
+    said = lambda: "".join(p.read_text(errors="replace") for p in job.glob("rank*.log"))  # noqa: E731
+    while "waiting for process" not in said() and world.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert f"waiting for process {holder.pid}'s build" in said(), said()
+    assert lock.exists() and world.is_alive()  # its lock left alone, the world waiting
+    holder.communicate("")
+    world.join(240)
+    assert holder.returncode == 0 and [r["rank_sum"] for r in out["r"]] == [1.0, 1.0]
+
 def test_two_environments_sharing_the_cache_build_their_comm_op_in_folders_of_their_own(monkeypatch):
     """Two clones or venvs with one GRADKIT_CACHE: torch's build file names the environment's paths, so a folder
     shared between them was rebuilt at every switch (about a minute, every rank of that release waiting)."""
