@@ -572,16 +572,25 @@ def test_a_probe_case_takes_two_judged_steps_by_default():
 
 
 def test_the_probes_data_is_the_same_as_every_earlier_run_of_the_kit():
-    """A fingerprint of the data stream: the sweep reuses records of earlier runs for the same point (and the README's
-    numbers were measured on it), so the data a (seed, rank, step) names must not change between kit versions."""
-    import hashlib
-
-    def print_of(*args):
+    """What the data a (seed, rank, step) names looks like: the sweep reuses records of earlier runs for the same point
+    (and the README's numbers were measured on it), so it must not change between kit versions. Its numbers, not its
+    bits: the targets come from a matmul (and the samples from a vectorised sampler) whose last bits depend on the
+    CPU's kernels, so a hash of the bytes differs between two machines of the same kind (AVX2 / AVX-512)."""
+    def numbers(*args):
         x, y = c.rank_samples(*args)
-        return hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()[:16]
+        return [*x.flatten()[:3].tolist(), *y.flatten()[:3].tolist(), float(x.double().sum()), float(y.double().sum()),
+                float((y.double() ** 2).sum())]
 
-    assert [print_of(0, 0, 4, 8, 0), print_of(0, 1, 4, 8, 0), print_of(0, 0, 4, 8, 1), print_of(3, 1, 2, 8, 2)] == \
-        ["1600b5a78bb6da61", "d6787d21e1e64a9b", "65794e758d93ca72", "160582b203342459"]
+    expected = {(0, 0, 4, 8, 0): [-1.525596, -0.750232, -0.653981, 1.126355, 0.777321, -1.125276, -11.07098, -1.86339,
+                                  30.8419],
+                (0, 1, 4, 8, 0): [-1.612399, 1.016126, 1.588145, -0.418561, 0.019938, 1.141703, -0.52191, -1.5848,
+                                  39.1808],
+                (0, 0, 4, 8, 1): [0.911387, 3.458215, -0.137214, -0.499383, -0.976504, 0.33449, 1.95588, 3.29439,
+                                  33.8055],
+                (3, 1, 2, 8, 2): [0.456635, 0.231593, -0.012362, -0.701418, 0.940088, -0.539626, 2.8123, -8.82357,
+                                  26.89927]}
+    for args, want in expected.items():
+        assert numbers(*args) == pytest.approx(want, rel=1e-5, abs=2e-5), args
 
 
 def test_a_stopwatch_reads_to_the_millisecond(monkeypatch):
