@@ -11,7 +11,7 @@ import sys
 
 from kit import config as kconfig
 
-COMMANDS = {"check": "kit.check", "bisect": "kit.bisect", "report": "kit.upstream"}
+COMMANDS = {"check": "kit.commands.check", "bisect": "kit.commands.bisect", "report": "kit.commands.report"}
 
 
 def main(argv=None) -> int:

@@ -163,7 +163,7 @@ FRONTEND_ENV = "JPY_SESSION_NAME"  # jupyter_server sets it for the kernels of t
 def interactive(value=AUTO) -> bool:
     """A notebook's ``INTERACTIVE``: True / False as given; "auto" (the stored default, so that nobody edits and
     autosaves a tracked notebook to get widgets) is True in a JupyterLab or Notebook session, False under
-    papermill or nbconvert. ``kit.runall`` passes False and keeps the variable out of its kernels."""
+    papermill or nbconvert. ``kit.notebooks.runall`` passes False and keeps the variable out of its kernels."""
     if isinstance(value, bool):
         return value
     if value != AUTO:

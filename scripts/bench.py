@@ -49,7 +49,7 @@ def timed(fn):
 
 
 def noise(json_path: str) -> int:
-    """The noise of correct engines, every signal the oracle judges: what kit/oracle.py's tolerances are set against.
+    """The noise of correct engines, every signal the oracle judges: what kit/judge/oracle.py's tolerances are set against.
 
     The installed DeepSpeed (B4's fix is in): the B4 probe's bf16 cases with an fp32 and a bf16 accumulator at
     GA 8 / 32 / 64 (W = 2), and the B3 probe's stages that keep every micro-batch (ZeRO-0 and ZeRO-3, fp32 and
@@ -95,7 +95,7 @@ def fp16_noise() -> list[dict]:
 
     import torch
 
-    from kit import oracle
+    from kit.judge import oracle
     from kit.probes import common as c, ds_config as dc
 
     out = []
@@ -142,13 +142,14 @@ def profile(json_path: str) -> int:
     import matplotlib
     matplotlib.use("Agg")
 
-    from kit import explore, launch
+    from kit import launch
+    from kit.notebooks import explore
     from kit.probes import zero_boundary as zb
 
     _, kw = explore.probe_call(explore.default_selection("B3"))
     cases = zb.plan(kw["n_values"], kw["stages"], kw["dtypes"], kw["fixes"], kw["fix_n_values"])
     world = launch.World(world_size=2, timeout_s=600)
-    launch.run_world("kit.selftest:ping", {}, world)  # warm: comm op built, page cache
+    launch.run_world("kit.launch.selftest:ping", {}, world)  # warm: comm op built, page cache
     ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=False)  # a one-shot world, profiled
     explorer_s, _ = timed(ex.run)
     warm = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
@@ -205,7 +206,9 @@ def sweep_bench(json_path: str) -> int:
     import random
     import subprocess
 
-    from kit import launch, runner, sweep
+    from kit import launch
+    from kit.commands import sweep
+    from kit.probes import runner
     from kit.probes import ds_config
 
     res = {"cpus": os.cpu_count(), "targets": SWEEP_TARGETS}
@@ -299,7 +302,7 @@ PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.jso
 
 def runall_bench(json_path: str, cold: bool) -> int:
     """The default run-all into a temporary folder, warm, then (``cold``) from an empty kit cache."""
-    from kit import runall
+    from kit.notebooks import runall
 
     path = Path(json_path)
     try:
@@ -337,11 +340,11 @@ BISECT_TARGET_S = 180.0
 
 
 def bisect_bench(json_path: str) -> int:
-    """``gradkit bisect`` of B5's config (``kit.bisect_known``) from ``BISECT_FROM`` to the installed release, as a
+    """``gradkit bisect`` of B5's config (``kit.notebooks.bisect_known``) from ``BISECT_FROM`` to the installed release, as a
     user runs it: once to fill the kit's cache (overlays, comm ops; not timed), then timed with them cached."""
     import subprocess
 
-    from kit import bisect_known
+    from kit.notebooks import bisect_known
 
     res = {"cpus": os.cpu_count(), "target_s": BISECT_TARGET_S}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-bisect-") as tmp:
@@ -466,7 +469,7 @@ def perf_table(folder: Path, old: str = "") -> str:
 
 def write_readme(readme: str) -> int:
     sys.path.insert(0, str(REPO))
-    from kit import tables
+    from kit.notebooks import readme_tables as tables
 
     path = Path(readme)
     before = path.read_text()
@@ -518,13 +521,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-") as cold_cache:
         saved = os.environ.get("GRADKIT_CACHE")
         os.environ["GRADKIT_CACHE"] = cold_cache
-        res["cold_launch_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600))
-        res["warm_launch_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600))
+        res["cold_launch_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
+        res["warm_launch_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
         if saved is None:
             os.environ.pop("GRADKIT_CACHE")
         else:
             os.environ["GRADKIT_CACHE"] = saved
-    launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
+    launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
     res["b4_probe_s"], recs = timed(lambda: bf16_leak.run(world_size=2, ga_values=(1, 2, 4, 8), timeout_s=600))
     res["b4_probe_configs"] = len(recs)
     res["b3_probe_s"], recs = timed(lambda: zero_boundary.run(world_sizes=(2,), fix_n_values=(4,), timeout_s=600))
@@ -550,11 +553,11 @@ def main() -> int:
 
     for name in launch.LAUNCHERS:
         w = launch.World(world_size=2, timeout_s=600, launcher=name)
-        res[f"warm_launch_{name}_s"], _ = timed(lambda: launch.run_world("kit.selftest:ping", {}, w))
+        res[f"warm_launch_{name}_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, w))
 
     import matplotlib
     matplotlib.use("Agg")
-    from kit import explore
+    from kit.notebooks import explore
     ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
     res["explorer_run_button_first_s"], _ = timed(ex.run)  # starts the explorer's warm world
     res["explorer_run_button_warm_s"], _ = timed(ex.run)  # its ranks stayed up (kit.launch.warm_worlds)

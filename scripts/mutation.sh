@@ -3,8 +3,8 @@
 # place, so the rank processes the tests start import it too; PYTHONDONTWRITEBYTECODE keeps a mutant out of
 # __pycache__. Not part of the test command: its result is a benchmark (score, survivors, wall time).
 #   bash scripts/mutation.sh                       # every module of scripts/mutation/targets.yaml
-#   bash scripts/mutation.sh kit/oracle.py         # one module (a session resumes where it stopped)
-#   bash scripts/mutation.sh --fast --again kit/sweep.py   # its survivors again, against the tests as they are now
+#   bash scripts/mutation.sh kit/judge/oracle.py         # one module (a session resumes where it stopped)
+#   bash scripts/mutation.sh --fast --again kit/commands/sweep.py   # its survivors again, against the tests as they are now
 #   bash scripts/mutation.sh --readme README.md    # runs/mutation/summary.json as the README's table
 # Writes runs/mutation/<module>.sqlite (the session) and runs/mutation/summary.json (score and survivors).
 set -euo pipefail

@@ -135,7 +135,7 @@ def restore(module: str) -> None:
 def table(summary: dict) -> str:
     """The README's mutation table: per module its mutants, killed, surviving, equivalent, score and wall time."""
     sys.path.insert(0, str(REPO))
-    from kit.report import markdown_table
+    from kit.judge.tables import markdown_table
 
     rows = [{"module": f"`{m}`", "mutants": s["killed"] + s["survived"], "killed": s["killed"],
              "survived": s["survived"] - s["equivalent"], "equivalent (listed with why)": s["equivalent"],
@@ -150,7 +150,7 @@ def table(summary: dict) -> str:
 
 def fill_readme(path: str) -> int:
     sys.path.insert(0, str(REPO))
-    from kit import tables
+    from kit.notebooks import readme_tables as tables
 
     summary = json.loads((OUT / "summary.json").read_text())
     readme = Path(path)

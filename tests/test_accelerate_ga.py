@@ -2,7 +2,7 @@
 huggingface/accelerate#2790 (0.30.1 stepped the optimizer on every micro-batch under ``sync_each_batch``)."""
 import pytest
 
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import accelerate_ga
 
 pytestmark = pytest.mark.usefixtures("warm_module")

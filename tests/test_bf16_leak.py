@@ -1,7 +1,7 @@
 """B4 on real 2-rank CPU worlds: affected on a pre-fix DeepSpeed, not affected on the installed one."""
 import pytest
 
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import bf16_leak
 
 pytestmark = pytest.mark.world

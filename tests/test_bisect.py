@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from kit import bisect, oracle
+from kit.commands import bisect
+from kit.judge import oracle
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0]}
 
@@ -147,7 +148,7 @@ def test_b4_fix_is_found_exactly_between_0_18_9_and_0_19_0_with_the_change_in_th
     assert "+        if bf16_optimizer:" in epilogue["diff"] and "self.optimizer.backward_epilogue()" in epilogue["diff"]
     assert "git log --oneline v0.18.9..v0.19.0 -- deepspeed/runtime/bf16_optimizer.py" in text
     # the report of the check on the bad release: config, range, the change, the reproduction and what it printed
-    from kit import check, upstream
+    from kit.commands import check, report as upstream
 
     checked = tmp_path / "check.json"
     assert check.main([str(cfg), "--deepspeed", "0.18.9", "--loop", "engine", "--json", str(checked)]) == 1
@@ -187,7 +188,7 @@ def _found(bug, measured, changes):
 
 
 def test_a_known_bugs_bisect_agrees_with_the_table_only_where_its_boundary_lies_inside_a_change():
-    from kit import bisect_known
+    from kit.notebooks import bisect_known
 
     ok = _found("B4", {"0.18.9": bad("own rank's boundary micro-batch"), "0.19.0": GOOD},
                 [{"before": "0.18.9", "after": "0.19.0", "between": [], "from": bad(), "to": GOOD}])
@@ -220,7 +221,7 @@ def test_a_probe_is_bisected_over_another_package_b1_over_transformers(tmp_path,
 
 
 def test_the_opt_out_loop_runs_exactly_from_the_release_that_has_the_key():
-    from kit import bisect_known
+    from kit.notebooks import bisect_known
 
     ok = _found("B3 opt-out", {"0.19.3": SKIP, "0.19.4": GOOD}, [])
     assert bisect_known.violations(ok) == []

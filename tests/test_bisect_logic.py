@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kit import bisect, oracle, versions
+from kit.commands import bisect
+from kit.judge import oracle
+from kit.stacks import versions
 from kit import config as kconfig
 
 from tests.test_bisect import GOOD, bad, measuring
@@ -212,7 +214,7 @@ def test_a_probes_measure_judges_its_case_by_the_worst_configuration_and_names_i
 
 
 def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_that_cannot_install_is_skipped(monkeypatch):
-    from kit import check
+    from kit.commands import check
     from kit.probes import ds_config
 
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6")
@@ -247,7 +249,7 @@ def test_the_first_pass_takes_every_strideth_release_and_the_last():
 
 
 def test_the_first_pass_is_installed_up_front_for_the_probe_and_package_bisected(monkeypatch):
-    from kit import prefetch as kprefetch
+    from kit.stacks import prefetch as kprefetch
     from kit.probes import ds_config
 
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.4.0")

@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kit import launch, runall
+from kit import launch
+from kit.notebooks import runall
 
 pytestmark = pytest.mark.world
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -95,7 +96,7 @@ def releases_ready():
     """The releases the explorer's Runs below use, installed and their comm ops built first, as run-all's prefetch
     does before its kernels: the Interrupt and Stop steps then catch a world while its ranks start, not while pip
     installs 0.18.6 (on a fresh clone, with the other xdist worker busy, that alone passed the 240 s wait)."""
-    from kit import prefetch
+    from kit.stacks import prefetch
     from kit.probes import zero_boundary as zb
 
     done, problems = prefetch.prefetch(prefetch.needs_of([(zb.PROBE, {}), (zb.PROBE, {"deepspeed": "0.18.6"})]),

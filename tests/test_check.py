@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from kit import check, config, launch, oracle
+from kit import config, launch
+from kit.commands import check
+from kit.judge import oracle
 from kit.probes import ds_config
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs

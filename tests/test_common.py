@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kit import oracle, records, shapes
+from kit import shapes
+from kit.judge import oracle, records
 from kit.probes import common as c
 
 SEED, HIDDEN, MB, DEPTH = 0, 8, 3, 2

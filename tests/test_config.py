@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from kit import config, launch, runall
+from kit import config, launch
+from kit.notebooks import runall
 from kit.probes import bf16_leak
 
 
@@ -69,7 +70,7 @@ def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):
 
 
 def test_an_old_transformers_gets_companions_for_the_pins_it_checks(tmp_path):
-    from kit import versions
+    from kit.stacks import versions
 
     pkg = tmp_path / "transformers"
     pkg.mkdir()

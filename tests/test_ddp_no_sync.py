@@ -1,8 +1,10 @@
 """The fifth probe: torch DDP on a real 2-rank world, and the registry that makes it appear everywhere."""
 import pytest
 
-from kit import explore, oracle, overview, probes, records, runall
-from kit.probe import Probe
+from kit import probes
+from kit.judge import oracle, records
+from kit.notebooks import explore, overview, runall
+from kit.probes.probe import Probe
 from kit.probes import ddp_no_sync
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
@@ -88,7 +90,7 @@ def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_
 
 @pytest.mark.world
 def test_the_runner_reports_progress_from_the_ranks_as_cases_finish():
-    from kit import runner
+    from kit.probes import runner
 
     events = []
     with runner.listen(events.append):
@@ -101,7 +103,7 @@ def test_the_runner_reports_progress_from_the_ranks_as_cases_finish():
 
 
 def test_a_first_launch_says_what_makes_it_slow(tmp_path, monkeypatch):
-    from kit import runner
+    from kit.probes import runner
     from kit.probes import bf16_leak
 
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))  # nothing installed, nothing built

@@ -1,7 +1,7 @@
 """The upstream table: pinned releases are asserted, newer ones are findings, B3 depends on the configuration."""
 import pytest
 
-from kit import expectations as ex
+from kit.judge import expectations as ex
 
 
 @pytest.mark.parametrize("bug, package, version, want", [

@@ -2,8 +2,8 @@
 findings on releases newer than the table, and the mismatches a notebook asserts empty."""
 import pytest
 
-from kit import expectations as ex
-from kit import oracle
+from kit.judge import expectations as ex
+from kit.judge import oracle
 
 
 @pytest.mark.parametrize("version, key", [("0.19.8", (0, 19, 8)), ("0.19.8+cpu", (0, 19, 8)), ("1.2rc1", (1, 2)),

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) on real 2-rank gloo worlds, judged by the same oracle as every DeepSpeed probe."""
 import pytest
 
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import fsdp2
 
 pytestmark = pytest.mark.usefixtures("warm_module")

@@ -2,10 +2,12 @@
 numbers the README states and records made by hand, so that a planted defect in kit/ fails here with its name."""
 import pytest
 
-from kit import check, launch, oracle, records, repro, sweep
+from kit import launch
+from kit.commands import check, repro, sweep
+from kit.judge import oracle, records
 
 CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
-# The limits the README states (kit/oracle.py's TOLERANCES, set from measured noise): written here, not read from
+# The limits the README states (kit/judge/oracle.py's TOLERANCES, set from measured noise): written here, not read from
 # the module, so that a limit changed there fails here.
 LIMITS = {"fp32": {"rel_l2": 1e-4, "norm_ratio": 1e-4, "misplaced_weight": 1e-4, "rank_spread": 1e-6},
           "bf16": {"rel_l2": 3e-2, "norm_ratio": 3e-2, "misplaced_weight": 5e-3, "rank_spread": 1e-6},
@@ -50,8 +52,8 @@ def test_the_spread_of_ranks_sees_any_rank_that_disagrees():
 
 @pytest.mark.world
 def test_a_world_whose_ranks_applied_different_steps_reports_their_spread():
-    agree = launch.run_world("kit.selftest:judge_with_rank_offset", {"offset": 0.0}, world_size=2, timeout_s=120)
-    differ = launch.run_world("kit.selftest:judge_with_rank_offset", {"offset": 1e-3}, world_size=2, timeout_s=120)
+    agree = launch.run_world("kit.launch.selftest:judge_with_rank_offset", {"offset": 0.0}, world_size=2, timeout_s=120)
+    differ = launch.run_world("kit.launch.selftest:judge_with_rank_offset", {"offset": 1e-3}, world_size=2, timeout_s=120)
     assert agree[0]["rank_spread"]["effective gradients"] == 0.0
     assert abs(differ[0]["rank_spread"]["effective gradients"] - 1e-3) < 1e-9  # rank 1's step is 1.001 x rank 0's
 

@@ -6,7 +6,10 @@ import json
 import pytest
 import torch
 
-from kit import check, config, launch, oracle, records, repro, runner, sweep
+from kit import config, launch
+from kit.commands import check, repro, sweep
+from kit.judge import oracle, records
+from kit.probes import runner
 from kit.probes import ds_config
 
 

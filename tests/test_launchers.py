@@ -18,7 +18,7 @@ def _hostfile(tmp_path, text="node-a slots=8\nnode-b slots=8  # second node\n"):
 
 def test_local_launcher_starts_one_worker_per_rank():
     cmds = launch.launch_commands(launch.World(world_size=2, launcher="local"), JOB, 29500)
-    assert cmds == [[sys.executable, "-m", "kit.worker", str(JOB)]] * 2
+    assert cmds == [[sys.executable, "-m", "kit.launch.worker", str(JOB)]] * 2
 
 
 def test_torchrun_on_two_nodes_runs_node_0_here_and_node_1_over_ssh(tmp_path):
@@ -28,10 +28,10 @@ def test_torchrun_on_two_nodes_runs_node_0_here_and_node_1_over_ssh(tmp_path):
     here, there = launch.launch_commands(world, JOB, 29500)
     torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8"]
     assert here == [sys.executable, *torchrun, "--node_rank", "0", "--master_addr", "node-a", "--master_port", "29500",
-                    "-m", "kit.worker", str(JOB)]
+                    "-m", "kit.launch.worker", str(JOB)]
     assert there[:2] == ["ssh", "node-b"]
     assert there[2].startswith(f"cd {launch.REPO_ROOT} && PYTHONPATH={launch.REPO_ROOT} ")
-    assert " ".join(torchrun) + " --node_rank 1 --master_addr node-a --master_port 29500 -m kit.worker /shared/job" in there[2]
+    assert " ".join(torchrun) + " --node_rank 1 --master_addr node-a --master_port 29500 -m kit.launch.worker /shared/job" in there[2]
 
 
 def test_deepspeed_launcher_gets_the_hostfile_and_the_worker_module(tmp_path):
@@ -40,7 +40,7 @@ def test_deepspeed_launcher_gets_the_hostfile_and_the_worker_module(tmp_path):
     world.validate()
     (cmd,) = launch.launch_commands(world, JOB, 29501)
     assert cmd == [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", "node-a", "--master_port", "29501",
-                   "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "8", "--no_local_rank", "--module", "kit.worker",
+                   "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "8", "--no_local_rank", "--module", "kit.launch.worker",
                    str(JOB)]
 
 
@@ -74,7 +74,7 @@ def test_impossible_launches_are_refused_before_anything_starts(tmp_path, kw, ho
 @pytest.mark.world
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_real_world_through_each_launcher(launcher):
-    out = launch.run_world("kit.selftest:ping", {"echo": 3}, launch.World(world_size=2, launcher=launcher, init="torch",
+    out = launch.run_world("kit.launch.selftest:ping", {"echo": 3}, launch.World(world_size=2, launcher=launcher, init="torch",
                                                                           timeout_s=120))
     assert [r["rank"] for r in out] == [0, 1] and all(r["rank_sum"] == 1.0 and r["echo"] == 3 for r in out)
 
@@ -83,7 +83,7 @@ def test_a_real_world_through_each_launcher(launcher):
 def test_a_raising_rank_under_torchrun_is_named():
     t0 = time.time()
     with pytest.raises(launch.RankFailed) as e:
-        launch.run_world("kit.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"},
+        launch.run_world("kit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"},
                          launch.World(world_size=2, launcher="torchrun", init="torch", timeout_s=60))
     assert e.value.rank == 1 and "needle-7" in str(e.value)
     assert time.time() - t0 < 60
@@ -105,7 +105,7 @@ def test_dry_run_prints_the_command_lines(tmp_path, capsys):
     assert launch.main(["--world-size", "16", "--device", "cuda", "--launcher", "deepspeed", "--nnodes", "2",
                         "--hostfile", hf, "--master-addr", "node-a", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f"--hostfile {hf} --num_nodes 2 --num_gpus 8 --no_local_rank --module kit.worker" in out
+    assert f"--hostfile {hf} --num_nodes 2 --num_gpus 8 --no_local_rank --module kit.launch.worker" in out
 
 
 def test_world_size_limit_counts_the_nodes(monkeypatch):
@@ -123,7 +123,7 @@ def test_world_size_limit_counts_the_nodes(monkeypatch):
 def test_runall_refuses_cuda_without_a_gpu(repo, tmp_path):
     import torch
 
-    from kit import runall
+    from kit.notebooks import runall
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(config.ConfigError, match="no CUDA device"):

@@ -4,7 +4,7 @@ import ast
 import nbformat
 import pytest
 
-from kit import runall
+from kit.notebooks import runall
 
 NOTEBOOKS = sorted(runall.NOTEBOOKS.glob("*.ipynb"))
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kit import oracle
+from kit.judge import oracle
 
 
 def basis_and_ref(k=8, n=500, seed=0):

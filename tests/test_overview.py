@@ -1,7 +1,10 @@
 """The verdict matrix from records: worst verdict wins, the number shown is the telling one, checks that can fail."""
 import pytest
 
-from kit import overview, probes, records, versions
+from kit import probes
+from kit.judge import records
+from kit.notebooks import overview
+from kit.stacks import versions
 
 DS = versions.installed_version("deepspeed")
 
@@ -79,7 +82,7 @@ def test_differences_between_runs():
 
 
 def test_loading_from_a_folder_without_records_says_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="kit.runall"):
+    with pytest.raises(FileNotFoundError, match="kit.notebooks.runall"):
         overview.load_results(tmp_path)
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from kit import config as kconfig
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import pipeline_ga as pg
 from kit.probes.common import STEPS
 

@@ -1,7 +1,7 @@
-"""kit.report: the tables and sentences the notebooks print and the run-all summary collects, on records made by
+"""kit.judge.tables: the tables and sentences the notebooks print and the run-all summary collects, on records made by
 hand. Each test asserts what a reader sees: a number's digits, a row per gradient record, a step marked off, a
 lost rank said as such."""
-from kit import oracle, report
+from kit.judge import oracle, tables as report
 
 
 def _rec(case="manual", verdict="not-affected", **kw):

@@ -4,7 +4,8 @@ import json
 import nbformat
 import pytest
 
-from kit import config, runall
+from kit import config
+from kit.notebooks import runall
 
 pytestmark = pytest.mark.world
 
@@ -87,7 +88,7 @@ def test_summary_survives_an_older_summary_in_the_folder(tmp_path):
 
 
 def test_the_readmes_command_forms_work_as_written(tmp_path, monkeypatch):
-    """`python -m kit.runall 05_explorer.ipynb --params scripts/params/quick.yaml` from anywhere: a bare name is
+    """`python -m kit.notebooks.runall 05_explorer.ipynb --params scripts/params/quick.yaml` from anywhere: a bare name is
     found in notebooks/, and quick.yaml serves a subset of the notebooks."""
     monkeypatch.chdir(tmp_path)
     code = runall.main(["05_explorer.ipynb", "--params", str(runall.REPO / "scripts/params/quick.yaml"),

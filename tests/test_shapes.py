@@ -7,7 +7,10 @@ import os
 import pytest
 import torch
 
-from kit import check, oracle, records, runner, shapes
+from kit import shapes
+from kit.commands import check
+from kit.judge import oracle, records
+from kit.probes import runner
 from kit.probes import ds_config
 from kit.shapes import _hf
 

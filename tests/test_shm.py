@@ -36,9 +36,9 @@ def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
 
     monkeypatch.setattr(lifecycle, "release_port", spy)
     monkeypatch.setattr(warm, "release_port", spy)
-    launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=300)  # DeepSpeed's init_distributed on CPU
+    launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=300)  # DeepSpeed's init_distributed on CPU
     with launch.warm_worlds(keep=False):  # a warm world's segments go with it too
-        launch.run_world("kit.selftest:ping", {}, world_size=2, timeout_s=300)
+        launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=300)
     assert len(seen) == 2, seen
     for port, made, left in seen:
         assert len(made) == 2, (port, made)  # DeepSpeed's comm op made one per rank: there was something to remove

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from kit import config, launch, oracle, records, repro, shapes, sweep
+from kit import config, launch, shapes
+from kit.commands import repro, sweep
+from kit.judge import oracle, records
 
 SPEC = {
     "world_size": 2,
@@ -109,7 +111,7 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
     """The sweep writes, for a group no known bug explains, the config a user would bisect, the reproduction it ran
     and a report that holds both; ``gradkit report`` rebuilds it from the folder (here B3's group, its name taken
     away, stands for an unknown one)."""
-    from kit import upstream
+    from kit.commands import report as upstream
 
     spec, out, recs = swept
     (group,) = sweep.groups(recs, spec["axes"])

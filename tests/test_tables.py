@@ -1,7 +1,8 @@
 """The README's result tables come from a run's records: generated blocks, replaced in place, one run's records only."""
 import json
 
-from kit import records, tables
+from kit.judge import records
+from kit.notebooks import readme_tables as tables
 
 
 def b4(ds, case, verdict, ratio, run_id="R", ga=4):

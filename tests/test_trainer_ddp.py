@@ -1,7 +1,7 @@
 """The HF Trainer on 2 DDP ranks without DeepSpeed, on both sides of transformers' October 2024 accumulation fix."""
 import pytest
 
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import trainer_ddp
 
 pytestmark = pytest.mark.usefixtures("warm_module")

@@ -3,7 +3,7 @@ does any match the reference, on the report's versions and the installed ones.""
 import pytest
 
 from kit import config as kconfig
-from kit import expectations, oracle, records
+from kit.judge import expectations, oracle, records
 from kit.probes import trainer_ga as tg
 from kit.probes.common import STEPS
 

@@ -1,6 +1,7 @@
 """Notebook 07's logic on hand-made records: the matrix, the fixes, the overview's column, the upstream rules."""
-from kit import expectations, oracle, overview, without_ds
-from kit.records import NO_DEEPSPEED
+from kit.judge import expectations, oracle
+from kit.notebooks import overview, without_ds
+from kit.judge.records import NO_DEEPSPEED
 
 
 def _rec(bug, case, verdict, release, ratio=1.0, role="measured", **kw):
@@ -64,7 +65,7 @@ def test_a_mechanism_is_shown_for_the_cells_it_explains_only():
 
 
 def _params(**kw):
-    from kit import runall
+    from kit.notebooks import runall
 
     return {**runall.notebook_defaults(runall.NOTEBOOKS / "07_without_deepspeed.ipynb"), **kw}
 
@@ -115,7 +116,7 @@ def test_the_notebooks_assertions_name_a_missing_path_and_a_pinned_release_that_
 # ---- the mutation run's survivors: the code shown per cell, the matrix's worst record, the fixes' records
 
 def _code(calls, bodies=None):
-    """A stand-in for ``kit.source.excerpt``: a header naming the version, then numbered lines (9 characters of
+    """A stand-in for ``kit.stacks.source.excerpt``: a header naming the version, then numbered lines (9 characters of
     number and mark, as the real one) of the body given for that release (default: the same for every release)."""
     def excerpt(package, relpath, qualname, marks, version="installed"):
         calls.append((package, qualname, version))
@@ -130,7 +131,7 @@ def _code(calls, bodies=None):
 
 def test_a_mechanisms_code_is_read_from_the_release_that_ran_and_shown_once_for_releases_that_ship_it_alike(
         monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls))
@@ -150,7 +151,7 @@ def test_a_mechanisms_code_is_read_from_the_release_that_ran_and_shown_once_for_
 
 
 def test_releases_whose_lines_differ_are_shown_apart_and_the_installed_release_is_read_as_installed(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["a = 1"], "0.30.1": ["b = 1"]}))
@@ -165,7 +166,7 @@ def test_releases_whose_lines_differ_are_shown_apart_and_the_installed_release_i
 
 
 def test_a_source_that_cannot_be_read_or_has_no_such_function_is_said(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([], {"0.28.0": "raise", "0.30.1": None}))
     found = without_ds.mechanisms([_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9),
@@ -175,7 +176,7 @@ def test_a_source_that_cannot_be_read_or_has_no_such_function_is_said(monkeypatc
 
 
 def test_each_trainer_release_is_explained_by_its_own_mechanism(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([]))
 
@@ -252,7 +253,7 @@ def test_a_cells_worst_record_is_the_furthest_from_1_on_either_side_and_one_row_
 
 
 def test_mechanisms_and_fixes_look_past_records_and_releases_that_have_none(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([]))
     found = without_ds.mechanisms([_rec("DDP", "no_sync", oracle.NOT_AFFECTED, "2.13.0+cpu"),
@@ -283,7 +284,7 @@ def test_a_fix_says_its_ratio_and_a_trajectory_is_no_cell():
 
 
 def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_first_are_apart(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     bodies = {"0.28.0": ["a = 1", "b = 2"], "0.30.1": ["a = 1", "b = 2"], "0.29.0": ["c = 3", "b = 2"]}
     monkeypatch.setattr(source, "excerpt", _code([], bodies))
@@ -293,7 +294,7 @@ def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_f
 
 
 def test_a_release_after_a_cell_already_read_is_still_read(monkeypatch):
-    from kit import source
+    from kit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["x = 0"]}))

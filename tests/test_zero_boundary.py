@@ -2,7 +2,7 @@
 import pytest
 
 from kit import config as kconfig
-from kit import oracle, records
+from kit.judge import oracle, records
 from kit.probes import zero_boundary as zb
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs

@@ -4,12 +4,12 @@ Modelled on DeepSpeed's ``tests/unit/common.py`` ``DistributedTest``: one call
 starts a world, waits with a timeout, and either returns every rank's result or
 raises an error that names the rank and carries its traceback.
 
-The world is a set of fresh ``python -m kit.worker`` processes, never a fork of
+The world is a set of fresh ``python -m kit.launch.worker`` processes, never a fork of
 the caller, so it works from a notebook kernel (nothing from ``__main__`` is
-pickled) and under a DeepSpeed/transformers version overlay (``kit.versions``)
+pickled) and under a DeepSpeed/transformers version overlay (``kit.stacks.versions``)
 that the caller itself does not import.
 
-    results = run_world("kit.selftest:ping", {"x": 1}, world_size=2)
+    results = run_world("kit.launch.selftest:ping", {"x": 1}, world_size=2)
 
 Each rank runs ``fn(payload)``; the function returns something
 JSON-serialisable. Ranks find each other on 127.0.0.1 (gloo on CPU, nccl on

@@ -35,7 +35,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
     Used as ``preexec_fn`` of every process the kit starts (ranks, launchers, papermill): a kernel restart or a
     ``kill -9`` of the caller then takes its ranks with it instead of leaving them re-parented to PID 1. The
-    setting survives ``exec``; ``kit.worker`` also watches its parent's pid, for the platforms without it.
+    setting survives ``exec``; ``kit.launch.worker`` also watches its parent's pid, for the platforms without it.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -101,11 +101,11 @@ def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
 
 def ranks_below(pid: int) -> list[tuple[int, "psutil.Process"]]:
     """``(rank, process)`` of the kit's ranks among the processes below ``pid`` (a caller, a kernel, a run-all).
-    A rank names itself ``gradkit-rank<R>`` (``kit.worker``); one still starting is found by its command line
-    (``kit.worker``), or as a fork of a fork server, with rank -1 until it has named itself."""
+    A rank names itself ``gradkit-rank<R>`` (``kit.launch.worker``); one still starting is found by its command line
+    (``kit.launch.worker``), or as a fork of a fork server, with rank -1 until it has named itself."""
     import psutil
 
-    from kit.worker import RANK_NAME
+    from kit.launch.worker import RANK_NAME
 
     out = []
     try:
@@ -117,9 +117,9 @@ def ranks_below(pid: int) -> list[tuple[int, "psutil.Process"]]:
             name, cmd = p.name(), " ".join(p.cmdline())
             if name.startswith(RANK_NAME):
                 out.append((int(name[len(RANK_NAME):]), p))
-            elif "kit.worker" in cmd:
+            elif "kit.launch.worker" in cmd:
                 out.append((int(p.environ().get("RANK", -1)), p))
-            elif "kit.forkserver" in cmd and "kit.forkserver" in " ".join(p.parent().cmdline()):
+            elif "kit.launch.forkserver" in cmd and "kit.launch.forkserver" in " ".join(p.parent().cmdline()):
                 out.append((-1, p))
         except (psutil.Error, ValueError):
             pass  # gone while being looked at
@@ -149,7 +149,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     rank's traceback is attached), ``RankTimeout`` when the world outlives
     ``world.timeout_s`` (all ranks are killed first), ``ConfigError`` on bad
     input before anything starts. ``on_partial(piece)`` is called in the caller, while the world runs, with
-    each piece rank 0 reports (``kit.worker.report_partial``): progress, and results kept as they come.
+    each piece rank 0 reports (``kit.launch.worker.report_partial``): progress, and results kept as they come.
     """
     from kit.launch.warm import _run_warm, _warm_wanted  # warm worlds are built on this module: imported here
 
@@ -303,7 +303,7 @@ def remove_stale_worlds() -> list[Path]:
 def _start_ranks(world: World, job: Path, task: dict, server: "_Server | None" = None):
     """Write the world's spec into ``job`` and start its processes: ``(procs, logs, holder)``; ``task`` is the
     spec's target and payload (a one-shot world) or ``{"serve": True, ...}`` (a warm world). With ``server`` (a
-    fork server of the world's stack, ``kit.forkserver``) the ranks are forked from it, imports paid; ``job``
+    fork server of the world's stack, ``kit.launch.forkserver``) the ranks are forked from it, imports paid; ``job``
     comes from ``_new_world_folder``."""
     # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
     # races for a port; the port is held (bound, never listened on) for the world's life so that no other world

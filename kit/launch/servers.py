@@ -1,7 +1,7 @@
 """Fork servers.
 
 Inside a warm_worlds block, the ranks of a stack's warm worlds are forked from one process that imported the
-stack once (``kit.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
+stack once (``kit.launch.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
 several worlds, pays DeepSpeed's import once (0.18.x: ~7 s of a core per rank). CPU worlds only (a fork after
 CUDA is initialised is not safe); a server that cannot start (its stack does not import) means ranks started
 the usual way, which then say why themselves. A server outlives the run that started it, for the next run of
@@ -119,7 +119,7 @@ def _start_server(world: World) -> "_Server | None":
     import select
 
     env = rank_env(world, 0, 0)
-    proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kit.launch.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT), text=True,
                             preexec_fn=_session_dying_with_parent)
     proc.stdin.write(json.dumps({"pythonpath": [*world.pythonpath, str(REPO_ROOT)], "expect": world.expect,

@@ -25,7 +25,7 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.traceback = traceback
         self.logs = logs or {}
-        self.partial = partial or {}  # rank -> the pieces it reported with kit.worker.report_partial
+        self.partial = partial or {}  # rank -> the pieces it reported with kit.launch.worker.report_partial
 
 
 class RankFailed(LaunchError):
@@ -52,7 +52,7 @@ class World:
     env: dict[str, str] = field(default_factory=dict)
     init: str = "deepspeed"  # "deepspeed" | "torch": how the worker initialises the process group
     extensions_key: str | None = None  # names the torch-extensions cache; default: the installed DeepSpeed
-    expect: dict = field(default_factory=dict)  # {package: {"version", "root"}} every rank checks (kit.worker)
+    expect: dict = field(default_factory=dict)  # {package: {"version", "root"}} every rank checks (kit.launch.worker)
     # How the ranks are started (defaults from the environment, so notebooks and run-all need no new knobs):
     # "local" = the kit starts one process per rank on this machine; "torchrun" = torchrun (one per node,
     # over ssh for the other nodes of the hostfile); "deepspeed" = the DeepSpeed launcher with the hostfile.
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
 
 def _installed_key() -> str:
-    from kit import versions
+    from kit.stacks import versions
     return versions.Stack({"deepspeed": versions.installed_version("deepspeed")}).extensions_key
 
 
@@ -146,7 +146,7 @@ def read_hostfile(path) -> list[tuple[str, int]]:
 
 
 def worker_module_args(job: Path) -> list[str]:
-    return ["kit.worker", str(job)]
+    return ["kit.launch.worker", str(job)]
 
 
 def launch_commands(world: World, job: Path, port: int) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """Warm worlds.
 
 A warm world keeps its ranks between calls: they joined the process group and paid their imports once
-(``kit.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
+(``kit.launch.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
 the same probe is asked again and again by a person waiting (the explorer's Run); one-shot worlds stay the
 default. A warm world serves one target only (one probe): jobs of the same target are what the cases of one
 world already are, while another probe's job could inherit global state (B2's pipeline topology broke a B4 job
@@ -53,7 +53,7 @@ def warm_worlds(keep: bool = True):
     same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``.
 
     ``keep=False``: the warm worlds the block started are stopped when it ends, unless an enclosing block keeps
-    them (``kit.runner.run`` reuses the ranks of one stack between its own worlds, and leaves no rank behind).
+    them (``kit.probes.runner.run`` reuses the ranks of one stack between its own worlds, and leaves no rank behind).
     Their fork servers stay for the next run of their stack, until ``SERVER_IDLE_S`` without a rank."""
     before = getattr(_WARM_FLAG, "on", False)
     with _WARM_LOCK:

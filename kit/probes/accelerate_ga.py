@@ -34,8 +34,8 @@ expected update is ``ga / (ga + 1)`` of the reference. The releases are overlays
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 from kit.probes import ddp_no_sync
 
 BUG = "ACC"
@@ -197,7 +197,7 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
 
 
 def check_notebook(p: dict) -> list:
-    from kit import without_ds
+    from kit.notebooks import without_ds
 
     return without_ds.check_notebook(p)
 
@@ -206,7 +206,7 @@ def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of Accelerate: the control is exact, no rank imported DeepSpeed, the loop bug is
     seen (``sum_not_mean``: ratio GA where GA > 1), and the last incomplete window applies ``ga / GA`` of the
     reference (Accelerate's documented behaviour; a release that changed it is a finding to look at)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = [f"{v}: no control ran on this release, so nothing of it was measured"
            for v in sorted({r["version"] for r in recs})
@@ -232,7 +232,7 @@ def violations(recs: list[dict]) -> list[str]:
 
 
 def annotate(rec: dict) -> dict:
-    from kit import oracle
+    from kit.judge import oracle
 
     rec["model"] = rec["config"].get("model") or "mlp"
     rec["setting"] = f"accelerate {(rec.get('versions') or {}).get('accelerate', rec['version'])}"

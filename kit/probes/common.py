@@ -145,7 +145,7 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
 
 
 def versions() -> dict:
-    """The releases this rank runs: torch, and every stack package it imported (``kit.worker.check_stack``
+    """The releases this rank runs: torch, and every stack package it imported (``kit.launch.worker.check_stack``
     imports what the world's stack names; a plain-torch probe's ranks never import DeepSpeed)."""
     import sys
 
@@ -183,7 +183,7 @@ def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the
     module dtype's rounding; where they disagree the master read (``safe_get_full_fp32_param``) misreports, and
     the step must be judged from the weights the model really uses."""
-    from kit import oracle
+    from kit.judge import oracle
 
     parts = module_parts(module)
     mod, mast = torch.cat(parts), full_fp32_params(module, optimizer, parts)
@@ -202,7 +202,7 @@ def applied(before: dict, after: dict):
 def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
     """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
     a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     if dtype == "fp32" or step_norm <= 0:
         return 0.0
@@ -226,10 +226,10 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     expected weight of 0, so a previous step's gradient applied again is fitted, not guessed. ``clip``: the
     engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
     ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way). ``shape``
-    (``kit.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
+    (``kit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
     groups each is judged on its own too (``groups``: ``oracle.judge_groups``).
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     shape = shape or _mlp()
     per_rank = all_gather_flat(effective)
@@ -280,7 +280,7 @@ def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_k
     precision, not once per point. The same weights, data and loss give the same numbers: nothing is approximated."""
     import hashlib
 
-    from kit import oracle
+    from kit.judge import oracle
 
     flat = flat_params(start)
     key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(flat.numpy().tobytes()).hexdigest())
@@ -333,9 +333,9 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
-    and data (``kit.shape.Shape``; the MLP by default).
+    and data (``kit.shapes.shape.Shape``; the MLP by default).
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     shape = shape or _mlp()
     r, w, k = rank(), world_size(), world_size() * ga
@@ -380,7 +380,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
                 dtype, clip, w, ga, hypotheses, extra) -> dict:
     """Rank 0's judgement of one step of ``judge_steps`` (its notes, read floor, hypotheses, extra measurements)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     target = reference * judged.get("clip_coef", 1.0)
     judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
@@ -401,7 +401,7 @@ def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, d
     """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
     process): how far the run drifted in all, errors of every step compounded. ``replicas``: the data-parallel
     ranks whose micro-batches make a step (every rank by default)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     shape = shape or _mlp()
     ref = first.clone()
@@ -440,11 +440,11 @@ def run_cases(payload: dict, run_one) -> list[dict]:
     at the same case: after each case the ranks meet at a monitored barrier on a side gloo group.
     If a peer does not arrive within ``$GRADKIT_SYNC_TIMEOUT_S`` (it is stuck in a collective the failed rank
     left), the world stops with ``WorldDesynchronised``; the cases finished before it are kept
-    (``kit.worker.report_partial``) and the records mark the rest ``cannot-run``.
+    (``kit.launch.worker.report_partial``) and the records mark the rest ``cannot-run``.
     """
     import datetime
 
-    from kit import worker
+    from kit.launch import worker
 
     wait_s = float(os.environ.get(SYNC_TIMEOUT_ENV, "120"))
     sync = None

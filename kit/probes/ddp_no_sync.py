@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 
 BUG = "DDP"
 CASES = {"no_sync": "measured", "every_step": "comparison", "sum_not_mean": "comparison", "control": "control"}
@@ -91,8 +91,8 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 07 (all four paths without DeepSpeed): ``kit.without_ds.check_notebook``."""
-    from kit import without_ds
+    """Every parameter of notebook 07 (all four paths without DeepSpeed): ``kit.notebooks.without_ds.check_notebook``."""
+    from kit.notebooks import without_ds
 
     return without_ds.check_notebook(p)
 
@@ -109,7 +109,7 @@ def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: 
 
 def violations(recs: list[dict]) -> list[str]:
     """What notebook 07 asserts: the control matches the reference; no rank imported DeepSpeed."""
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = [f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')}: the control is {r['verdict']}: {r['reason']}"
            for r in recs if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED]
@@ -140,7 +140,7 @@ PROBE = Probe(
 
 def oracle_steps(rec: dict) -> dict:
     """Each step named and described (per parameter group where the shape has several); ``model``: its shape."""
-    from kit import oracle
+    from kit.judge import oracle
 
     rec["model"] = rec["config"].get("model") or "mlp"
     return oracle.annotate_steps(rec) if rec.get("steps") else rec

@@ -32,8 +32,8 @@ import copy
 import json
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 
 LOOPS = ("engine", "boundary", "manual", "unmanaged")
 UNMANAGED_SINCE = "0.19.4"
@@ -300,7 +300,8 @@ def loss_scale(w: int, n: int, clip: float, shape=None) -> float:
     """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
     the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
     gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
-    from kit import oracle, shapes
+    from kit import shapes
+    from kit.judge import oracle
 
     if not clip:
         return 1.0
@@ -358,7 +359,7 @@ class _TorchLoop:
 def run_case(case: dict) -> dict:
     import deepspeed
 
-    from kit import oracle
+    from kit.judge import oracle
     from kit.probes import common as c
 
     from kit import shapes
@@ -446,7 +447,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     """The cases of one check (the control first) and a note per loop style left out; each case takes ``steps``
     optimizer steps, each judged, on ``model``: a shape's name (``kit.shapes``; the MLP by default) or the
     user's architecture (``{"model_config": ..., "adapter_config": ...}`` from ``kit.shapes.user_model``)."""
-    from kit.expectations import version_key
+    from kit.judge.expectations import version_key
 
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown or not loops:
@@ -486,7 +487,7 @@ def _annotate(recs: list[dict]) -> list[dict]:
     step in words, from its fitted weights), per step the same, and ``norm_verdict`` (the logged grad norm judged
     against the reference's, the worst step's); ``read_finding`` where the fp32 masters read through DeepSpeed's
     API disagreed with the weights the model uses."""
-    from kit import oracle, records
+    from kit.judge import oracle, records
 
     for r in recs:
         oracle.annotate_steps(r)
@@ -513,7 +514,7 @@ def _annotate(recs: list[dict]) -> list[dict]:
 def _floor(r: dict) -> None:
     """A ``not-affected`` says the smallest misplaced weight it could have seen; where that is above what one lost
     micro-batch weighs (1 / (2 W N) of the step), it could not have seen one lost: ``inconclusive``."""
-    from kit import oracle, records
+    from kit.judge import oracle, records
 
     if r.get("verdict") != oracle.NOT_AFFECTED or not r.get("metrics"):
         return
@@ -533,7 +534,8 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
         timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, steps: int = STEPS, model=None) -> list[dict]:
     """Every loop style of one resolved config in one world (with the control and the known fixes), on ``model``
     (``plan``)."""
-    from kit import oracle, records, versions
+    from kit.judge import oracle, records
+    from kit.stacks import versions
 
     stack = dict(stack or {})
     kconfig.check_device(device)

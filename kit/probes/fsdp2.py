@@ -24,8 +24,8 @@ dtype", pytorch/pytorch#196996) is ``cannot-run`` with FSDP's sentence, never a 
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 from kit.probes import ddp_no_sync
 
 BUG = "FSDP2"
@@ -168,7 +168,7 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
 
 
 def check_notebook(p: dict) -> list:
-    from kit import without_ds
+    from kit.notebooks import without_ds
 
     return without_ds.check_notebook(p)
 
@@ -177,7 +177,7 @@ def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of FSDP2: the control matches the reference, no rank imported DeepSpeed, the loop
     bugs are seen (``sum_not_mean`` affected with ratio GA where GA > 1; ``sync_kept_off`` affected: nothing
     applied), and a failure is a failure: an FSDP case that raised is ``cannot-run`` with its error."""
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = []
     for r in recs:
@@ -199,7 +199,7 @@ def violations(recs: list[dict]) -> list[str]:
 
 def annotate(rec: dict) -> dict:
     """Its shape and setting at the top of the record (the notebook's rows), each step named."""
-    from kit import oracle
+    from kit.judge import oracle
 
     rec["model"] = rec["config"].get("model") or "mlp"
     rec["setting"] = rec["config"].get("setting")

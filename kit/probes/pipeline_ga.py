@@ -24,8 +24,8 @@ control            the same dtype and ZeRO stage with GA=1 (one micro-batch)    
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 
 BUG = "B2"
 STAGES = 2
@@ -153,7 +153,7 @@ def run_case(case: dict) -> dict:
             prev = basis
     out = {"optimizer": type(engine.optimizer).__name__, "dp": dp}
     if c.rank() == 0:
-        from kit import oracle
+        from kit.judge import oracle
 
         last = c.flat_params(_assemble(every, hidden, seed, "end"))
         worst = max(range(len(judged)), key=lambda q: max(oracle.severity({**x, "dtype": case["dtype"]})
@@ -199,7 +199,7 @@ def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=No
     an expected weight of 0. Returns the step's measurement and its basis (the next step's ``prev``)."""
     import torch
 
-    from kit import oracle
+    from kit.judge import oracle
     from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
@@ -314,8 +314,8 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
     validate(p["WORLD_SIZES"], p["SPLITS"], p["DTYPES"], p["ZERO_STAGES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["HIDDEN"])
     return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]
@@ -328,7 +328,7 @@ def _annotate(rec: dict, control: dict | None) -> dict:
     The whole-model numbers (``metrics``, ``attribution``) stay in the record as information: a stage
     that carries a small share of the norm can be off while the whole model looks right.
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     rec["affected_stages"] = []
     steps = rec.get("steps") or ([{"step": 0, "stages": rec["stages"]}] if rec.get("stages") else [])
@@ -355,7 +355,7 @@ def _annotate(rec: dict, control: dict | None) -> dict:
 def _judge_stages(stages: list[dict], dtype: str, control: dict | None, c_step: dict | None) -> tuple[str, str]:
     """One step's stages judged against the control's same step (``matches``, ``verdict`` set on each); returns
     the worst stage's ``(verdict, "stage s: reason")``."""
-    from kit import oracle, records
+    from kit.judge import oracle, records
 
     by_stage = {s["stage"]: s for s in (c_step or {}).get("stages") or []}
     for s in stages:
@@ -435,7 +435,7 @@ def config_verdicts(recs: list[dict]) -> dict:
 
     Returns ``{key: {"verdict", "affected_stages", "matches": {stage: [hypotheses]}, "reason"}}``.
     """
-    from kit import oracle, records
+    from kit.judge import oracle, records
 
     out = {}
     for key, sel in records.group_by(recs, ("version", "world_size", "dtype", "zero_stage"), case="pipeline").items():
@@ -474,7 +474,7 @@ def violations(recs: list[dict]) -> list[str]:
        sums on every stage, and breaks a correct one);
     5. what the user logs from inside the optimizer is the gradient that was applied (lr = 1).
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = []
     ran = [r for r in recs if r["verdict"] != oracle.CANNOT_RUN]

@@ -26,8 +26,8 @@ the first with ``average_tokens_across_devices``, default off), and the installe
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 from kit.probes import trainer_ga
 
 BUG = "HFT"
@@ -93,7 +93,7 @@ def run_rank(payload: dict) -> list[dict]:
 
 
 def check_notebook(p: dict) -> list:
-    from kit import without_ds
+    from kit.notebooks import without_ds
 
     return without_ds.check_notebook(p)
 
@@ -101,7 +101,7 @@ def check_notebook(p: dict) -> list:
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of the Trainer on several ranks: the harness is exact; the loop bug is seen (its
     first step GAS x the same release's first ``trainer`` step); a run that raised is ``cannot-run``."""
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = []
     trainer = {(r["version"], r["world_size"], r["ga"]): r for r in recs if r["case"] == "trainer"}
@@ -125,7 +125,7 @@ def violations(recs: list[dict]) -> list[str]:
 def annotate_world(recs: list[dict]) -> list[dict]:
     """B1's token and GAS factors and GAS verdict, then each step's fitted weights in words (``shape``: which
     rank's micro-batches weighed what)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga._annotate_world(recs)]
     for r in out:

@@ -41,9 +41,9 @@ from __future__ import annotations
 import copy
 import math
 
-from kit import runner
-from kit.probe import Probe
-from kit.versions import PACKAGES
+from kit.probes import runner
+from kit.probes.probe import Probe
+from kit.stacks.versions import PACKAGES
 
 BUG = "B1"
 VOCAB, SEQ = 64, 12
@@ -211,7 +211,7 @@ def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces,
     its own or its rank's token count shows as such."""
     import torch
 
-    from kit import oracle
+    from kit.judge import oracle
     from kit.probes import common as c
 
     traces = [[t for t in tr or [] if t.get("step") == step] for tr in rank_traces]
@@ -239,7 +239,7 @@ def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int, arch: 
     step against the reference's own steps, on the same rows, from the same start)."""
     import torch
 
-    from kit import oracle
+    from kit.judge import oracle
 
     worst = max(range(len(judged)), key=lambda q: oracle.severity({**judged[q], "dtype": "fp32"}))
     ref = first.clone()
@@ -429,7 +429,7 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
              timeout_s: float) -> None:
     """Every knob of the B1 notebook, checked before the first launch (``ConfigError`` says which)."""
     from kit import config as kconfig
-    from kit import versions
+    from kit.stacks import versions
 
     kconfig.check_device(device)
     kconfig.check_world_size(world_size, device)
@@ -448,8 +448,8 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 01, by its name there (what the notebook and ``kit.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    """Every parameter of notebook 01, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
     validate(p["STACKS"], p["PATHS"], p["GAS_VALUES"], p["CASES"], p["WORLD_SIZE"], p["GLOBAL_BATCH"], p["DEVICE"],
              p["TIMEOUT_S"])
     return [(PROBE, stack) for stack in p["STACKS"]]
@@ -466,7 +466,7 @@ def violations(recs: list[dict]) -> list[str]:
        +1 summed, -1 or -2: divided by GAS once or twice too often): its GAS handling is explained;
     3. the applied gradient keeps the reference's direction on every such step (cosine 1).
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = []
     for r in recs:
@@ -547,7 +547,7 @@ def _annotate(rec: dict, baseline: dict | None = None) -> dict:
     step gets its own factors and ``gas_verdict`` (against the baseline's same step); the record's factors are its
     worst step's, its ``gas_verdict`` the worst of its steps'.
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     rec["path"] = rec["config"]["path"]
     steps = rec.get("steps") or [rec]
@@ -581,7 +581,7 @@ def _factors(part: dict, ga: int) -> None:
 
 def _gas_verdict(rec: dict, part: dict, base: dict) -> str:
     """One step against the same path's GAS = 1 step (same rows): is it GAS-invariant?"""
-    from kit import oracle
+    from kit.judge import oracle
 
     if rec["role"] in ("control", "baseline"):
         return "n/a"
@@ -608,7 +608,7 @@ PROBE = Probe(
     notebook="01_trainer_loss_kwargs.ipynb", measured_case="trainer",
     ratio_meaning="effective / reference gradient of the Trainer's step (GAS > 1)",
     advice="the Trainer's step is off the reference: read notebook 01 for which path GAS changes and what the token "
-           "count costs; upgrade transformers (see the upstream table in kit/expectations.py), and never add the "
+           "count costs; upgrade transformers (see the upstream table in kit/judge/expectations.py), and never add the "
            "report's extra division by GAS",
     run=run, check_notebook=check_notebook,
     quick_plan=lambda w: dict(paths=("no_ds", "ds_zero0"), gas_values=(1, 4), cases=("trainer",), world_size=1),

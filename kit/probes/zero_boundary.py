@@ -29,8 +29,8 @@ from __future__ import annotations
 
 
 from kit import config as kconfig
-from kit import runner
-from kit.probe import Probe
+from kit.probes import runner
+from kit.probes.probe import Probe
 
 BUG = "B3"
 CASES = {
@@ -201,8 +201,8 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
     kconfig.check_list("FIX_N_VALUES", p["FIX_N_VALUES"])
     validate(p["WORLD_SIZES"], p["N_VALUES"], p["ZERO_STAGES"], p["DTYPES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["FIX_N_VALUES"], p["MICRO_BATCH"], p["HIDDEN"])
@@ -213,7 +213,7 @@ def check_notebook(p: dict) -> list:
 def _annotate(rec: dict) -> dict:
     """Name the hypothesis each step matches (the record's: its worst step's), and say when a fix was not really
     available."""
-    from kit import oracle
+    from kit.judge import oracle
 
     oracle.annotate_steps(rec)
     if rec["case"] == "fix_unmanaged" and rec.get("knows_unmanaged") is False:
@@ -231,7 +231,7 @@ def config_verdicts(recs: list[dict]) -> dict:
     B3 cannot be judged there -> ``inconclusive`` (or ``cannot-run`` if it did not run).
     Returns ``{(version, stage, dtype, W): {"verdict", "reason", "matches", "ratio_at_max_n"}}``.
     """
-    from kit import oracle, records
+    from kit.judge import oracle, records
 
     out = {}
     for key, sel in records.group_by(recs, ("version", "zero_stage", "dtype", "world_size"), case="manual").items():
@@ -275,7 +275,7 @@ def violations(recs: list[dict]) -> list[str]:
        turn the manual loop into exactly what DeepSpeed's own GA loop gives (same verdict, ratio
        within the dtype's tolerance) -- whether or not that loop is itself right.
     """
-    from kit import oracle
+    from kit.judge import oracle
 
     bad = []
     for r in recs:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit.shape import Shape
+from kit.shapes.shape import Shape
 
 SEQ = 8  # tokens per sample
 # (config key, toy value): the sizes that make a step take seconds; a key the config lacks is left alone

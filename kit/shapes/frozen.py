@@ -4,7 +4,7 @@ at random (``init_lora_weights=False``) so that both adapter matrices get a grad
 frozen weight's right update is exactly 0."""
 from __future__ import annotations
 
-from kit.shape import Shape
+from kit.shapes.shape import Shape
 from kit.shapes.mlp import tiny_mlp
 
 

@@ -6,7 +6,7 @@ weighs its share of the samples; a loop that takes each micro-batch's mean and d
 ranks alike."""
 from __future__ import annotations
 
-from kit.shape import Shape
+from kit.shapes.shape import Shape
 from kit.shapes.mlp import build, groups, tiny_mlp
 
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kit import oracle
+from kit.judge import oracle
 
 AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
 

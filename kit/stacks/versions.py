@@ -137,7 +137,7 @@ class Stack:
 
     @property
     def expect(self) -> dict[str, dict]:
-        """What every rank checks before it runs (``kit.worker.check_stack``): version and folder per package."""
+        """What every rank checks before it runs (``kit.launch.worker.check_stack``): version and folder per package."""
         return {p: {"version": v, "root": self.roots.get(p)} for p, v in self.versions.items() if v != "absent"}
 
     @property

@@ -1,7 +1,7 @@
 """Sweep the DeepSpeed configuration space with the check's oracle, and group what is affected.
 
-    python -m kit.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
-    python -m kit.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
+    python -m kit.commands.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
+    python -m kit.commands.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
 
 A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``, ``model``: a
 shape of ``kit.shapes``), ``skip
@@ -13,7 +13,7 @@ back (a re-run into the same folder skips those), with a tqdm bar and its ETA.
 
 The affected points are then grouped by the smallest set of axis conditions (``axis in {values}``) that
 holds for all of them and for no point that is not affected (``groups``); each group is named by the known
-bug that explains its points (``kit.check.explain``) or marked **unknown**. For an unknown group the sweep
+bug that explains its points (``kit.commands.check.explain``) or marked **unknown**. For an unknown group the sweep
 writes a standalone reproduction (plain DeepSpeed + torch, no kit import) and runs it to verify it.
 """
 from __future__ import annotations
@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import launch, oracle, records, runner
+from kit import launch
+from kit.judge import oracle, records
+from kit.probes import runner
 from kit.probes import ds_config
 
 SPECIAL_AXES = ("loop", "dtype", "ga", "model")
@@ -200,7 +202,7 @@ def spec_key(spec: dict) -> str:
 
 def release_of(stack: dict) -> str:
     """The DeepSpeed release a stack resolves to (never "installed": an upgrade changes it)."""
-    from kit import versions
+    from kit.stacks import versions
 
     return stack.get("deepspeed") or versions.installed_version("deepspeed")
 
@@ -280,7 +282,7 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
 
 
 def _finish(rec: dict) -> dict:
-    from kit import check
+    from kit.commands import check
 
     rec["point"] = rec["config"].get("point")
     rec["id"] = rec["config"].get("id")
@@ -474,10 +476,10 @@ def describe(group: dict) -> str:
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path, jobs: int = JOBS) -> None:
     """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
-    scripts at a time), and its upstream report (``report_<...>.md``, ``kit.upstream``)."""
+    scripts at a time), and its upstream report (``report_<...>.md``, ``kit.commands.report``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kit import repro, upstream
+    from kit.commands import repro, report as upstream
 
     by_id = {r["id"]: r for r in mine}
 
@@ -508,7 +510,7 @@ def separate(recs: list[dict]) -> list[dict]:
     by itself; the same config at a GA >= 3 (same stack, every other axis equal) separates them: where that
     point is affected, explained, and is one of the tied names, this point is explained by the same bug, said so.
     A tie with no such point stays a tie (its own group)."""
-    from kit import check
+    from kit.commands import check
 
     def key(r):
         return json.dumps([r.get("stack"), {k: v for k, v in (r.get("point") or {}).items() if k != "ga"}],
@@ -561,7 +563,7 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
        head is stepped at step 3 with no gradient), every ``conditional`` point of DeepSpeed's own loop with
        optimizer offload on ZeRO-2/3 is B7 (the experts the last micro-batch skips get nothing), wherever they ran.
     """
-    from kit import expectations
+    from kit.judge import expectations
 
     bad = []
     if recs and all(r["verdict"] == oracle.CANNOT_RUN for r in recs):
@@ -608,8 +610,8 @@ NOTEBOOK_PARAMETERS = ("SPEC", "SWEEP_DIR", "STACKS", "RESULTS_DIR", "INTERACTIV
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
     if not isinstance(p["SWEEP_DIR"], str):
         raise kconfig.ConfigError(f"SWEEP_DIR must be a folder name or \"\", got {p['SWEEP_DIR']!r}")
     if not isinstance(p["STACKS"], list) or not all(isinstance(s, dict) for s in p["STACKS"]):
@@ -628,7 +630,7 @@ def notebook_spec(p: dict) -> dict:
 
 def steps_text(rec: dict) -> str:
     """A point's steps in one line: each step's ratio (``*``: off), and which one is the worst."""
-    from kit.report import per_step
+    from kit.judge.tables import per_step
 
     if not rec.get("steps"):
         return "no step judged"
@@ -638,7 +640,7 @@ def steps_text(rec: dict) -> str:
 def one_at_a_time_table(spec: dict, recs: list[dict]) -> str:
     """Per one-at-a-time key and value, per stack: how many points of each verdict, and DeepSpeed's reason for
     the first that could not run (markdown)."""
-    from kit.report import markdown_table
+    from kit.judge.tables import markdown_table
 
     keys = (spec.get("one_at_a_time") or {}).get("keys") or {}
     rows = []
@@ -660,7 +662,7 @@ def model_table(spec: dict, recs: list[dict]) -> str:
     """Per model shape other than the MLP, ZeRO stage, loop and optimizer offload: each precision's verdict per
     release, as the known bug that explains it (``B6``), ``ok`` (not affected), ``?`` (affected, unexplained),
     ``x`` (cannot run), ``~`` (inconclusive). Markdown; what a reader scans for the parts some micro-batches miss."""
-    from kit.report import markdown_table
+    from kit.judge.tables import markdown_table
 
     def cell(r):
         if r is None:
@@ -691,7 +693,7 @@ def model_table(spec: dict, recs: list[dict]) -> str:
 def table(summary: dict, command: str) -> str:
     """The README's sweep table: per stack, its counts; per known bug one row (its largest group's conditions, how
     many more groups it has: notebook 06 lists each); then every unknown group, one row each."""
-    from kit.report import markdown_table
+    from kit.judge.tables import markdown_table
 
     def short(a):
         return a.split(".")[-1] if not a.endswith("device") else "offload"
@@ -725,7 +727,7 @@ def table(summary: dict, command: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = kconfig.Parser(prog="python -m kit.sweep", description=__doc__.split("\n\n")[0])
+    p = kconfig.Parser(prog="python -m kit.commands.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--deepspeed", help="comma list of DeepSpeed releases to sweep instead of the spec's stacks "
@@ -755,9 +757,9 @@ def main(argv=None) -> int:
                       f"(exit {g['repro']['exit']}): {g['repro']['output'].splitlines()[0][:200]}")
     print(f"{len(recs)} records in {out / 'records.jsonl'}; {summary['wall_s']} s")
     if a.readme:
-        from kit import tables
+        from kit.notebooks import readme_tables as tables
 
-        command = "python -m kit.sweep " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+        command = "python -m kit.commands.sweep " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
         path = kconfig.repo_path(a.readme)
         text, done = tables.fill(path.read_text(), {"SWEEP": table(summary, command)})
         path.write_text(text)

@@ -1,13 +1,13 @@
 """Get a run's one-off work done up front, in parallel, once: every overlay its stacks need installed and every
-DeepSpeed CPU comm op built, before the notebooks start (``kit.runall`` runs it first).
+DeepSpeed CPU comm op built, before the notebooks start (``kit.notebooks.runall`` runs it first).
 
-    python -m kit.prefetch --needs needs.json [--jobs 2] [--no-progress]
+    python -m kit.stacks.prefetch --needs needs.json [--jobs 2] [--no-progress]
 
 ``needs.json`` lists what the run's worlds will need, one entry per probe and stack, as each notebook's
 ``check_notebook`` returns it (``needs_of``): ``{"packages": [...], "init": "deepspeed", "stack": {...}}``.
 Installs (network and unpacking) run up to ``INSTALL_JOBS`` at a time; a comm-op build (a compiler, ~40 s of one
 core) starts as soon as its release is installed, ``--jobs`` at a time, in a one-rank world like the notebooks'
-own. What is already in the cache costs nothing (``kit.runner.first_time`` says what is not).
+own. What is already in the cache costs nothing (``kit.probes.runner.first_time`` says what is not).
 
 Exit status: 0 everything is ready; 1 something could not be prepared here (said on stderr: the notebooks will
 record those stacks as ``cannot-run``); 2 a stack names a release the package index does not have (nothing ran).
@@ -38,7 +38,7 @@ class Need:
 
     @property
     def label(self) -> str:
-        from kit.runner import stack_label
+        from kit.probes.runner import stack_label
 
         return stack_label(dict(self.stack))
 
@@ -65,7 +65,7 @@ def _from_json(items: list) -> list[Need]:
 
 def pending(needs: list[Need]) -> list[tuple[Need, str]]:
     """The needs whose first world would do one-off work, with what that work is in words."""
-    from kit import runner
+    from kit.probes import runner
 
     out = []
     for need in needs:
@@ -77,7 +77,7 @@ def pending(needs: list[Need]) -> list[tuple[Need, str]]:
 
 
 def _as_probe(need: Need):
-    """What ``kit.runner.first_time`` reads of a probe: its packages and how its world starts."""
+    """What ``kit.probes.runner.first_time`` reads of a probe: its packages and how its world starts."""
     from types import SimpleNamespace
 
     return SimpleNamespace(packages=need.packages, init=need.init)
@@ -85,7 +85,7 @@ def _as_probe(need: Need):
 
 def install(need: Need):
     """The stack resolved (its overlays installed): ``(launch.World for a one-rank world, versions.Stack)``."""
-    from kit import runner
+    from kit.probes import runner
 
     return runner.world_for(_as_probe(need), dict(need.stack), 1, "cpu", BUILD_TIMEOUT_S)
 
@@ -95,7 +95,7 @@ def build(world) -> None:
     kit's cache, where every later world of that release finds it."""
     from kit import launch
 
-    launch.run_world("kit.selftest:ping", {}, world)
+    launch.run_world("kit.launch.selftest:ping", {}, world)
 
 
 def prefetch(needs: list[Need], jobs: int = 2, progress: bool = True) -> tuple[list[str], list[str]]:
@@ -104,7 +104,7 @@ def prefetch(needs: list[Need], jobs: int = 2, progress: bool = True) -> tuple[l
     from tqdm import tqdm
 
     from kit import launch
-    from kit import versions as kversions
+    from kit.stacks import versions as kversions
 
     todo = pending(needs)
     done: list[str] = []
@@ -185,10 +185,10 @@ def default_jobs() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--needs", required=True, help="JSON list of the stacks the run's worlds need (kit.runall writes it)")
+    ap.add_argument("--needs", required=True, help="JSON list of the stacks the run's worlds need (kit.notebooks.runall writes it)")
     ap.add_argument("--jobs", type=int, default=default_jobs(), help="comm-op builds at the same time")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--result", help="write {done, problems, unknown} here as JSON instead of saying them (kit.runall)")
+    ap.add_argument("--result", help="write {done, problems, unknown} here as JSON instead of saying them (kit.notebooks.runall)")
     a = ap.parse_args(argv)
     kconfig.check_positive_int("jobs", a.jobs)
     kconfig.check_environment()

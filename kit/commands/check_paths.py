@@ -10,7 +10,7 @@
 Each runs the user's settings through the path's probe (``kit.probes.fsdp2``, ``accelerate_ga``, ``trainer_ddp``)
 in one world of W ranks beside its plain torch.distributed control, and prints the verdict, the
 effective/reference ratio, the cosine, the misplaced weight and what the fitted weights say the step was; for an
-affected (or raising) configuration, the mechanism and upstream reference the kit knows (``kit.without_ds``) and
+affected (or raising) configuration, the mechanism and upstream reference the kit knows (``kit.notebooks.without_ds``) and
 the fix, re-run in the same world where it is a setting. The exit status is the check's: 0 not affected, 1
 affected, 2 bad input (nothing launched), 3 inconclusive or cannot run.
 """
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle
+from kit.judge import oracle
 
 PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused
@@ -161,7 +161,7 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
     kconfig.check_positive_int("--per-device-train-batch-size", mb)
     stack = {}
     if a.transformers not in (None, kconfig.INSTALLED):
-        from kit.expectations import version_key
+        from kit.judge.expectations import version_key
 
         kconfig.check_version(a.transformers)
         stack = {"transformers": a.transformers}
@@ -185,9 +185,9 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
 
 
 def explanation(rec: dict) -> str | None:
-    """The mechanism the kit knows for an affected or raising record (``kit.without_ds.MECHANISMS``), else the
+    """The mechanism the kit knows for an affected or raising record (``kit.notebooks.without_ds.MECHANISMS``), else the
     upstream table's note for its case, else None."""
-    from kit import without_ds
+    from kit.notebooks import without_ds
 
     for path, case, explains, *_, sentence in without_ds.MECHANISMS:
         if rec["bug"] == path and rec["case"] == case and explains(rec):
@@ -196,7 +196,7 @@ def explanation(rec: dict) -> str | None:
 
 
 def summarise(recs: list[dict]) -> dict:
-    from kit import check
+    from kit.commands import check
 
     rows = []
     for r in recs:
@@ -220,7 +220,7 @@ def summarise(recs: list[dict]) -> dict:
 
 
 def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
-    from kit.check import _num
+    from kit.commands.check import _num
 
     v = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     lines = [f"gradkit check --path {a.path}: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "accelerate", "transformers")
@@ -249,7 +249,8 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
 
 def main(a) -> int:
     """``gradkit check --path ...`` with the parsed flags ``a``; the exit status."""
-    from kit import check, runner
+    from kit.commands import check
+    from kit.probes import runner
 
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")

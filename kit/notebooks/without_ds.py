@@ -4,7 +4,7 @@ Four probes share the notebook (each its own module and matrix row, ``kit.probes
 ``no_sync`` (``DDP``), FSDP2 ``fully_shard`` (``FSDP2``), Accelerate ``accumulate()`` (``ACC``) and the HF Trainer
 on several ranks (``HFT``). This module is the notebook's logic: its parameters (``check_notebook``), its runs
 (``run``), the matrix path x setting x release (``matrix_rows``), the code behind every cell that is not exact
-(``mechanisms``) and what the notebook asserts (``violations``: each probe's claims and ``kit/expectations.py``).
+(``mechanisms``) and what the notebook asserts (``violations``: each probe's claims and ``kit/judge/expectations.py``).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def accelerate_stack(version: str) -> dict:
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 07 (``kit.runall`` runs it before any kernel); the ``(probe, stack)`` pairs its
-    worlds will run (``kit.prefetch`` installs the overlays up front)."""
+    """Every parameter of notebook 07 (``kit.notebooks.runall`` runs it before any kernel); the ``(probe, stack)`` pairs its
+    worlds will run (``kit.stacks.prefetch`` installs the overlays up front)."""
     from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
 
     ddp_no_sync.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"])
@@ -79,7 +79,7 @@ def row_key(rec: dict) -> str:
 
 def in_matrix_order(recs: list[dict]) -> list[dict]:
     """The records by path (``PATHS``) then release, oldest first: the matrix figure's rows and columns."""
-    from kit.expectations import version_key
+    from kit.judge.expectations import version_key
 
     return sorted(recs, key=lambda r: (PATHS.index(r["bug"]) if r["bug"] in PATHS else 9,
                                        version_key(release(r).split()[-1])))
@@ -88,7 +88,7 @@ def in_matrix_order(recs: list[dict]) -> list[dict]:
 def matrix_rows(recs: list[dict]) -> list[dict]:
     """One row per (path, case, setting, release): the worst verdict over world sizes, GAs and models, with the
     ratio, cosine and misplaced weight of its worst record (the harness and controls included: they must be exact)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     order = {v: i for i, v in enumerate(oracle.WORST_FIRST)}
     groups: dict = {}
@@ -112,7 +112,7 @@ def matrix_rows(recs: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    from kit import report
+    from kit.judge import tables as report
 
     def num(x, f):
         return "-" if x is None else format(x, f)
@@ -126,7 +126,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _tf_before(rec: dict, version: str) -> bool:
-    from kit.expectations import version_key
+    from kit.judge.expectations import version_key
 
     return version_key((rec.get("versions") or {}).get("transformers", "0")) < version_key(version)
 
@@ -183,8 +183,8 @@ MECHANISMS = (
 def mechanisms(recs: list[dict]) -> list[dict]:
     """For every mechanism whose cell was measured off the reference or raised, the lines of the code that ran
     (the installed package, or the overlay of the release that ran): ``{"cell", "sentence", "code"}``."""
-    from kit import source
-    from kit import versions as kversions
+    from kit.stacks import source
+    from kit.stacks import versions as kversions
 
     out, seen = [], set()
     for path, case, explains, package, relpath, qualname, marks, sentence in MECHANISMS:
@@ -217,8 +217,9 @@ def mechanisms(recs: list[dict]) -> list[dict]:
 
 
 def violations(recs: list[dict]) -> list[str]:
-    """Every probe's own claims, and every verdict on a release ``kit/expectations.py`` pins equal to the table's."""
-    from kit import expectations, probes
+    """Every probe's own claims, and every verdict on a release ``kit/judge/expectations.py`` pins equal to the table's."""
+    from kit import probes
+    from kit.judge import expectations
 
     bad = []
     for bug in PATHS:
@@ -234,8 +235,8 @@ def violations(recs: list[dict]) -> list[str]:
 
 
 def findings(recs: list[dict]) -> list[str]:
-    """What ``kit/expectations.py`` does not pin: a newer release's verdict, said as a finding."""
-    from kit import expectations
+    """What ``kit/judge/expectations.py`` does not pin: a newer release's verdict, said as a finding."""
+    from kit.judge import expectations
 
     out = []
     for bug in PATHS:
@@ -261,11 +262,11 @@ FIXES = (
 def fixes(recs: list[dict]) -> list[dict]:
     """Each problem measured here next to its fix measured in the same run: ``{"problem", "fix", "before", "after",
     "expected_after", "ratio_before", "ratio_after"}``; ``after`` is the fix's worst verdict (``not-affected`` where
-    the fix works), ``expected_after`` what ``kit/expectations.py`` pins for it (None: not pinned; a fix can leave
+    the fix works), ``expected_after`` what ``kit/judge/expectations.py`` pins for it (None: not pinned; a fix can leave
     another bug of the same release in place). Only problems that were measured (affected, or FSDP2's raises) and
     whose fix ran are listed."""
-    from kit import expectations, oracle
-    from kit.expectations import version_key
+    from kit.judge import expectations, oracle
+    from kit.judge.expectations import version_key
 
     order = {v: i for i, v in enumerate(oracle.WORST_FIRST)}
 

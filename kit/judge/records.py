@@ -1,4 +1,4 @@
-"""Probe results as JSON records: their format, their files, and how to read them (``kit.runner`` makes them).
+"""Probe results as JSON records: their format, their files, and how to read them (``kit.probes.runner`` makes them).
 
 A record is a flat dict: what ran (bug, probe, case, role, config, seed, world size, GA,
 dtype, requested and imported versions, device), what was measured (metrics, attribution,
@@ -14,11 +14,11 @@ import platform
 import uuid
 from pathlib import Path
 
-from kit import oracle
+from kit.judge import oracle
 
 RUN_ID_ENV = "GRADKIT_RUN_ID"
-RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.runall: which records are whose
-# One id per run: kit.runall sets it for every notebook it starts; a kernel or script on its own gets its own.
+RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.notebooks.runall: which records are whose
+# One id per run: kit.notebooks.runall sets it for every notebook it starts; a kernel or script on its own gets its own.
 RUN_ID = os.environ.get(RUN_ID_ENV) or f"{datetime.datetime.now():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", "world_size", "seed", "ga",
@@ -79,7 +79,7 @@ def run_records(folder, notebooks=None) -> tuple[list[dict], list[str]]:
         run = json.loads((folder / RUN_FILE).read_text())
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"no readable {RUN_FILE} in {folder} ({type(e).__name__}): it is written by "
-                                "`python -m kit.runall`; run that first, or run the probes here") from None
+                                "`python -m kit.notebooks.runall`; run that first, or run the probes here") from None
     out, said = [], []
     for name, entry in sorted(run["notebooks"].items()):
         stem = Path(name).stem
@@ -131,7 +131,8 @@ def check(rec: dict) -> None:
 def deepspeed_version(rec: dict) -> str:
     """The DeepSpeed release a record really imported (its request where it never got that far, the installed
     one for an "installed" request); ``NO_DEEPSPEED`` for a step whose path or probe never uses DeepSpeed."""
-    from kit import config as kconfig, versions
+    from kit import config as kconfig
+    from kit.stacks import versions
 
     if rec.get("path", (rec.get("config") or {}).get("path")) == "no_ds" or rec.get("init") == "torch":
         return NO_DEEPSPEED
@@ -147,7 +148,7 @@ NO_DEEPSPEED = "none"  # the matrix column of steps that never went through Deep
 
 def column_key(v: str):
     """The matrix's column order: no DeepSpeed first, then DeepSpeed releases oldest first."""
-    from kit.expectations import version_key
+    from kit.judge.expectations import version_key
 
     return (-1,) if v == NO_DEEPSPEED else version_key(v)
 

@@ -14,7 +14,7 @@ is not seen, and the output says so), then a binary search between two neighbour
 confirming run in a fresh world on both sides of each change. A release that cannot be installed or run here
 (or whose control is off: ``inconclusive``) is **skipped**, named with its reason, never counted as good; a change
 next to skipped releases is a range. For each change, the code that changed between its two releases in the files
-the measured run went through (``kit.bisect.diff``). Exit status, as ``gradkit check``'s: 0 the newest release that
+the measured run went through (``kit.commands.bisect.diff``). Exit status, as ``gradkit check``'s: 0 the newest release that
 ran is not affected, 1 it is (a measured ``affected``), 2 bad input (nothing launched), 3 fewer than two releases
 could run.
 """
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle
+from kit.judge import oracle
 
 PACKAGE = "deepspeed"
 STRIDE = 4  # the first pass measures every STRIDE-th release: a change and its undoing inside one stride are not seen
@@ -42,7 +42,7 @@ SKIPPED = (oracle.CANNOT_RUN, oracle.INCONCLUSIVE)
 
 def stack_of(release: str, package: str = PACKAGE) -> dict:
     """The world stack that runs ``release`` of ``package``: ``{}`` for the installed release, else its overlay."""
-    from kit import versions
+    from kit.stacks import versions
 
     return {} if release == versions.installed_version(package).split("+")[0] else {package: release}
 
@@ -55,8 +55,8 @@ def index_releases(package: str = PACKAGE) -> tuple[list[str], str]:
     """Every final release of ``package`` the package index has, oldest first, and where the list came from. The
     list is cached in the kit's cache for a day; offline, the cached list, else the releases already in the kit's
     cache (overlays) and the installed one, said so."""
-    from kit import versions
-    from kit.expectations import version_key
+    from kit.stacks import versions
+    from kit.judge.expectations import version_key
 
     cache = kconfig.cache_dir() / "releases" / f"{package}.json"
     try:
@@ -87,8 +87,8 @@ def index_releases(package: str = PACKAGE) -> tuple[list[str], str]:
 def release_list(frm: str | None, to: str, given: str | None = None, package: str = PACKAGE) -> tuple[list[str], str]:
     """The ordered releases of ``package`` to bisect: ``given`` (a comma list, in its order) or the index's between
     ``frm`` and ``to`` (both included; ``installed`` is the installed release)."""
-    from kit import versions
-    from kit.expectations import version_key
+    from kit.stacks import versions
+    from kit.judge.expectations import version_key
 
     installed = versions.installed_version(package).split("+")[0]
     if given:
@@ -138,7 +138,8 @@ def result_of(summary: dict, loop: str, release: str, recs: list[dict]) -> dict:
 
 def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float, steps: int, model=None):
     """``measure(release) -> result``: the check's probe on that release, one world."""
-    from kit import check, versions
+    from kit.commands import check
+    from kit.stacks import versions
     from kit.probes import ds_config
 
     def measure(release: str) -> dict:
@@ -165,7 +166,7 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
     holding that release of ``axis`` (``deepspeed``, ``transformers`` or ``accelerate``: a package the probe's stack
     names), judged on its record of ``case`` by the probe's own verdict. This is how the known bugs' boundaries
     are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's."""
-    from kit import versions
+    from kit.stacks import versions
 
     if axis not in probe.packages:
         raise kconfig.ConfigError(f"the {probe.id} probe's stack names {list(probe.packages)}, not {axis!r}")
@@ -205,10 +206,10 @@ def grid(n: int, stride: int) -> list[int]:
 
 
 def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, axis: str = PACKAGE) -> list[str]:
-    """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.prefetch``),
+    """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.stacks.prefetch``),
     for ``probe`` (the check's by default); the binary search's few releases install as it reaches them. Returns
     what could not be prepared (those releases are then measured ``cannot-run``, i.e. skipped)."""
-    from kit import prefetch as kprefetch
+    from kit.stacks import prefetch as kprefetch
     from kit.probes import ds_config
 
     stacks = [stack_of(order[i], axis) for i in grid(len(order), stride)]
@@ -341,7 +342,7 @@ def _functions(source: str, cls: str | None) -> dict[str, str]:
 
 
 def _source_root(release: str, package: str = PACKAGE) -> Path | None:
-    from kit import versions
+    from kit.stacks import versions
 
     try:
         root = versions.resolve_stack(stack_of(release, package), (package,)).roots.get(package)
@@ -473,7 +474,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from kit import check
+    from kit.commands import check
     from kit.probes import ds_config
 
     a = parser().parse_args(argv)

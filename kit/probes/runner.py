@@ -18,12 +18,13 @@ import os
 import sys
 
 from kit import config as kconfig
-from kit import launch, oracle, records
-from kit import versions as kversions
-from kit.probe import Probe
+from kit import launch
+from kit.judge import oracle, records
+from kit.stacks import versions as kversions
+from kit.probes.probe import Probe
 
 _LISTENERS: list = []
-PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (kit.runall reads it)
+PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (kit.notebooks.runall reads it)
 
 
 @contextlib.contextmanager
@@ -33,7 +34,7 @@ def listen(callback):
 
     Events: ``{"kind": "world", "probe", "label", "world_size", "planned", "first_time"}`` before a world
     (``first_time`` names the one-off work that makes a first launch slow, or is ""), then ``{"kind": "case",
-    "done", "planned", "case"}`` as each case comes back. With ``GRADKIT_PROGRESS`` set (``kit.runall`` sets it
+    "done", "planned", "case"}`` as each case comes back. With ``GRADKIT_PROGRESS`` set (``kit.notebooks.runall`` sets it
     for each notebook's kernel) the same events are appended to that file.
     """
     _LISTENERS.append(callback)

@@ -1,7 +1,7 @@
 """The known bugs' releases, found again by ``gradkit bisect``: the proof that bisect is right (notebook 08).
 
 Each known bug is bisected with the configuration (or the probe) that shows it, and what bisect finds is checked
-against ``kit.expectations.KNOWN``: every release it measured that the table pins must have the table's verdict,
+against ``kit.judge.expectations.KNOWN``: every release it measured that the table pins must have the table's verdict,
 and a change it finds between two releases must hold the table's boundary in between (``(before, after]``; exact
 where the two are neighbours on the index). A boundary bisect finds that the table does not have is a finding.
 
@@ -17,7 +17,7 @@ where the two are neighbours on the index). A boundary bisect finds that the tab
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import oracle
+from kit.judge import oracle
 
 CONFIGS = {
     "B4": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
@@ -37,7 +37,7 @@ BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")
 
 def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
     """``measure(release)`` for one known bug."""
-    from kit import bisect
+    from kit.commands import bisect
     from kit.probes import ds_config, pipeline_ga
 
     if bug == "B2":
@@ -50,15 +50,15 @@ def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
     """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed."""
-    from kit import bisect
+    from kit.commands import bisect
 
     order, _ = bisect.release_list(None, kconfig.INSTALLED, ",".join(releases))
     return {"bug": bug, **bisect.search(order, measure(bug, **kw), stride)}
 
 
 def needs(releases_by_bug: dict) -> list:
-    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.prefetch``)."""
-    from kit import bisect
+    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.stacks.prefetch``)."""
+    from kit.commands import bisect
     from kit.probes import ds_config, pipeline_ga
 
     out = []
@@ -69,7 +69,7 @@ def needs(releases_by_bug: dict) -> list:
 
 
 def _expected(bug: str, release: str) -> str | None:
-    from kit import expectations as ex
+    from kit.judge import expectations as ex
 
     if bug == "B3 opt-out":
         return oracle.NOT_AFFECTED if ex.version_key(release) >= ex.version_key(ex.UNMANAGED_SINCE) else None
@@ -78,7 +78,7 @@ def _expected(bug: str, release: str) -> str | None:
 
 def _boundaries(bug: str) -> list[tuple[str, str]]:
     """The releases where the table says the result changes: ``(release, what)``, what starts there."""
-    from kit import expectations as ex
+    from kit.judge import expectations as ex
 
     k = ex.KNOWN["B3" if bug.startswith("B3") else bug]
     out = []
@@ -96,10 +96,10 @@ def _boundaries(bug: str) -> list[tuple[str, str]]:
 def violations(found: dict) -> list[str]:
     """Where a bisect disagrees with the table: a pinned release measured otherwise, a change with no boundary of
     the table inside it, a boundary of the table between two measured releases with no change found there."""
-    from kit import bisect
-    from kit.expectations import version_key
+    from kit.commands import bisect
+    from kit.judge.expectations import version_key
 
-    from kit.expectations import UNMANAGED_SINCE
+    from kit.judge.expectations import UNMANAGED_SINCE
 
     bug, out = found["bug"], []
     runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in bisect.SKIPPED]
@@ -131,19 +131,19 @@ def violations(found: dict) -> list[str]:
 
 def summary_rows(founds: list[dict]) -> list[dict]:
     """One row per known bug: the changes in words, what was skipped, and whether the table agrees."""
-    from kit import bisect
+    from kit.commands import bisect
 
     return [{"bug": f["bug"], "releases": f"{f['order'][0]} .. {f['order'][-1]} ({len(f['measured'])} measured)",
              "changes": "; ".join(bisect.describe(c) for c in f["changes"]) or "none",
              "skipped": ", ".join(s["release"] for s in f["skipped"]) or "-",
-             "agrees with kit/expectations.py": "yes" if not violations(f) else "; ".join(violations(f))}
+             "agrees with kit/judge/expectations.py": "yes" if not violations(f) else "; ".join(violations(f))}
             for f in founds]
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 08, by its name there (the notebook and ``kit.runall`` call it first); returns
-    the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
-    from kit import bisect
+    """Every parameter of notebook 08, by its name there (the notebook and ``kit.notebooks.runall`` call it first); returns
+    the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    from kit.commands import bisect
     from kit.probes import ds_config
 
     if not isinstance(p["STORY_CONFIG"], dict):

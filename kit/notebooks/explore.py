@@ -15,7 +15,7 @@ def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict |
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
-    from kit import records
+    from kit.judge import records
 
     if not grad:
         raise ValueError(f"no record with {what} to explore")
@@ -34,7 +34,7 @@ def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict |
 
 def accumulator_explorer(recs: list[dict]):
     """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
-    from kit import plots
+    from kit.notebooks import plots
 
     return _explorer([r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"], "accumulator norms",
                      {"version": "version", "case": "case", "ga": "ga"},
@@ -43,7 +43,7 @@ def accumulator_explorer(recs: list[dict]):
 
 def attribution_explorer(recs: list[dict]):
     """Dropdowns over version, case, ZeRO stage, dtype, world size and N that redraw the attribution bars."""
-    from kit import plots
+    from kit.notebooks import plots
 
     def figure(found, chosen):
         plots.attribution_bars(found[:1])
@@ -57,7 +57,7 @@ def attribution_explorer(recs: list[dict]):
 
 def pipeline_explorer(recs: list[dict]):
     """Dropdowns over version, world size, dtype and ZeRO stage that redraw the per-stage ratio figure."""
-    from kit import plots
+    from kit.notebooks import plots
 
     return _explorer([r for r in recs if r.get("stages")], "per-stage pipeline results",
                      {k: k for k in ("version", "world_size", "dtype", "zero_stage")},
@@ -66,7 +66,7 @@ def pipeline_explorer(recs: list[dict]):
 
 def path_explorer(recs: list[dict]):
     """Dropdowns over version stack and case that redraw the effective/reference ratio per training path."""
-    from kit import plots
+    from kit.notebooks import plots
 
     grad = [r for r in recs if r.get("metrics") and r.get("path")]
     return _explorer(grad, "Trainer metrics", {"version": "version"},
@@ -116,10 +116,11 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.prefetch``)."""
+    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
+    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
     from kit import config as kconfig
-    from kit import probes, runner
+    from kit import probes
+    from kit.probes import runner
 
     kconfig.check_timeout(p["TIMEOUT_S"])
     bug, kwargs = probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
@@ -136,7 +137,8 @@ def run_probe(probe_id: str, kwargs: dict) -> list[dict]:
 
 def result_rows(recs: list[dict], sel: dict) -> list[dict]:
     """What the explorer's figure shows: one row per judged case (per pipeline stage for B2) at the chosen GA."""
-    from kit import probes, report
+    from kit import probes
+    from kit.judge import tables as report
     from kit.probes import pipeline_ga
 
     bug = probes.get(sel["bug"])
@@ -238,7 +240,8 @@ class ProbeExplorer:
     def prewarm(self) -> bool:
         """Start the warm world the current selection will run in (``kit.launch.prewarm``), so that even the first
         Run finds its ranks up and their imports paid; False (and nothing said) when it cannot: Run will say why."""
-        from kit import launch, probes, runner
+        from kit import launch, probes
+        from kit.probes import runner
 
         sel = self.selection()
         try:
@@ -285,7 +288,7 @@ class ProbeExplorer:
             self.progress.value = 0.0
             return []
         result: dict = {}
-        heard: dict = {"done": 0, "planned": 0, "worlds": 0, "first_time": ""}  # from the ranks (kit.runner.listen)
+        heard: dict = {"done": 0, "planned": 0, "worlds": 0, "first_time": ""}  # from the ranks (kit.probes.runner.listen)
 
         def hear(event):
             if event["kind"] == "world":
@@ -295,7 +298,8 @@ class ProbeExplorer:
                 heard["done"] = heard.get("base", 0) + event["done"]
 
         def work():
-            from kit import launch, runner
+            from kit import launch
+            from kit.probes import runner
 
             warm = launch.warm_worlds() if self.interactive else contextlib.nullcontext()
             try:
@@ -369,7 +373,7 @@ class ProbeExplorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        from kit import plots
+        from kit.notebooks import plots
 
         sel = sel or self.selection()
         fig = plots.explorer_result(self.rows, title=_title(sel))

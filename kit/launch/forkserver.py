@@ -3,8 +3,8 @@
 Importing an older DeepSpeed costs ~7 s of one core (0.18.x imports transformers and torch._inductor at import;
 the installed 0.19 ~2 s), and every rank of every world paid it: a probe that runs one stack at world sizes 2
 and 4 imported it six times. ``kit.launch`` starts one server per stack inside a ``launch.warm_worlds`` block
-(``kit.runner.run`` opens one per probe run) and forks each rank of that stack's worlds from it; the rank then
-runs ``kit.worker.main`` as a started one would (its own session, log, environment, process group). The server
+(``kit.probes.runner.run`` opens one per probe run) and forks each rank of that stack's worlds from it; the rank then
+runs ``kit.launch.worker.main`` as a started one would (its own session, log, environment, process group). The server
 imports nothing it was not asked for, starts no thread, and leaves when its caller closes its stdin or dies, or
 when it has had no rank for ``idle_s`` (the caller then starts a new one when it needs one).
 
@@ -31,7 +31,7 @@ def _say(obj) -> None:
 
 
 def _child(req: dict) -> None:
-    """In the forked rank: become a rank started by ``kit.launch`` and run ``kit.worker.main``; never returns."""
+    """In the forked rank: become a rank started by ``kit.launch`` and run ``kit.launch.worker.main``; never returns."""
     code = 70
     try:
         os.setsid()  # its own process group, as a started rank: killed as one with what it starts
@@ -49,7 +49,7 @@ def _child(req: dict) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
-        from kit import worker
+        from kit.launch import worker
 
         code = worker.main(Path(req["job"]))
     except BaseException:  # noqa: BLE001 - anything here is the rank's failure, said in its log
@@ -57,7 +57,7 @@ def _child(req: dict) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # no interpreter tear-down (see kit.worker)
+        os._exit(code)  # no interpreter tear-down (see kit.launch.worker)
 
 
 def _reap(children: dict[int, str]) -> None:
@@ -85,7 +85,7 @@ def main() -> int:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        from kit import worker
+        from kit.launch import worker
 
         worker.check_stack(spec.get("expect") or {})
         import torch  # noqa: F401

@@ -1,6 +1,6 @@
 """Tiny rank functions that check the launcher itself: one that answers, one that raises, one that hangs.
 
-    python -m kit.selftest          # a 2-rank world answers: the set-up works
+    python -m kit.launch.selftest          # a 2-rank world answers: the set-up works
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ if __name__ == "__main__":
     from kit import launch
 
     t0 = time.time()
-    out = launch.run_world("kit.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
+    out = launch.run_world("kit.launch.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
     print(f"2-rank DeepSpeed world answered in {time.time() - t0:.1f} s: {out}")
 
 
@@ -89,7 +89,7 @@ def judge_with_rank_offset(payload: dict) -> dict:
     seed, ga, mb, hidden = 0, 2, 4, 8
     model = c.tiny_mlp(hidden, seed, 2)
     every = [b for r in range(c.world_size()) for b in c.micro_batches(seed, r, ga, mb, hidden)]
-    from kit import oracle
+    from kit.judge import oracle
 
     _, _, reference = oracle.reference_gradients(model, every, c.mse)
     effective = reference * (1.0 + payload["offset"] * c.rank())

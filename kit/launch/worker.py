@@ -1,4 +1,4 @@
-"""The process every rank runs: ``python -m kit.worker <job dir>`` (started by ``kit.launch``).
+"""The process every rank runs: ``python -m kit.launch.worker <job dir>`` (started by ``kit.launch``).
 
 Reads ``spec.json``, joins the process group, calls the target function with
 the payload, and writes ``rank<R>.json`` (the result) or ``rank<R>.error.json``
@@ -50,7 +50,7 @@ class FlockBaton:
     it removes a ``lock`` file left behind. The interface is ``FileBaton``'s, as ``cpp_extension`` calls it.
 
     A ``lock`` file a live process holds open is torch's own baton of a process that is not one of the kit's ranks
-    (the sweep's reproduction script, which ``kit.repro.verify`` runs as plain DeepSpeed in the kit's build folder):
+    (the sweep's reproduction script, which ``kit.commands.repro.verify`` runs as plain DeepSpeed in the kit's build folder):
     that build is waited for, never taken over. Removing its lock made the holder's own ``release()`` fail
     (``FileNotFoundError``) and its rank exit 1 in ``init_distributed``."""
 
@@ -165,7 +165,7 @@ def check_stack(expect: dict) -> dict:
     A damaged overlay (a missing ``__init__.py``) lets Python fall through to the installed release: the record
     would then carry the requested label over another release's behaviour. This makes that a ``cannot-run``.
     """
-    from kit.versions import module_name
+    from kit.stacks.versions import module_name
 
     found, bad = {}, []
     for package, want in expect.items():

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle
+from kit.judge import oracle
 
 LOOPS = {
     "engine": "DeepSpeed's own loop: `engine.backward(loss)` and `engine.step()` after every micro-batch, "
@@ -48,7 +48,7 @@ def steps_table(rec: dict) -> str:
 
 
 def bisect_section(doc: dict | None, command: str) -> list[str]:
-    from kit import bisect
+    from kit.commands import bisect
 
     if not doc:
         return ["Not bisected yet; to find the releases:", "", f"    {command}", ""]
@@ -120,7 +120,7 @@ def render(rec: dict, script: str, repro_source: str, repro_output: str, repro_e
 
 def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None, world_size: int | None = None) -> Path:
     """The report of a ``gradkit check --json`` result's affected loop: its reproduction written and run here."""
-    from kit import repro
+    from kit.commands import repro
 
     doc = json.loads(path.read_text())
     recs = doc.get("records") or [r for p in (doc.get("precisions") or {}).values() for r in p.get("records") or []]
@@ -143,7 +143,8 @@ def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None,
 
 def from_sweep(folder: Path, group: str, out: Path | None, bisect_doc: dict | None) -> Path:
     """The report of a sweep's unknown group (named by its reproduction script), from the sweep's own run of it."""
-    from kit import records, sweep
+    from kit.commands import sweep
+    from kit.judge import records
 
     summary = json.loads((folder / "summary.json").read_text())
     name = group if group.endswith(".py") else f"{group}.py"

@@ -5,11 +5,11 @@
 
 Runs the config on the kit's tiny model in one world of W ranks, once per loop style, next to a plain
 torch.distributed control, and prints per loop: the verdict, the effective/reference ratio, the cosine and the
-misplaced weight; which known bug explains an affected loop (``kit.expectations``) or "not explained by any
+misplaced weight; which known bug explains an affected loop (``kit.judge.expectations``) or "not explained by any
 known bug"; and the known fix, re-run and judged. Exit status: 0 not affected, 1 affected, 2 bad input
 (nothing launched), 3 inconclusive or cannot run. Usable as a CI guard in a training repository.
 
-``--path fsdp2|accelerate|trainer`` asks the same of the paths without DeepSpeed (``kit.check_paths``).
+``--path fsdp2|accelerate|trainer`` asks the same of the paths without DeepSpeed (``kit.commands.check_paths``).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from kit import check_paths
+from kit.commands import check_paths
 from kit import config as kconfig
-from kit import expectations, oracle, records
+from kit.judge import expectations, oracle, records
 from kit.probes import ds_config
 
 EXIT = {oracle.NOT_AFFECTED: 0, oracle.AFFECTED: 1, oracle.INCONCLUSIVE: 3, oracle.CANNOT_RUN: 3}

@@ -1,6 +1,6 @@
 """The executed notebooks of a run-all folder as a static site, read without running anything.
 
-    python -m kit.site runs/latest          # -> runs/latest/site/index.html (kit.runall builds it after each run)
+    python -m kit.notebooks.site runs/latest          # -> runs/latest/site/index.html (kit.notebooks.runall builds it after each run)
 
 nbconvert's HTML exporter (the ``lab`` template) renders every page, and every page is one self-contained
 file (figures embedded), so the folder can be zipped, mailed or served as it is:
@@ -121,7 +121,7 @@ def build(out) -> Path:
     entries = {Path(e["executed"]).name: e for e in summary.get("notebooks", [])}
     names = sorted(n for n in (entries or {p.name: None for p in out.glob("*.ipynb")}) if (out / n).exists())
     if not names:
-        raise FileNotFoundError(f"no executed notebooks in {out}: run `python -m kit.runall --out {out}` first")
+        raise FileNotFoundError(f"no executed notebooks in {out}: run `python -m kit.notebooks.runall --out {out}` first")
     site = out / SITE
     tmp = out / f".{SITE}.partial"
     shutil.rmtree(tmp, ignore_errors=True)

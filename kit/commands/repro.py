@@ -3,7 +3,7 @@
     path = repro.write(record, folder / "repro_<group>.py", title)   # the record of one affected point
     rc, output = repro.verify(path, world_size=2, stack={})             # rc 1: it reproduces
 
-The script builds the point's model (its shape's own source, ``kit.shape.Shape.source``) and its own data, runs
+The script builds the point's model (its shape's own source, ``kit.shapes.shape.Shape.source``) and its own data, runs
 the point's loop style with the point's config (SGD,
 lr = 1, so the update is the gradient) for as many optimizer steps as the point took, reads each step as the
 probe does (the fp32 masters, or the module's own weights where the masters' read disagrees with them), computes
@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import launch, oracle
+from kit import launch
+from kit.judge import oracle
 from kit.launch import lifecycle
-from kit import versions as kversions
+from kit.stacks import versions as kversions
 
 TEMPLATE = '''"""{title}
 

@@ -4,13 +4,13 @@ Everything the overview, the explorer and run-all need to know about a probe is 
 bug or accumulation path is one module (with its ``PROBE``), one notebook and its tests:
 
 - what it is: ``id`` (the row of the matrix, the ``bug`` key of its records), ``title``, ``notebook``;
-- how it runs: ``run(**kwargs) -> records`` (which calls ``kit.runner.run``), ``init`` (how its world
+- how it runs: ``run(**kwargs) -> records`` (which calls ``kit.probes.runner.run``), ``init`` (how its world
   starts: ``"deepspeed"`` or plain ``"torch"``), ``packages`` (what its stack names: only those are
   imported and checked in its ranks), and for the runner ``control_key``, ``world_key``, ``annotate``;
 - how it is judged and read: ``measured_case`` and ``verdict_key`` (the cell of the matrix),
   ``ratio_meaning``, ``advice`` (what to do when affected), ``violations`` (what its notebook asserts);
 - how it is asked: ``check_notebook(params)`` (its notebook's parameters, before any kernel; it returns the
-  ``(probe, stack)`` pairs the notebook's worlds will run, which ``kit.prefetch`` prepares up front),
+  ``(probe, stack)`` pairs the notebook's worlds will run, which ``kit.stacks.prefetch`` prepares up front),
   ``quick_plan(world_size)`` (the overview's small run: ``run`` keyword arguments), ``knobs`` and
   ``explorer_kwargs(selection, device, timeout_s)`` (the explorer's choices, first value the default).
 """

@@ -14,7 +14,7 @@ from kit import config as kconfig
 
 
 def package_root(package: str, version: str = kconfig.INSTALLED) -> Path:
-    from kit import versions as kversions
+    from kit.stacks import versions as kversions
 
     if version in (kconfig.INSTALLED, kversions.installed_version(package)):
         spec = importlib.util.find_spec(package)

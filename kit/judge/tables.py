@@ -21,7 +21,7 @@ VERDICT_COLUMNS = ["deepspeed", "case", "stage", "dtype", "W", "GA", "optimizer"
 
 def per_step(rec: dict) -> str:
     """Every judged step's ratio, ``*`` where that step is off (the record's numbers are its worst step's)."""
-    from kit import oracle
+    from kit.judge import oracle
 
     steps = rec.get("steps") or []
     dtype = rec.get("judge_dtype") or rec["dtype"]

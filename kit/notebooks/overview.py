@@ -18,8 +18,11 @@ import math
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import oracle, probes, records, runner, versions
-from kit.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
+from kit import probes
+from kit.judge import oracle, records
+from kit.probes import runner
+from kit.stacks import versions
+from kit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
 
 
 _RANK = {v: i for i, v in enumerate(reversed(oracle.WORST_FIRST))}  # higher = worse
@@ -33,7 +36,7 @@ def quick_plan(world_size: int = 2) -> dict:
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.runall`` call first);
+    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
     returns the ``(probe, stack)`` pairs its worlds will run (none when it reads ``LOAD_RESULTS``)."""
     if not isinstance(p["LOAD_RESULTS"], str):
         raise kconfig.ConfigError(f"LOAD_RESULTS must be a folder name or \"\", got {p['LOAD_RESULTS']!r}")
@@ -60,7 +63,7 @@ def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, devi
 
     A probe whose stack does not name DeepSpeed runs once, on its installed stack. ``progress``: "" none,
     "text" a text bar on stdout, "widget" a JupyterLab bar; either counts the cases the ranks finish
-    (``kit.runner.case_bar``) and names the probe, the stack, and what makes a first launch slow.
+    (``kit.probes.runner.case_bar``) and names the probe, the stack, and what makes a first launch slow.
     """
     kconfig.check_list("versions", versions)
     if progress not in ("", "text", "widget"):
@@ -89,7 +92,7 @@ def load_results(folder) -> tuple[list[dict], list[str]]:
     recs, said = records.run_records(folder, stems)
     if not recs:
         raise FileNotFoundError(f"no records of a finished bug notebook in {kconfig.repo_path(folder)} "
-                                f"({'; '.join(said) or 'none listed'}): run `python -m kit.runall` first, or run "
+                                f"({'; '.join(said) or 'none listed'}): run `python -m kit.notebooks.runall` first, or run "
                                 "the probes here")
     return recs, said
 
@@ -189,7 +192,7 @@ def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
     """``verdict_matrix.json`` and ``verdict_matrix.png`` in ``folder``."""
     import matplotlib.pyplot as plt
 
-    from kit import plots  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
+    from kit.notebooks import plots  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

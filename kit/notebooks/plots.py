@@ -333,10 +333,12 @@ def path_ratio_vs_ga(recs: list[dict], case: str = "trainer", title: str = ""):
 def verdict_matrix(cells: list[dict], title: str = ""):
     """Bug x DeepSpeed version: each cell coloured by its verdict, with the measured ratio and where it was taken.
 
-    ``cells`` come from ``kit.overview.verdict_matrix``. The installed release's column is marked. With more
+    ``cells`` come from ``kit.notebooks.overview.verdict_matrix``. The installed release's column is marked. With more
     releases than fit the width of a notebook cell, releases go down and bugs across (nothing is scaled down).
     """
-    from kit import probes, records, versions
+    from kit import probes
+    from kit.judge import records
+    from kit.stacks import versions
 
     installed = versions.installed_version("deepspeed")
     every = probes.registry()
@@ -374,7 +376,7 @@ def verdict_matrix(cells: list[dict], title: str = ""):
 def explorer_result(rows: list[dict], title: str = ""):
     """Two bar panels, effective/reference ratio and cosine, one bar per case (per stage), coloured by verdict.
 
-    ``rows`` come from ``kit.explore.result_rows``. The grey line marks 1.0: a correct engine's bar ends on it.
+    ``rows`` come from ``kit.notebooks.explore.result_rows``. The grey line marks 1.0: a correct engine's bar ends on it.
     """
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.42 * max(1, len(rows))), sharey=True)
     labels = [r["label"] for r in rows]

@@ -1,6 +1,6 @@
 """Execute the notebooks with papermill, in parallel, and collect their verdicts into one summary.
 
-    python -m kit.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--jobs 2]
+    python -m kit.notebooks.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--jobs 2]
                          [--timeout 1800] [NOTEBOOK ...]
 
 - **Parameters** come from a YAML file (``defaults`` for every notebook that has the knob, ``notebooks``
@@ -11,7 +11,7 @@
   ``--timeout``); at the limit the process group, kernel included, is killed. ``--jobs`` notebooks run
   at a time (each launches its own ranks). A failed or timed-out notebook is reported with its failing
   cell and does not stop the others.
-- **Prefetch** (``kit.prefetch``; ``--no-prefetch``: none): before any notebook starts, every overlay the
+- **Prefetch** (``kit.stacks.prefetch``; ``--no-prefetch``: none): before any notebook starts, every overlay the
   notebooks' stacks need is installed and every DeepSpeed comm op their worlds load is built, in parallel and
   with a progress bar of its own, so that no notebook cell waits on pip or a compiler. A release the package
   index does not have is bad input (exit 2, no notebook started).
@@ -19,7 +19,7 @@
   bug notebooks and read the records those just wrote.
 - **The summary** (``summary.md``, ``summary.json``, ``verdict_matrix.png`` / ``.json``) links to every
   executed notebook, and lists any verdict that changed since the previous run into the same folder.
-- **The site** (``OUT/site/index.html``, ``kit.site``): the summary and every executed notebook as static HTML
+- **The site** (``OUT/site/index.html``, ``kit.notebooks.site``): the summary and every executed notebook as static HTML
   pages with their figures and a table of contents, to read without running anything (``--no-site``: none).
 Exit status: 0 all notebooks ran, 1 one or more failed, 2 bad input (nothing ran).
 """
@@ -39,10 +39,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kit import config as kconfig
-from kit.records import RUN_ID_ENV
-from kit.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
+from kit.judge.records import RUN_ID_ENV
+from kit.probes.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 KERNEL = "gradkit"
 AGGREGATE_PARAMETER = "LOAD_RESULTS"
@@ -111,15 +111,15 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 
 
 # The kit's notebooks that are not a probe's, and the module whose ``check_notebook`` checks their parameters.
-TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.overview", "05_explorer.ipynb": "kit.explore", "06_sweep.ipynb": "kit.sweep",
-                  "08_new_bug.ipynb": "kit.bisect_known"}
+TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore", "06_sweep.ipynb": "kit.commands.sweep",
+                  "08_new_bug.ipynb": "kit.notebooks.bisect_known"}
 
 
 def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> list:
     """Every value a kit notebook will run with (its defaults, then ``params``), checked by the notebook's own
     ``check_notebook`` -- before any kernel starts. ``ConfigError`` names the notebook and where the values
     came from; notebooks outside notebooks/ (a user's, a test's) have no such check. Returns the ``(probe,
-    stack)`` pairs the notebook's worlds will run (what ``kit.prefetch`` prepares), [] when it does not say."""
+    stack)`` pairs the notebook's worlds will run (what ``kit.stacks.prefetch`` prepares), [] when it does not say."""
     import importlib
 
     from kit import probes
@@ -271,7 +271,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
 
 class Live:
     """What a running notebook has done so far, read from outside its kernel: cells from the executed notebook
-    papermill saves after every cell, cases from the events its runner appends (``kit.runner.PROGRESS_ENV``)."""
+    papermill saves after every cell, cases from the events its runner appends (``kit.probes.runner.PROGRESS_ENV``)."""
 
     def __init__(self, executed: Path, events: Path):
         from kit import launch
@@ -355,7 +355,9 @@ def previous_summary(js: Path) -> dict:
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
               stopped: str | None = None, prefetch: dict | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
-    from kit import overview, probes, records, report
+    from kit import probes
+    from kit.judge import records, tables as report
+    from kit.notebooks import overview
 
     js = out / "summary.json"
     before = previous_summary(js)
@@ -428,7 +430,7 @@ def default_jobs() -> int:
 
 def read_run_file(out: Path) -> dict:
     """``run.json`` of a folder as ``{"run_id", "notebooks": {name: {"status", "run_id"}}}`` (empty if none)."""
-    from kit import records
+    from kit.judge import records
 
     try:
         run = json.loads((out / records.RUN_FILE).read_text())
@@ -441,7 +443,7 @@ def read_run_file(out: Path) -> dict:
 def write_run_file(out: Path, run_id: str, entries: list[dict]) -> Path:
     """``run.json``: this run's id, and every notebook of the folder with its status and the run that last executed
     it -- the notebooks of this run updated, the others kept (what ``records.run_records`` trusts)."""
-    from kit import records
+    from kit.judge import records
 
     run = read_run_file(out)
     notebooks = {**run["notebooks"], **{e["notebook"]: {"status": e["status"], "run_id": run_id} for e in entries}}
@@ -489,11 +491,11 @@ def new_run_id() -> str:
 
 
 def prefetch(needs: list, jobs: int, progress: bool) -> dict:
-    """``kit.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs and
+    """``kit.stacks.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs and
     one-rank worlds with it): ``{"status", "wall_s", "done", "problems"}``. A release the package index does not
     have is bad input (``ConfigError``): no notebook starts."""
     from kit import launch
-    from kit import prefetch as kprefetch
+    from kit.stacks import prefetch as kprefetch
 
     needs = kprefetch.needs_of(needs)
     if not kprefetch.pending(needs):
@@ -501,7 +503,7 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gradkit-prefetch-") as tmp:
         (Path(tmp) / "needs.json").write_text(json.dumps([n.as_json() for n in needs]))
-        cmd = [sys.executable, "-m", "kit.prefetch", "--needs", str(Path(tmp) / "needs.json"), "--jobs", str(jobs),
+        cmd = [sys.executable, "-m", "kit.stacks.prefetch", "--needs", str(Path(tmp) / "needs.json"), "--jobs", str(jobs),
                "--result", str(Path(tmp) / "result.json")] + ([] if progress else ["--no-progress"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         with STOP.lock:
@@ -516,7 +518,7 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
         try:
             said = json.loads((Path(tmp) / "result.json").read_text())
         except (OSError, ValueError):
-            said = {"done": [], "problems": [f"kit.prefetch ended with status {code} before saying what it did"]}
+            said = {"done": [], "problems": [f"kit.stacks.prefetch ended with status {code} before saying what it did"]}
     if STOP.signal:
         return {"status": "stopped", "wall_s": round(time.time() - t0, 1), "done": [], "problems": [],
                 "stacks": len(needs)}
@@ -530,7 +532,7 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
         run_id: str = "", prefetch_jobs: int = 0, report: dict | None = None) -> list[dict]:
     """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote
     (``run.json`` says which notebooks of this run finished: only their records reach the overview).
-    ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name (``kit.prefetch``,
+    ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name (``kit.stacks.prefetch``,
     that many builds at a time); what it did goes into ``report["prefetch"]``."""
     from kit import probes
 
@@ -623,7 +625,7 @@ def main(argv=None) -> int:
     run_id = new_run_id()
     previous = STOP.install()
     try:
-        from kit import prefetch as kprefetch
+        from kit.stacks import prefetch as kprefetch
 
         report: dict = {}
         entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id,
@@ -649,9 +651,9 @@ def main(argv=None) -> int:
 
 
 def build_site(out: Path):
-    """The static site of the executed notebooks (``kit.site``): its index, or False (said on stderr) when it
+    """The static site of the executed notebooks (``kit.notebooks.site``): its index, or False (said on stderr) when it
     could not be built; the run's own results stand either way."""
-    from kit import site
+    from kit.notebooks import site
 
     try:
         return site.build(out)
