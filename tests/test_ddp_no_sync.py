@@ -64,7 +64,7 @@ def test_every_shipped_probe_is_registered_once_with_its_notebook():
 def _toy(**kw) -> Probe:
     return Probe(id="T9", title="a toy", module="ddp_no_sync", notebook="07_without_deepspeed.ipynb",
                  measured_case="no_sync", ratio_meaning="r", advice="a", run=kw.get("run", ddp_no_sync.run),
-                 check_notebook=ddp_no_sync.check_notebook, quick_plan=lambda w: {"world_sizes": (w,), "ga_values": (2,)},
+                 quick_plan=lambda w: {"world_sizes": (w,), "ga_values": (2,)},
                  knobs={"world_size": [2], "ga": [2], "zero_stage": ["none"], "dtype": ["fp32"], "version": ["installed"]},
                  explorer_kwargs=lambda sel, d, t: {"world_sizes": [2], "ga_values": [sel["ga"]]}, init="torch",
                  packages=("torch",), order=99)

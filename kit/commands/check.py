@@ -21,9 +21,9 @@ from pathlib import Path
 from kit.commands import check_paths
 from kit import config as kconfig
 from kit.judge import expectations, oracle, records
+from kit.judge import verdict as kverdict
 from kit.probes import ds_config
 
-EXIT = {oracle.NOT_AFFECTED: 0, oracle.AFFECTED: 1, oracle.INCONCLUSIVE: 3, oracle.CANNOT_RUN: 3}
 
 # What each known bug looks like in a check, and its fix (the case that re-runs it): (pattern, hypothesis, fix text)
 EXPLAINS = {
@@ -151,11 +151,6 @@ def separate(cfg, summary: dict, run) -> list[dict]:
     return recs
 
 
-def _worst(words) -> str:
-    words = [w for w in words if w in oracle.WORST_FIRST]
-    return min(words, key=oracle.WORST_FIRST.index, default=oracle.CANNOT_RUN)
-
-
 def summarise(recs: list[dict]) -> dict:
     """The check's answer: overall verdict, exit status, and one row per loop style. A row's verdict is the worse
     of the applied step's (every step judged) and the logged grad norm's; ``off`` says which of the two is off."""
@@ -166,7 +161,7 @@ def summarise(recs: list[dict]) -> dict:
             continue
         m, a = r.get("metrics") or {}, r.get("attribution") or {}
         norm = r.get("norm_verdict", "n/a")
-        row = {"loop": r["case"], "verdict": _worst([r["verdict"], norm]), "step_verdict": r["verdict"],
+        row = {"loop": r["case"], "verdict": kverdict.worst([r["verdict"], norm]), "step_verdict": r["verdict"],
                "norm_verdict": norm, "norm_reason": r.get("norm_reason"), "ratio": m.get("norm_ratio"),
                "cosine": m.get("cosine"), "misplaced_weight": a.get("misplaced_weight"), "matches": r.get("matches"),
                "ties": r.get("ties") or [],
@@ -191,13 +186,9 @@ def summarise(recs: list[dict]) -> dict:
                                                                      "run this check with --deepspeed)",
                               "ratio": fm.get("norm_ratio")}
         rows.append(row)
-    worst = _worst([r["verdict"] for r in rows])
-    return {"verdict": worst, "exit": EXIT[worst], "loops": rows,
+    worst = kverdict.worst([r["verdict"] for r in rows])
+    return {"verdict": worst, "exit": kverdict.EXIT[worst], "loops": rows,
             "control": {"verdict": control["verdict"], "reason": control["reason"]} if control else None}
-
-
-def _num(x, fmt: str) -> str:
-    return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
 
 def report(recs: list[dict], summary: dict, source: str, world_size: int, device: str) -> str:
@@ -216,9 +207,9 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     lines.append(f"  {'loop':<10} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}  per step (ratio; "
                  f"* off)  logged norm")
     for row in summary["loops"]:
-        per_step = " ".join(f"{_num(st['ratio'], '.3f')}{'*' if st['off'] else ''}" for st in row["steps"])
-        lines.append(f"  {row['loop']:<10} {row['verdict']:<13} {_num(row['ratio'], '7.4f')} "
-                     f"{_num(row['cosine'], '8.5f')} {_num(row['misplaced_weight'], '9.4f')}  {per_step or '-':<21}"
+        per_step = " ".join(f"{kverdict.num(st['ratio'], '.3f')}{'*' if st['off'] else ''}" for st in row["steps"])
+        lines.append(f"  {row['loop']:<10} {row['verdict']:<13} {kverdict.num(row['ratio'], '7.4f')} "
+                     f"{kverdict.num(row['cosine'], '8.5f')} {kverdict.num(row['misplaced_weight'], '9.4f')}  {per_step or '-':<21}"
                      f"  {row['norm_verdict']}")
         if row["verdict"] == oracle.AFFECTED:
             lines.append(f"      off: {' and '.join(row['off'])}"
@@ -343,23 +334,23 @@ def main(argv=None) -> int:
             import traceback
             traceback.print_exc()
             print(f"internal error while checking {dtype}: {type(e).__name__}: {e} (nothing was measured: exit 3)")
-            recs, summary = [], {"verdict": oracle.CANNOT_RUN, "exit": EXIT[oracle.CANNOT_RUN], "loops": [],
+            recs, summary = [], {"verdict": oracle.CANNOT_RUN, "exit": kverdict.EXIT[oracle.CANNOT_RUN], "loops": [],
                                  "control": None, "error": f"{type(e).__name__}: {e}"}
         if recs:
             print(text)
         out[dtype] = {"summary": summary, "records": recs}
-    worst = _worst([o["summary"]["verdict"] for o in out.values()])
+    worst = kverdict.worst([o["summary"]["verdict"] for o in out.values()])
     if len(out) > 1:
         print("verdict over every precision: " + ", ".join(f"{d} {o['summary']['verdict']}" for d, o in out.items())
-              + f" -> {worst} (exit {EXIT[worst]})")
+              + f" -> {worst} (exit {kverdict.EXIT[worst]})")
     if a.json:
         first = next(iter(out.values()))
         doc = {"config_file": str(Path(a.config).resolve()),
-               "summary": {**first["summary"], "verdict": worst, "exit": EXIT[worst]} if len(out) == 1 else
-               {"verdict": worst, "exit": EXIT[worst]}, "records": first["records"] if len(out) == 1 else [],
+               "summary": {**first["summary"], "verdict": worst, "exit": kverdict.EXIT[worst]} if len(out) == 1 else
+               {"verdict": worst, "exit": kverdict.EXIT[worst]}, "records": first["records"] if len(out) == 1 else [],
                "precisions": out}
         Path(a.json).write_text(json.dumps(doc, indent=1, default=str))
-    return EXIT[worst]
+    return kverdict.EXIT[worst]
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit.judge import oracle
+from kit.judge import verdict as kverdict
 
 PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused
@@ -196,8 +197,6 @@ def explanation(rec: dict) -> str | None:
 
 
 def summarise(recs: list[dict]) -> dict:
-    from kit.commands import check
-
     rows = []
     for r in recs:
         if r["role"] != "measured":
@@ -212,16 +211,14 @@ def summarise(recs: list[dict]) -> dict:
                      "fix": None if fix is None or r["verdict"] == oracle.NOT_AFFECTED else
                      {"what": fix["config"].get("fix") or fix["case"], "verdict": fix["verdict"],
                       "ratio": (fix.get("metrics") or {}).get("norm_ratio")}})
-    worst = check._worst([r["verdict"] for r in rows])
+    worst = kverdict.worst([r["verdict"] for r in rows])
     controls = [r for r in recs if r["role"] == "control"]
-    return {"verdict": worst, "exit": check.EXIT[worst], "loops": rows,
-            "control": {"verdict": check._worst([c["verdict"] for c in controls]),
+    return {"verdict": worst, "exit": kverdict.EXIT[worst], "loops": rows,
+            "control": {"verdict": kverdict.worst([c["verdict"] for c in controls]),
                         "reason": "; ".join(sorted({c["reason"] for c in controls}))} if controls else None}
 
 
 def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
-    from kit.commands.check import _num
-
     v = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     lines = [f"gradkit check --path {a.path}: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "accelerate", "transformers")
                                                            if k in v)
@@ -229,8 +226,8 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
     lines += [f"  as run: {n}" for n in notes]
     lines.append(f"  {'case':<18} {'GA':>3} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}  setting")
     for row in summary["loops"]:
-        lines.append(f"  {row['loop']:<18} {row['ga']:>3} {row['verdict']:<13} {_num(row['ratio'], '7.4f')} "
-                     f"{_num(row['cosine'], '8.5f')} {_num(row['misplaced_weight'], '9.4f')}  {row['setting'] or ''}")
+        lines.append(f"  {row['loop']:<18} {row['ga']:>3} {row['verdict']:<13} {kverdict.num(row['ratio'], '7.4f')} "
+                     f"{kverdict.num(row['cosine'], '8.5f')} {kverdict.num(row['misplaced_weight'], '9.4f')}  {row['setting'] or ''}")
         if row["verdict"] == oracle.AFFECTED and row.get("shape"):
             lines.append(f"      the step is: {row['shape']}")
         if row["verdict"] != oracle.NOT_AFFECTED:
@@ -249,7 +246,6 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
 
 def main(a) -> int:
     """``gradkit check --path ...`` with the parsed flags ``a``; the exit status."""
-    from kit.commands import check
     from kit.probes import runner
 
     if a.json and not Path(a.json).parent.exists():
@@ -273,7 +269,7 @@ def main(a) -> int:
         import traceback
         traceback.print_exc()
         print(f"internal error while checking --path {a.path}: {type(e).__name__}: {e} (nothing was measured: exit 3)")
-        recs, summary = [], {"verdict": oracle.CANNOT_RUN, "exit": check.EXIT[oracle.CANNOT_RUN], "loops": [],
+        recs, summary = [], {"verdict": oracle.CANNOT_RUN, "exit": kverdict.EXIT[oracle.CANNOT_RUN], "loops": [],
                              "control": None, "error": f"{type(e).__name__}: {e}"}
     if a.json:
         Path(a.json).write_text(json.dumps({"path": a.path, "summary": summary, "records": recs}, indent=1, default=str))

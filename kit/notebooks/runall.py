@@ -110,8 +110,10 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
     return {name: ast.literal_eval(p["default"]) for name, p in known.items()}
 
 
-# The kit's notebooks that are not a probe's, and the module whose ``check_notebook`` checks their parameters.
-TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore", "06_sweep.ipynb": "kit.commands.sweep",
+# The kit's notebooks whose parameters are checked by a module of their own, not by a probe's ``check_notebook``: the
+# notebooks that are not a probe's, and 07, which four probes share.
+TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore",
+                  "06_sweep.ipynb": "kit.commands.sweep", "07_without_deepspeed.ipynb": "kit.notebooks.without_ds",
                   "08_new_bug.ipynb": "kit.notebooks.bisect_known"}
 
 
@@ -126,7 +128,7 @@ def check_notebook_values(path: Path, params: dict, known: dict | None = None, s
 
     if path.parent != NOTEBOOKS.resolve():
         return []
-    checks = {name: probe.check_notebook for name, probe in probes.by_notebook().items()}
+    checks = {name: probe.check_notebook for name, probe in probes.by_notebook().items() if probe.check_notebook}
     checks.update({name: importlib.import_module(module).check_notebook for name, module in TOOL_NOTEBOOKS.items()})
     if path.name not in checks:
         return []

@@ -21,7 +21,7 @@ unregister = _REGISTRY.unregister
 
 def by_notebook() -> dict[str, Probe]:
     """``{notebook file name: Probe}``: the first probe (in matrix order) of each notebook. Several probes may share
-    one notebook (07 holds every path without DeepSpeed); they share its ``check_notebook`` too."""
+    one notebook (07 holds every path without DeepSpeed), whose own module checks its parameters."""
     out: dict[str, Probe] = {}
     for p in registry().values():
         out.setdefault(p.notebook, p)

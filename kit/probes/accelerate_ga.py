@@ -196,12 +196,6 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
                       device, timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
 
 
-def check_notebook(p: dict) -> list:
-    from kit.notebooks import without_ds
-
-    return without_ds.check_notebook(p)
-
-
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of Accelerate: the control is exact, no rank imported DeepSpeed, the loop bug is
     seen (``sum_not_mean``: ratio GA where GA > 1), and the last incomplete window applies ``ga / GA`` of the
@@ -249,7 +243,7 @@ PROBE = Probe(
     ratio_meaning="effective / reference gradient of the accelerator.accumulate() step",
     advice="the accelerator.accumulate() step is off the reference on this accelerate: compare sync_each_batch and "
            "the control in notebook 07 and report it to huggingface/accelerate with those numbers",
-    run=run, check_notebook=check_notebook,
+    run=run,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
     knobs=ddp_no_sync.KNOBS, explorer_kwargs=ddp_no_sync.explorer_kwargs, init="torch", packages=("torch", "accelerate"), typical_s=10.0, violations=violations, order=12,
     control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])

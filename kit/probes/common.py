@@ -1,7 +1,7 @@
 """Pieces every probe shares, run inside a rank: the tiny model, the data, the engine, the measurements.
 
-Data is a deterministic function of (seed, rank, step), so any rank (and the
-oracle) can rebuild every other rank's micro-batches without communication.
+The data (``kit.shapes.data``) is a deterministic function of (seed, rank, step), so any rank (and the oracle) can
+rebuild every other rank's micro-batches without communication.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit.shapes.mlp import tiny_mlp  # noqa: E402,F401 - the probes' model, defined once with its shape
+from kit.shapes.data import micro_batches, mse, rank_samples  # noqa: F401 - the data every probe shares
+from kit.shapes.mlp import tiny_mlp  # noqa: F401 - the probes' model, defined once with its shape
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -32,30 +33,9 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def rank_samples(seed: int, rank_id: int, n: int, hidden: int, step: int = 0):
-    """``n`` (input, target) samples of one rank: targets from a fixed random teacher plus noise."""
-    teacher = torch.Generator().manual_seed(seed)
-    t = torch.randn(hidden, hidden, generator=teacher) / hidden ** 0.5
-    g = torch.Generator().manual_seed(seed * 100_003 + 7919 * rank_id + 104_729 * step + 1)
-    x = torch.randn(n, hidden, generator=g)
-    y = x @ t + 0.1 * torch.randn(n, hidden, generator=g)
-    return x, y
-
-
-def micro_batches(seed: int, rank_id: int, ga: int, micro_batch: int, hidden: int, step: int = 0):
-    """One rank's global-step data, split into ``ga`` micro-batches of ``micro_batch`` samples."""
-    x, y = rank_samples(seed, rank_id, ga * micro_batch, hidden, step)
-    return [(x[i * micro_batch:(i + 1) * micro_batch], y[i * micro_batch:(i + 1) * micro_batch]) for i in range(ga)]
-
-
 def to_device(x: torch.Tensor, dev, dtype) -> torch.Tensor:
     """A micro-batch's input on ``dev``: features in the model's ``dtype``, token ids (integers) as they are."""
     return x.to(dev, dtype) if x.is_floating_point() else x.to(dev)
-
-
-def mse(output, target):
-    """Mean squared error, computed in fp32 whatever the model's dtype."""
-    return ((output.float() - target.float()) ** 2).mean()
 
 
 def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:

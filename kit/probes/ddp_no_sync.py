@@ -90,13 +90,6 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp
     kconfig.check_timeout(timeout_s)
 
 
-def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 07 (all four paths without DeepSpeed): ``kit.notebooks.without_ds.check_notebook``."""
-    from kit.notebooks import without_ds
-
-    return without_ds.check_notebook(p)
-
-
 def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
         device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},), models=("mlp",)
         ) -> list[dict]:
@@ -132,7 +125,7 @@ PROBE = Probe(
     ratio_meaning="effective / reference gradient of the no_sync() step",
     advice="the DDP no_sync() step is off the reference on this torch: compare with the every_step case and "
            "report it to PyTorch with notebook 07's numbers",
-    run=run, check_notebook=check_notebook,
+    run=run,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
     knobs=KNOBS, explorer_kwargs=explorer_kwargs, init="torch", packages=("torch",), typical_s=8.0, violations=violations, order=10,
     control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [oracle_steps(r) for r in recs])

@@ -562,7 +562,7 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
 CHECK = Probe(  # not registered (no ``PROBE`` name): the check and the sweep run it, the matrix does not
     id="CFG", title="a user's DeepSpeed config", module="ds_config", notebook="06_sweep.ipynb",
     measured_case="engine", ratio_meaning="effective / reference gradient of one step",
-    advice="see `gradkit check` for the loop style and the fix", run=run, check_notebook=lambda p: None,
+    advice="see `gradkit check` for the loop style and the fix", run=run,
     quick_plan=lambda w: {}, knobs={}, explorer_kwargs=lambda sel, d, t: {}, annotate=_annotate,
     control_key=lambda r: (r["ga"], r["config"].get("model"), bool(r["config"].get("model_config"))))
 

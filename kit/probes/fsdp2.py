@@ -167,12 +167,6 @@ def run(world_sizes=(2,), ga_values=(1, 4), micro_batch: int = 4, hidden: int = 
                       world_sizes, device, timeout_s, meta={"seed": seed, "micro_batch": micro_batch, "hidden": hidden})
 
 
-def check_notebook(p: dict) -> list:
-    from kit.notebooks import without_ds
-
-    return without_ds.check_notebook(p)
-
-
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of FSDP2: the control matches the reference, no rank imported DeepSpeed, the loop
     bugs are seen (``sum_not_mean`` affected with ratio GA where GA > 1; ``sync_kept_off`` affected: nothing
@@ -212,7 +206,7 @@ PROBE = Probe(
     ratio_meaning="effective / reference gradient of the set_requires_gradient_sync(False) step",
     advice="the FSDP2 step is off the reference on this torch: compare its settings in notebook 07 (sync every "
            "micro-batch, fp32 vs bf16, one unit) and report it to PyTorch with those numbers",
-    run=run, check_notebook=check_notebook,
+    run=run,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,), settings=("fp32", "bf16 / fp32 reduce")),
     knobs=ddp_no_sync.KNOBS,
     explorer_kwargs=lambda sel, device, timeout_s: {**ddp_no_sync.explorer_kwargs(sel, device, timeout_s),

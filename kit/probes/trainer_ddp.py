@@ -92,12 +92,6 @@ def run_rank(payload: dict) -> list[dict]:
     return trainer_ga.run_rank(payload)
 
 
-def check_notebook(p: dict) -> list:
-    from kit.notebooks import without_ds
-
-    return without_ds.check_notebook(p)
-
-
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of the Trainer on several ranks: the harness is exact; the loop bug is seen (its
     first step GAS x the same release's first ``trainer`` step); a run that raised is ``cannot-run``."""
@@ -151,7 +145,7 @@ PROBE = Probe(
                   "label token of the global batch",
     advice="the Trainer's step on several ranks is off the global token mean: set average_tokens_across_devices=True "
            "(transformers >= 4.46.3; the default from 5.0) and upgrade past 4.46.0 (huggingface/transformers#34191)",
-    run=run, check_notebook=check_notebook,
+    run=run,
     quick_plan=lambda w: dict(world_sizes=(max(w, 2),), gas_values=(4,), cases=("trainer",)),
     knobs={"world_size": [2, 3], "ga": [4, 2, 8], "zero_stage": ["none"], "dtype": ["fp32"], "version": list(STACKS)},
     explorer_kwargs=explorer_kwargs, init="torch", packages=("torch", "transformers", "accelerate"), typical_s=40.0,

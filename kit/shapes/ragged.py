@@ -6,23 +6,22 @@ weighs its share of the samples; a loop that takes each micro-batch's mean and d
 ranks alike."""
 from __future__ import annotations
 
-from kit.shapes.shape import Shape
+import torch
+
+from kit.shapes.data import rank_samples
 from kit.shapes.mlp import build, groups, tiny_mlp
+from kit.shapes.shape import Shape
 
 
 def sizes(seed: int, rank: int, ga: int, micro_batch: int, step: int) -> list[int]:
     """The sizes of one rank's ``ga`` micro-batches of ``step``: 1 .. 2 x ``micro_batch`` each."""
-    import torch
-
     g = torch.Generator().manual_seed(seed * 7919 + rank * 131 + step * 17 + 3)
     return [int(n) for n in torch.randint(1, 2 * micro_batch + 1, (ga,), generator=g)]
 
 
 def batches(seed: int, rank: int, ga: int, micro_batch: int, hidden: int, step: int = 0):
-    from kit.probes import common as c
-
     n = sizes(seed, rank, ga, micro_batch, step)
-    x, y = c.rank_samples(seed, rank, sum(n), hidden, step)
+    x, y = rank_samples(seed, rank, sum(n), hidden, step)
     out, k = [], 0
     for m in n:
         out.append((x[k:k + m], y[k:k + m]))

@@ -9,8 +9,13 @@ model in plain fp32 on the whole batch, in one process.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
+
+from kit.shapes.data import micro_batches, mse
 
 
 def _no_routes(i: int, n: int, step: int) -> list[float]:
@@ -41,25 +46,17 @@ class Shape:
     def micro_batches(self, seed: int, rank: int, ga: int, micro_batch: int, hidden: int, step: int = 0):
         """One rank's micro-batches of ``step``, each ``(x, y)``; a routed shape's ``x`` carries its route columns
         after the ``hidden`` features (the same value in every row of a micro-batch)."""
-        import torch
-
-        from kit.probes import common as c
-
         if self.batches is not None:
             return self.batches(seed, rank, ga, micro_batch, hidden, step)
-        out = c.micro_batches(seed, rank, ga, micro_batch, hidden, step)
+        out = micro_batches(seed, rank, ga, micro_batch, hidden, step)
         if not self.route_names:
             return out
         return [(torch.cat([x, torch.tensor([self.routes(i, ga, step)] * len(x), dtype=x.dtype)], dim=1), y)
                 for i, (x, y) in enumerate(out)]
 
     def loss_fn(self, output, target):
-        from kit.probes import common as c
-
-        return (self.loss or c.mse)(output, target)
+        return (self.loss or mse)(output, target)
 
     def source(self) -> str:
         """The standalone Python source of this shape's model (and routes): what a reproduction script embeds."""
-        import inspect
-
         return "\n\n".join(inspect.getsource(f) for f in self.standalone)
