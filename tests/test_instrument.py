@@ -3,7 +3,8 @@ numbers the README states and records made by hand, so that a planted defect in 
 import pytest
 
 from kit import launch
-from kit.commands import check, repro, sweep
+from kit.commands import check, repro
+from kit.commands.sweep import grouping
 from kit.judge import oracle, records
 
 CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
@@ -86,15 +87,15 @@ def test_the_sweep_groups_by_the_last_axis_when_that_is_what_the_affected_points
     axes = {"a": [1, 2], "b": ["x", "y"]}
     recs = [_point(0, 1, "x", oracle.NOT_AFFECTED), _point(1, 2, "x", oracle.NOT_AFFECTED),
             _point(2, 1, "y", oracle.AFFECTED), _point(3, 2, "y", oracle.AFFECTED)]
-    (group,) = sweep.groups(recs, axes)
+    (group,) = grouping.groups(recs, axes)
     assert group["when"] == {"b": ["y"]} and group["count"] == 2
     recs = [_point(0, 1, "x", oracle.NOT_AFFECTED), _point(1, 2, "x", oracle.AFFECTED),
             _point(2, 1, "y", oracle.NOT_AFFECTED), _point(3, 2, "y", oracle.AFFECTED)]
-    (group,) = sweep.groups(recs, axes)  # the first axis alone
+    (group,) = grouping.groups(recs, axes)  # the first axis alone
     assert group["when"] == {"a": [2]} and group["count"] == 2
     recs = [_point(0, 1, "x", oracle.NOT_AFFECTED), _point(1, 2, "x", oracle.NOT_AFFECTED),
             _point(2, 1, "y", oracle.NOT_AFFECTED), _point(3, 2, "y", oracle.AFFECTED)]
-    (group,) = sweep.groups(recs, axes)  # both axes
+    (group,) = grouping.groups(recs, axes)  # both axes
     assert group["when"] == {"a": [2], "b": ["y"]} and group["count"] == 1
 
 

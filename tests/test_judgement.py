@@ -8,6 +8,10 @@ import torch
 
 from kit import config, launch
 from kit.commands import check, repro, sweep
+from kit.commands.sweep import grouping
+from kit.notebooks import sweep as sweep_notebook
+from kit.commands.sweep import run as sweep_run
+from kit.commands.sweep import spec as sweep_spec
 from kit.judge import oracle, records
 from kit.probes import runner
 from kit.probes import ds_config
@@ -151,12 +155,12 @@ def _point(a, b, verdict, bug=None, shape=None):
 def test_a_cannot_run_point_never_widens_a_group_and_groups_partition_the_affected_points():
     recs = [_point(1, 0, oracle.AFFECTED, "B3"), _point(1, 1, oracle.AFFECTED, "B3"), _point(1, 2, oracle.CANNOT_RUN),
             _point(0, 0, oracle.NOT_AFFECTED), _point(0, 1, oracle.NOT_AFFECTED), _point(0, 2, oracle.NOT_AFFECTED)]
-    (g,) = sweep.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
+    (g,) = grouping.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
     assert g["when"] == {"a": [1], "b": [0, 1]} and g["count"] == 2  # not "a = 1": (1, 2) did not run
     # two labels: each group holds one label, and the groups' counts add up to the affected points
     recs[1] = _point(1, 1, oracle.AFFECTED, None, "micro-batch 2 x0, the others x1")
     recs[4] = _point(0, 1, oracle.AFFECTED, None, "micro-batch 2 x0, the others x1")
-    gs = sweep.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
+    gs = grouping.groups(recs, {"a": [0, 1], "b": [0, 1, 2]})
     assert sum(g["count"] for g in gs) == 3 and sorted(sum((g["ids"] for g in gs), [])) == ["01", "10", "11"]
     assert {tuple(g["explained_by"]) for g in gs} == {("B3",), ("None",)}
 
@@ -165,7 +169,7 @@ def test_unknown_points_of_different_shapes_are_never_one_group():
     recs = [_point(1, 0, oracle.AFFECTED, None, "micro-batch 1 x0, the others x1"),
             _point(1, 1, oracle.AFFECTED, None, "micro-batch 4 x2, the others x0"),
             _point(0, 0, oracle.NOT_AFFECTED), _point(0, 1, oracle.NOT_AFFECTED)]
-    gs = sweep.groups(recs, {"a": [0, 1], "b": [0, 1]})
+    gs = grouping.groups(recs, {"a": [0, 1], "b": [0, 1]})
     assert len(gs) == 2 and all(len(g["shapes"]) == 1 for g in gs)
 
 
@@ -177,29 +181,29 @@ def test_a_tie_at_ga_2_is_separated_by_the_same_config_at_ga_4():
             "matches": "last micro-batch / N", "explained_by": "B3", "explanation": "B3 (...)"}
     other = {**two, "point": {"ga": 2, "s": 2}, "id": "other"}  # no GA 4 sibling: stays a tie
     elsewhere = {**two, "point": {"ga": 2, "s": 1}, "id": "elsewhere", "ties": ["first micro-batch", "sum"]}
-    sweep.separate([two, four, other, elsewhere])
+    grouping.separate([two, four, other, elsewhere])
     assert two["explained_by"] == "B3" and two["separated_by"] == "four" and "GA 4 separates" in two["explanation"]
     assert other.get("explained_by") is None
     assert elsewhere.get("explained_by") is None  # GA 4's step is not one of the names this tie is between
 
 
 def test_resume_never_reuses_a_record_of_another_release_or_spec(monkeypatch):
-    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
-    case = sweep.point_case(spec, {"ga": 2})
-    rec = {"stack": {}, "release": sweep.release_of({}), "spec_key": sweep.spec_key(spec), "id": case["id"]}
-    assert sweep.current([rec], spec) == [rec]
-    assert sweep.current([{**rec, "release": "0.0.1"}], spec) == []  # the installed release was upgraded since
-    other = sweep.check_spec({**json.loads(json.dumps(spec)), "steps": 1})
-    assert sweep.current([rec], other) == []
+    spec = sweep_spec.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    case = sweep_spec.point_case(spec, {"ga": 2})
+    rec = {"stack": {}, "release": sweep_spec.release_of({}), "spec_key": sweep_spec.spec_key(spec), "id": case["id"]}
+    assert sweep_run.current([rec], spec) == [rec]
+    assert sweep_run.current([{**rec, "release": "0.0.1"}], spec) == []  # the installed release was upgraded since
+    other = sweep_spec.check_spec({**json.loads(json.dumps(spec)), "steps": 1})
+    assert sweep_run.current([rec], other) == []
 
 
 def test_violations_fail_a_sweep_where_nothing_ran():
-    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
-    (case,) = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    spec = sweep_spec.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    (case,) = [sweep_spec.point_case(spec, p) for p in sweep_spec.points(spec)]
     recs = records.failed_records([case], {"stack": {}}, "installed", "no DeepSpeed")
     for r in recs:
         r["point"], r["id"] = case["point"], case["id"]
-    bad = sweep.violations(spec, recs, sweep.summarise(spec, recs))
+    bad = sweep_notebook.violations(spec, recs, sweep_run.summarise(spec, recs))
     assert any("cannot-run" in b and "measured nothing" in b for b in bad)
 
 
@@ -248,10 +252,10 @@ def test_a_step_is_judged_at_the_coarsest_precision_its_gradient_passes_through(
 
 
 def test_violations_accept_a_point_below_its_floor_but_not_one_whose_control_was_off():
-    spec = sweep.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
-    (case,) = [sweep.point_case(spec, p) for p in sweep.points(spec)]
+    spec = sweep_spec.check_spec({"axes": {"ga": [2]}, "base": {"train_micro_batch_size_per_gpu": 4}})
+    (case,) = [sweep_spec.point_case(spec, p) for p in sweep_spec.points(spec)]
     rec = {**records.base({"stack": {}}, case, "installed"), "point": case["point"], "id": case["id"],
            "verdict": oracle.INCONCLUSIVE, "reason": "no signal is off, but ...", "below_floor": True}
-    assert not [b for b in sweep.violations(spec, [rec], {"stacks": []}) if "inconclusive" in b]
+    assert not [b for b in sweep_notebook.violations(spec, [rec], {"stacks": []}) if "inconclusive" in b]
     off = {**rec, "below_floor": False, "reason": "the control is off the reference itself"}
-    assert [b for b in sweep.violations(spec, [off], {"stacks": []}) if "inconclusive" in b]
+    assert [b for b in sweep_notebook.violations(spec, [off], {"stacks": []}) if "inconclusive" in b]

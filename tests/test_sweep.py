@@ -6,6 +6,9 @@ import pytest
 
 from kit import config, launch, shapes
 from kit.commands import repro, sweep
+from kit.commands.sweep import grouping
+from kit.commands.sweep import run as sweep_run
+from kit.commands.sweep import spec as sweep_spec
 from kit.judge import oracle, records
 
 SPEC = {
@@ -22,14 +25,14 @@ SPEC = {
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
-    spec = sweep.check_spec(json.loads(json.dumps(SPEC)))
-    return spec, out, sweep.run(spec, out, progress=False)
+    spec = sweep_spec.check_spec(json.loads(json.dumps(SPEC)))
+    return spec, out, sweep_run.run(spec, out, progress=False)
 
 
 @pytest.mark.world
 def test_a_point_that_kills_a_rank_costs_only_itself(swept):
     spec, _, recs = swept
-    assert len(recs) == len(sweep.points(spec)) == 9
+    assert len(recs) == len(sweep_spec.points(spec)) == 9
     (crashed,) = [r for r in recs if r["point"]["gradkit_fault_kill_rank"] == 1]
     assert crashed["verdict"] == oracle.CANNOT_RUN and crashed["crashed_world"] and "SIGKILL" in crashed["reason"]
     after = [r for r in recs if r["point"]["zero_optimization.stage"] == 0]  # run by the relaunched world
@@ -39,20 +42,20 @@ def test_a_point_that_kills_a_rank_costs_only_itself(swept):
 @pytest.mark.world
 def test_the_affected_points_are_grouped_by_the_smallest_key_set_and_named(swept):
     spec, _, recs = swept
-    (group,) = sweep.groups(recs, spec["axes"])
+    (group,) = grouping.groups(recs, spec["axes"])
     # the point that killed its rank (ZeRO-2, GA 4, manual) is cannot-run: it never widens a condition, so the
     # group keeps the one key that leaves it out
     assert group["when"] == {"zero_optimization.stage": [2], "ga": [4], "loop": ["manual"],
                              "gradkit_fault_kill_rank": [-1]}
     assert group["known_bug"] == "B3" and group["count"] == 1 and group["matches"] == ["last micro-batch / N"]
-    assert "[B3]" in sweep.describe(group)
+    assert "[B3]" in grouping.describe(group)
 
 
 @pytest.mark.world
 def test_a_rerun_into_the_same_folder_skips_what_is_done(swept, monkeypatch):
     spec, out, recs = swept
     monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a finished point was launched again"))
-    again = sweep.run(spec, out, progress=False)
+    again = sweep_run.run(spec, out, progress=False)
     assert len(again) == len(recs) and len((out / "records.jsonl").read_text().splitlines()) == 9
 
 
@@ -95,12 +98,12 @@ def test_the_reproduction_script_reproduces_b3_and_not_a_correct_loop(swept, tmp
 def test_a_bad_spec_is_refused_before_anything_launches(bad, needle, monkeypatch):
     monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
     with pytest.raises(config.ConfigError, match=needle):
-        sweep.check_spec(bad)
+        sweep_spec.check_spec(bad)
 
 
 def test_the_default_spec_has_at_least_200_points_that_run_on_cpu():
-    spec = sweep.load_spec("scripts/sweeps/default.yaml")
-    pts = sweep.points(spec)
+    spec = sweep_spec.load_spec("scripts/sweeps/default.yaml")
+    pts = sweep_spec.points(spec)
     assert len(pts) >= 200 and spec["world_size"] == 2
     assert not any(p.get("dtype") == "fp16" for p in pts)
 
@@ -114,9 +117,9 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
     from kit.commands import report as upstream
 
     spec, out, recs = swept
-    (group,) = sweep.groups(recs, spec["axes"])
+    (group,) = grouping.groups(recs, spec["axes"])
     group["known_bug"] = None
-    sweep.reproduce(spec, {}, recs, [group], tmp_path)
+    sweep_run.reproduce(spec, {}, recs, [group], tmp_path)
     assert group["repro"]["reproduced"] and group["report"] == "report_installed_1.md"
     user = json.loads((tmp_path / group["config"]).read_text())
     assert user["gradient_accumulation_steps"] == 4 and user["zero_optimization"]["stage"] == 2

@@ -143,7 +143,7 @@ def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None,
 
 def from_sweep(folder: Path, group: str, out: Path | None, bisect_doc: dict | None) -> Path:
     """The report of a sweep's unknown group (named by its reproduction script), from the sweep's own run of it."""
-    from kit.commands import sweep
+    from kit.commands.sweep.grouping import when_text
     from kit.judge import records
 
     summary = json.loads((folder / "summary.json").read_text())
@@ -158,7 +158,7 @@ def from_sweep(folder: Path, group: str, out: Path | None, bisect_doc: dict | No
     rec = recs[g["example"]]
     out = out or folder / name.replace("repro_", "report_").replace(".py", ".md")
     text = render(rec, name, (folder / name).read_text(), g["repro"]["output"], g["repro"]["exit"],
-                  sweep.when_text(g["when"]), bisect_doc, bisect_command(folder / g.get("config", "config.json"), rec))
+                  when_text(g["when"]), bisect_doc, bisect_command(folder / g.get("config", "config.json"), rec))
     out.write_text(text)
     return out
 

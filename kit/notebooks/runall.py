@@ -113,7 +113,7 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 # The kit's notebooks whose parameters are checked by a module of their own, not by a probe's ``check_notebook``: the
 # notebooks that are not a probe's, and 07, which four probes share.
 TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore",
-                  "06_sweep.ipynb": "kit.commands.sweep", "07_without_deepspeed.ipynb": "kit.notebooks.without_ds",
+                  "06_sweep.ipynb": "kit.notebooks.sweep", "07_without_deepspeed.ipynb": "kit.notebooks.without_ds",
                   "08_new_bug.ipynb": "kit.notebooks.bisect_known"}
 
 
