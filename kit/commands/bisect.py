@@ -30,7 +30,13 @@ import time
 from pathlib import Path
 
 from kit import config as kconfig
+from kit import probes
+from kit.commands import check
 from kit.judge import oracle
+from kit.judge.expectations import version_key
+from kit.probes import ds_config
+from kit.stacks import prefetch as kprefetch
+from kit.stacks import versions
 
 PACKAGE = "deepspeed"
 STRIDE = 4  # the first pass measures every STRIDE-th release: a change and its undoing inside one stride are not seen
@@ -42,8 +48,6 @@ SKIPPED = (oracle.CANNOT_RUN, oracle.INCONCLUSIVE)
 
 def stack_of(release: str, package: str = PACKAGE) -> dict:
     """The world stack that runs ``release`` of ``package``: ``{}`` for the installed release, else its overlay."""
-    from kit.stacks import versions
-
     return {} if release == versions.installed_version(package).split("+")[0] else {package: release}
 
 
@@ -55,9 +59,6 @@ def index_releases(package: str = PACKAGE) -> tuple[list[str], str]:
     """Every final release of ``package`` the package index has, oldest first, and where the list came from. The
     list is cached in the kit's cache for a day; offline, the cached list, else the releases already in the kit's
     cache (overlays) and the installed one, said so."""
-    from kit.stacks import versions
-    from kit.judge.expectations import version_key
-
     cache = kconfig.cache_dir() / "releases" / f"{package}.json"
     try:
         held = json.loads(cache.read_text())
@@ -87,9 +88,6 @@ def index_releases(package: str = PACKAGE) -> tuple[list[str], str]:
 def release_list(frm: str | None, to: str, given: str | None = None, package: str = PACKAGE) -> tuple[list[str], str]:
     """The ordered releases of ``package`` to bisect: ``given`` (a comma list, in its order) or the index's between
     ``frm`` and ``to`` (both included; ``installed`` is the installed release)."""
-    from kit.stacks import versions
-    from kit.judge.expectations import version_key
-
     installed = versions.installed_version(package).split("+")[0]
     if given:
         out = [installed if v.strip() == kconfig.INSTALLED else v.strip() for v in given.split(",") if v.strip()]
@@ -138,10 +136,6 @@ def result_of(summary: dict, loop: str, release: str, recs: list[dict]) -> dict:
 
 def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float, steps: int, model=None):
     """``measure(release) -> result``: the check's probe on that release, one world."""
-    from kit.commands import check
-    from kit.stacks import versions
-    from kit.probes import ds_config
-
     def measure(release: str) -> dict:
         stack = stack_of(release)
         try:
@@ -166,8 +160,6 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
     holding that release of ``axis`` (``deepspeed``, ``transformers`` or ``accelerate``: a package the probe's stack
     names), judged on its record of ``case`` by the probe's own verdict. This is how the known bugs' boundaries
     are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's."""
-    from kit.stacks import versions
-
     if axis not in probe.packages:
         raise kconfig.ConfigError(f"the {probe.id} probe's stack names {list(probe.packages)}, not {axis!r}")
 
@@ -209,9 +201,6 @@ def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, a
     """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.stacks.prefetch``),
     for ``probe`` (the check's by default); the binary search's few releases install as it reaches them. Returns
     what could not be prepared (those releases are then measured ``cannot-run``, i.e. skipped)."""
-    from kit.stacks import prefetch as kprefetch
-    from kit.probes import ds_config
-
     stacks = [stack_of(order[i], axis) for i in grid(len(order), stride)]
     stacks = [st for st in stacks if st]  # the installed release needs nothing
     _, problems = kprefetch.prefetch(kprefetch.needs_of([(probe or ds_config.CHECK, st) for st in stacks]),
@@ -342,8 +331,6 @@ def _functions(source: str, cls: str | None) -> dict[str, str]:
 
 
 def _source_root(release: str, package: str = PACKAGE) -> Path | None:
-    from kit.stacks import versions
-
     try:
         root = versions.resolve_stack(stack_of(release, package), (package,)).roots.get(package)
     except versions.CannotRun:
@@ -447,8 +434,6 @@ def table(found: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from kit.probes import ds_config
-
     p = kconfig.Parser(prog="gradkit bisect", description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
     p.add_argument("--probe", help="instead of a config: a registered probe (B1, B2, B3, B4, DDP), its quick plan, "
@@ -474,9 +459,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from kit.commands import check
-    from kit.probes import ds_config
-
     a = parser().parse_args(argv)
     if a.loop not in ds_config.LOOPS:
         raise kconfig.ConfigError(f"--loop must be one of {', '.join(ds_config.LOOPS)}, got {a.loop!r}")
@@ -491,8 +473,6 @@ def main(argv=None) -> int:
         raise kconfig.ConfigError("give a DeepSpeed config or --probe, one of the two")
     probe = None
     if a.probe:
-        from kit import probes
-
         probe = probes.get(a.probe)
         if a.axis not in probe.packages or a.axis == "torch":
             raise kconfig.ConfigError(f"--axis {a.axis}: the {probe.id} probe's stack names "

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from kit.commands import check_paths
 from kit import config as kconfig
+from kit import shapes
+from kit.commands import check_paths
 from kit.judge import expectations, oracle, records
 from kit.judge import verdict as kverdict
 from kit.probes import ds_config
-
+from kit.shapes import _hf
 
 # What each known bug looks like in a check, and its fix (the case that re-runs it): (pattern, hypothesis, fix text)
 EXPLAINS = {
@@ -247,17 +247,12 @@ def precisions(user: dict, trainer_dtype: str | None) -> list[str]:
 
 
 def _shape_names() -> list[str]:
-    from kit import shapes
-
     return list(shapes.registry())
 
 
 def model_of(where: str | None, adapter: str | None) -> tuple[object, list[str]]:
     """``--model`` / ``--adapter`` as ``ds_config.plan``'s ``model`` and the lines that say what was built: a
     registered shape by name, else the user's architecture from its Hugging Face config at toy size."""
-    from kit import shapes
-    from kit.shapes import _hf
-
     if where is None or where in shapes.registry():
         if adapter:
             raise kconfig.ConfigError("--adapter needs --model naming a Hugging Face config (the adapter goes on it)")

@@ -20,8 +20,12 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
+from kit import shapes
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
+from kit.judge.expectations import version_key
+from kit.notebooks import without_ds
+from kit.probes import accelerate_ga, fsdp2, runner, trainer_ddp, trainer_ga
 
 PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused
@@ -107,9 +111,6 @@ def _refuse_foreign_flags(a) -> None:
 
 def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
     """``(probe, cases, stacks, notes)`` for ``a`` (parsed flags); every refusal happens here, before any launch."""
-    from kit import shapes
-    from kit.probes import accelerate_ga, fsdp2, trainer_ddp
-
     _refuse_foreign_flags(a)
     notes = []
     model = a.model or shapes.DEFAULT
@@ -162,8 +163,6 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
     kconfig.check_positive_int("--per-device-train-batch-size", mb)
     stack = {}
     if a.transformers not in (None, kconfig.INSTALLED):
-        from kit.judge.expectations import version_key
-
         kconfig.check_version(a.transformers)
         stack = {"transformers": a.transformers}
         if version_key(a.transformers) < (5,):  # 4.x imports on torch 2.13 with accelerate 1.0.1 beside it
@@ -188,8 +187,6 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
 def explanation(rec: dict) -> str | None:
     """The mechanism the kit knows for an affected or raising record (``kit.notebooks.without_ds.MECHANISMS``), else the
     upstream table's note for its case, else None."""
-    from kit.notebooks import without_ds
-
     for path, case, explains, *_, sentence in without_ds.MECHANISMS:
         if rec["bug"] == path and rec["case"] == case and explains(rec):
             return sentence
@@ -246,8 +243,6 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
 
 def main(a) -> int:
     """``gradkit check --path ...`` with the parsed flags ``a``; the exit status."""
-    from kit.probes import runner
-
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
     kconfig.check_device(a.device)
@@ -257,7 +252,6 @@ def main(a) -> int:
         raise kconfig.ConfigError("--world-size 1 hides every bug that lives between ranks; use 2 or more, or add "
                                   "--allow-one-rank to check one rank anyway")
     kconfig.check_world_size(a.world_size, a.device)
-    from kit.probes import trainer_ga
 
     probe, cases, stacks, notes = plan(a)
     try:

@@ -15,7 +15,9 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
-from kit.judge import oracle
+from kit.commands import bisect, repro
+from kit.commands.sweep.grouping import when_text
+from kit.judge import oracle, records
 
 LOOPS = {
     "engine": "DeepSpeed's own loop: `engine.backward(loss)` and `engine.step()` after every micro-batch, "
@@ -48,8 +50,6 @@ def steps_table(rec: dict) -> str:
 
 
 def bisect_section(doc: dict | None, command: str) -> list[str]:
-    from kit.commands import bisect
-
     if not doc:
         return ["Not bisected yet; to find the releases:", "", f"    {command}", ""]
     out = [f"`gradkit bisect` over {len(doc['order'])} releases ({doc['order'][0]} .. {doc['order'][-1]}, from "
@@ -120,8 +120,6 @@ def render(rec: dict, script: str, repro_source: str, repro_output: str, repro_e
 
 def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None, world_size: int | None = None) -> Path:
     """The report of a ``gradkit check --json`` result's affected loop: its reproduction written and run here."""
-    from kit.commands import repro
-
     doc = json.loads(path.read_text())
     recs = doc.get("records") or [r for p in (doc.get("precisions") or {}).values() for r in p.get("records") or []]
     affected = [r for r in recs if r.get("role") == "measured" and r.get("verdict") == oracle.AFFECTED
@@ -143,9 +141,6 @@ def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None,
 
 def from_sweep(folder: Path, group: str, out: Path | None, bisect_doc: dict | None) -> Path:
     """The report of a sweep's unknown group (named by its reproduction script), from the sweep's own run of it."""
-    from kit.commands.sweep.grouping import when_text
-    from kit.judge import records
-
     summary = json.loads((folder / "summary.json").read_text())
     name = group if group.endswith(".py") else f"{group}.py"
     found = [(st, g) for st in summary["stacks"] for g in st["groups"] if (g.get("repro") or {}).get("script") == name]

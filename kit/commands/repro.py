@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import launch
+from kit import launch, shapes
 from kit.judge import oracle
 from kit.launch import lifecycle
+from kit.probes import ds_config
 from kit.stacks import versions as kversions
 
 TEMPLATE = '''"""{title}
@@ -130,9 +131,6 @@ sys.exit(1 if verdict.item() else 0)
 def write(rec: dict, path, title: str) -> Path:
     """The reproduction script of one affected record (its resolved DeepSpeed config and loop style)."""
     import datetime
-
-    from kit import shapes
-    from kit.probes import ds_config
 
     case = rec["config"]
     cfg = dict(case["ds_config"])

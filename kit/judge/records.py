@@ -14,7 +14,10 @@ import platform
 import uuid
 from pathlib import Path
 
+from kit import config as kconfig
 from kit.judge import oracle
+from kit.judge.expectations import version_key
+from kit.stacks import versions
 
 RUN_ID_ENV = "GRADKIT_RUN_ID"
 RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.notebooks.runall: which records are whose
@@ -72,8 +75,6 @@ def run_records(folder, notebooks=None) -> tuple[list[dict], list[str]]:
     Reads ``run.json`` (written by ``run``); ``notebooks`` limits the stems read. Returns the records and one
     line per notebook saying what was used or why not. A relative ``folder`` is the repository's.
     """
-    from kit import config as kconfig
-
     folder = kconfig.repo_path(folder)
     try:
         run = json.loads((folder / RUN_FILE).read_text())
@@ -131,9 +132,6 @@ def check(rec: dict) -> None:
 def deepspeed_version(rec: dict) -> str:
     """The DeepSpeed release a record really imported (its request where it never got that far, the installed
     one for an "installed" request); ``NO_DEEPSPEED`` for a step whose path or probe never uses DeepSpeed."""
-    from kit import config as kconfig
-    from kit.stacks import versions
-
     if rec.get("path", (rec.get("config") or {}).get("path")) == "no_ds" or rec.get("init") == "torch":
         return NO_DEEPSPEED
     got = (rec.get("versions") or {}).get("deepspeed") or (rec.get("stack") or {}).get("deepspeed")
@@ -148,8 +146,6 @@ NO_DEEPSPEED = "none"  # the matrix column of steps that never went through Deep
 
 def column_key(v: str):
     """The matrix's column order: no DeepSpeed first, then DeepSpeed releases oldest first."""
-    from kit.judge.expectations import version_key
-
     return (-1,) if v == NO_DEEPSPEED else version_key(v)
 
 

@@ -1,6 +1,8 @@
 """Tables and sentences from records: what the notebooks print and what the run-all summary collects."""
 from __future__ import annotations
 
+from kit.judge import oracle
+
 
 def fmt(x, digits: int = 4) -> str:
     if x is None:
@@ -21,8 +23,6 @@ VERDICT_COLUMNS = ["deepspeed", "case", "stage", "dtype", "W", "GA", "optimizer"
 
 def per_step(rec: dict) -> str:
     """Every judged step's ratio, ``*`` where that step is off (the record's numbers are its worst step's)."""
-    from kit.judge import oracle
-
     steps = rec.get("steps") or []
     dtype = rec.get("judge_dtype") or rec["dtype"]
     return " / ".join(f"{s['metrics']['norm_ratio']:.3f}{'*' if oracle.severity({**s, 'dtype': dtype}) > 1 else ''}"

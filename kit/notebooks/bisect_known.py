@@ -17,7 +17,11 @@ where the two are neighbours on the index). A boundary bisect finds that the tab
 from __future__ import annotations
 
 from kit import config as kconfig
+from kit.commands import bisect
+from kit.judge import expectations as ex
 from kit.judge import oracle
+from kit.judge.expectations import UNMANAGED_SINCE, version_key
+from kit.probes import ds_config, pipeline_ga
 
 CONFIGS = {
     "B4": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
@@ -37,9 +41,6 @@ BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")
 
 def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
     """``measure(release)`` for one known bug."""
-    from kit.commands import bisect
-    from kit.probes import ds_config, pipeline_ga
-
     if bug == "B2":
         return bisect.probe_measure(pipeline_ga.PROBE, {**PIPELINE, "world_sizes": (world_size,), "device": device,
                                                         "timeout_s": timeout_s}, "pipeline")
@@ -50,17 +51,12 @@ def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
     """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed."""
-    from kit.commands import bisect
-
     order, _ = bisect.release_list(None, kconfig.INSTALLED, ",".join(releases))
     return {"bug": bug, **bisect.search(order, measure(bug, **kw), stride)}
 
 
 def needs(releases_by_bug: dict) -> list:
     """The ``(probe, stack)`` pairs the bisects will run (for ``kit.stacks.prefetch``)."""
-    from kit.commands import bisect
-    from kit.probes import ds_config, pipeline_ga
-
     out = []
     for bug, releases in releases_by_bug.items():  # "story": a config through the check's probe
         probe = pipeline_ga.PROBE if bug == "B2" else ds_config.CHECK
@@ -69,8 +65,6 @@ def needs(releases_by_bug: dict) -> list:
 
 
 def _expected(bug: str, release: str) -> str | None:
-    from kit.judge import expectations as ex
-
     if bug == "B3 opt-out":
         return oracle.NOT_AFFECTED if ex.version_key(release) >= ex.version_key(ex.UNMANAGED_SINCE) else None
     return ex.KNOWN[bug].expected_for_release(release)
@@ -78,8 +72,6 @@ def _expected(bug: str, release: str) -> str | None:
 
 def _boundaries(bug: str) -> list[tuple[str, str]]:
     """The releases where the table says the result changes: ``(release, what)``, what starts there."""
-    from kit.judge import expectations as ex
-
     k = ex.KNOWN["B3" if bug.startswith("B3") else bug]
     out = []
     if bug == "B2":
@@ -96,11 +88,6 @@ def _boundaries(bug: str) -> list[tuple[str, str]]:
 def violations(found: dict) -> list[str]:
     """Where a bisect disagrees with the table: a pinned release measured otherwise, a change with no boundary of
     the table inside it, a boundary of the table between two measured releases with no change found there."""
-    from kit.commands import bisect
-    from kit.judge.expectations import version_key
-
-    from kit.judge.expectations import UNMANAGED_SINCE
-
     bug, out = found["bug"], []
     runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in bisect.SKIPPED]
     if bug == "B3 opt-out":  # the loop runs exactly from the release that has the key
@@ -131,8 +118,6 @@ def violations(found: dict) -> list[str]:
 
 def summary_rows(founds: list[dict]) -> list[dict]:
     """One row per known bug: the changes in words, what was skipped, and whether the table agrees."""
-    from kit.commands import bisect
-
     return [{"bug": f["bug"], "releases": f"{f['order'][0]} .. {f['order'][-1]} ({len(f['measured'])} measured)",
              "changes": "; ".join(bisect.describe(c) for c in f["changes"]) or "none",
              "skipped": ", ".join(s["release"] for s in f["skipped"]) or "-",
@@ -143,9 +128,6 @@ def summary_rows(founds: list[dict]) -> list[dict]:
 def check_notebook(p: dict) -> list:
     """Every parameter of notebook 08, by its name there (the notebook and ``kit.notebooks.runall`` call it first); returns
     the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
-    from kit.commands import bisect
-    from kit.probes import ds_config
-
     if not isinstance(p["STORY_CONFIG"], dict):
         raise kconfig.ConfigError(f"STORY_CONFIG must be a DeepSpeed config (a mapping), got {p['STORY_CONFIG']!r}")
     if p["STORY_LOOP"] not in ds_config.LOOPS:

@@ -4,6 +4,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from kit import config as kconfig
+from kit import launch, probes
+from kit.judge import records
+from kit.judge import tables as report
+from kit.probes import pipeline_ga, runner
+
 
 def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict | None = None,
               missing: str = "no record for that combination"):
@@ -14,8 +20,6 @@ def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict |
     """
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
-
-    from kit.judge import records
 
     if not grad:
         raise ValueError(f"no record with {what} to explore")
@@ -82,14 +86,10 @@ KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO
 
 def knobs() -> dict:
     """What each probe lets a user choose (``Probe.knobs``); the first value of each list is the default."""
-    from kit import probes
-
     return {p.id: p.knobs for p in probes.registry().values()}
 
 
 def _check_bug(bug) -> None:
-    from kit import probes
-
     probes.get(bug)
 
 
@@ -103,9 +103,6 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
 
     Pure and fast: every knob is checked here (``ConfigError``), so a bad selection never launches ranks.
     """
-    from kit import config as kconfig
-    from kit import probes
-
     bug = sel.get("bug")
     probe = probes.get(bug)
     for knob, allowed in probe.knobs.items():
@@ -118,10 +115,6 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
 def check_notebook(p: dict) -> list:
     """Every parameter of notebook 05, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
     returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
-    from kit import config as kconfig
-    from kit import probes
-    from kit.probes import runner
-
     kconfig.check_timeout(p["TIMEOUT_S"])
     bug, kwargs = probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
                 "dtype": p["DTYPE"], "version": p["VERSION"]}, p["DEVICE"], p["TIMEOUT_S"])
@@ -130,17 +123,11 @@ def check_notebook(p: dict) -> list:
 
 def run_probe(probe_id: str, kwargs: dict) -> list[dict]:
     """Launch the probe's worlds (the default runner of the explorer)."""
-    from kit import probes
-
     return probes.get(probe_id).run(**kwargs)
 
 
 def result_rows(recs: list[dict], sel: dict) -> list[dict]:
     """What the explorer's figure shows: one row per judged case (per pipeline stage for B2) at the chosen GA."""
-    from kit import probes
-    from kit.judge import tables as report
-    from kit.probes import pipeline_ga
-
     bug = probes.get(sel["bug"])
     rows = []
     for r in recs:
@@ -159,8 +146,6 @@ def result_rows(recs: list[dict], sel: dict) -> list[dict]:
 
 def sentence(rows: list[dict], sel: dict) -> str:
     """The result in words, with its numbers."""
-    from kit import probes
-
     measured = [r for r in rows if r["case"] == probes.get(sel["bug"]).measured_case]
     if not measured:
         return "no measured case came back"
@@ -240,9 +225,6 @@ class ProbeExplorer:
     def prewarm(self) -> bool:
         """Start the warm world the current selection will run in (``kit.launch.prewarm``), so that even the first
         Run finds its ranks up and their imports paid; False (and nothing said) when it cannot: Run will say why."""
-        from kit import launch, probes
-        from kit.probes import runner
-
         sel = self.selection()
         try:
             bug, kwargs = probe_call(sel, self.device, self.timeout_s)
@@ -277,9 +259,6 @@ class ProbeExplorer:
         """One run, blocking: check the selection, launch the probe in a thread while the progress bar moves, redraw."""
         import time
 
-        from kit import config as kconfig
-        from kit import probes
-
         sel = self.selection()
         try:
             probe_id, kwargs = probe_call(sel, self.device, self.timeout_s)
@@ -298,9 +277,6 @@ class ProbeExplorer:
                 heard["done"] = heard.get("base", 0) + event["done"]
 
         def work():
-            from kit import launch
-            from kit.probes import runner
-
             warm = launch.warm_worlds() if self.interactive else contextlib.nullcontext()
             try:
                 with runner.listen(hear), warm:  # in JupyterLab the ranks stay up between Runs
@@ -334,7 +310,6 @@ class ProbeExplorer:
                 self.status.value = f"ranks running: {sel['bug']}: {step}, {elapsed:.0f} s"
                 thread.join(0.1)
         except KeyboardInterrupt:  # the kernel's interrupt: stop the world, not just this loop
-            from kit import launch
 
             stopped = launch.stop_worlds()
             thread.join(10)

@@ -20,10 +20,9 @@ from pathlib import Path
 from kit import config as kconfig
 from kit import probes
 from kit.judge import oracle, records
+from kit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
 from kit.probes import runner
 from kit.stacks import versions
-from kit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
-
 
 _RANK = {v: i for i, v in enumerate(reversed(oracle.WORST_FIRST))}  # higher = worse
 
@@ -192,7 +191,9 @@ def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
     """``verdict_matrix.json`` and ``verdict_matrix.png`` in ``folder``."""
     import matplotlib.pyplot as plt
 
-    from kit.notebooks import plots  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
+    from kit.notebooks import (
+        plots,  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from kit import probes
+from kit.judge import records
+from kit.stacks import versions
+
 VERDICT_COLOURS = {"affected": "#d62728", "not-affected": "#2ca02c", "inconclusive": "#ff7f0e",
                    "cannot-run": "#7f7f7f", "n/a": "#cccccc"}
 
@@ -336,10 +340,6 @@ def verdict_matrix(cells: list[dict], title: str = ""):
     ``cells`` come from ``kit.notebooks.overview.verdict_matrix``. The installed release's column is marked. With more
     releases than fit the width of a notebook cell, releases go down and bugs across (nothing is scaled down).
     """
-    from kit import probes
-    from kit.judge import records
-    from kit.stacks import versions
-
     installed = versions.installed_version("deepspeed")
     every = probes.registry()
     bugs = [b for b in every if any(c["bug"] == b for c in cells)]

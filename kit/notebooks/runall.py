@@ -39,8 +39,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from kit import config as kconfig
+from kit import launch, probes
+from kit.judge import records
+from kit.judge import tables as report
 from kit.judge.records import RUN_ID_ENV
+from kit.notebooks import overview, site
 from kit.probes.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
+from kit.stacks import prefetch as kprefetch
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -124,8 +129,6 @@ def check_notebook_values(path: Path, params: dict, known: dict | None = None, s
     stack)`` pairs the notebook's worlds will run (what ``kit.stacks.prefetch`` prepares), [] when it does not say."""
     import importlib
 
-    from kit import probes
-
     if path.parent != NOTEBOOKS.resolve():
         return []
     checks = {name: probe.check_notebook for name, probe in probes.by_notebook().items() if probe.check_notebook}
@@ -192,8 +195,6 @@ class Stop:
         return {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def __call__(self, signum, _frame=None) -> None:
-        from kit import launch
-
         with self.lock:
             self.signal = self.signal or signal.Signals(signum).name
             running = list(self.running)
@@ -210,8 +211,6 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     ``run_id`` reaches the kernel as ``GRADKIT_RUN_ID``: every record it writes carries it. The notebook gets a
     temporary folder of its own (``TMPDIR``: its ranks' world folders), removed when it ends however it ends;
     papermill dies with this process, its kernel with papermill, the ranks with the kernel."""
-    from kit import launch
-
     executed = out / path.name
     entry = {"notebook": path.name, "executed": str(executed), "parameters": params, "timeout_s": timeout_s}
     if STOP.signal:
@@ -276,8 +275,6 @@ class Live:
     papermill saves after every cell, cases from the events its runner appends (``kit.probes.runner.PROGRESS_ENV``)."""
 
     def __init__(self, executed: Path, events: Path):
-        from kit import launch
-
         self.executed = executed
         self.cells, self.total = 0, None
         self.since = time.time()  # an executed notebook older than this is a previous run's, not yet overwritten
@@ -357,10 +354,6 @@ def previous_summary(js: Path) -> dict:
 def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | None = None,
               stopped: str | None = None, prefetch: dict | None = None) -> tuple[Path, Path]:
     """``summary.json`` / ``summary.md`` and the verdict matrix over every notebook that ran in run ``run_id``."""
-    from kit import probes
-    from kit.judge import records, tables as report
-    from kit.notebooks import overview
-
     js = out / "summary.json"
     before = previous_summary(js)
     write_run_file(out, run_id, entries)  # the run's id and every notebook's final status
@@ -432,8 +425,6 @@ def default_jobs() -> int:
 
 def read_run_file(out: Path) -> dict:
     """``run.json`` of a folder as ``{"run_id", "notebooks": {name: {"status", "run_id"}}}`` (empty if none)."""
-    from kit.judge import records
-
     try:
         run = json.loads((out / records.RUN_FILE).read_text())
         return {"run_id": run["run_id"], "notebooks": {
@@ -445,8 +436,6 @@ def read_run_file(out: Path) -> dict:
 def write_run_file(out: Path, run_id: str, entries: list[dict]) -> Path:
     """``run.json``: this run's id, and every notebook of the folder with its status and the run that last executed
     it -- the notebooks of this run updated, the others kept (what ``records.run_records`` trusts)."""
-    from kit.judge import records
-
     run = read_run_file(out)
     notebooks = {**run["notebooks"], **{e["notebook"]: {"status": e["status"], "run_id": run_id} for e in entries}}
     path = out / records.RUN_FILE
@@ -496,9 +485,6 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
     """``kit.stacks.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs and
     one-rank worlds with it): ``{"status", "wall_s", "done", "problems"}``. A release the package index does not
     have is bad input (``ConfigError``): no notebook starts."""
-    from kit import launch
-    from kit.stacks import prefetch as kprefetch
-
     needs = kprefetch.needs_of(needs)
     if not kprefetch.pending(needs):
         return {"status": "ok", "wall_s": 0.0, "done": [], "problems": [], "stacks": len(needs)}
@@ -536,8 +522,6 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
     (``run.json`` says which notebooks of this run finished: only their records reach the overview).
     ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name (``kit.stacks.prefetch``,
     that many builds at a time); what it did goes into ``report["prefetch"]``."""
-    from kit import probes
-
     known = {p: notebook_parameters(p) for p in paths}
     aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
     first = [p for p in paths if p not in aggregating]
@@ -627,8 +611,6 @@ def main(argv=None) -> int:
     run_id = new_run_id()
     previous = STOP.install()
     try:
-        from kit.stacks import prefetch as kprefetch
-
         report: dict = {}
         entries = run(paths, out, spec, a.jobs, a.timeout, progress=not a.no_progress, run_id=run_id,
                       prefetch_jobs=0 if a.no_prefetch else kprefetch.default_jobs(), report=report)
@@ -655,8 +637,6 @@ def main(argv=None) -> int:
 def build_site(out: Path):
     """The static site of the executed notebooks (``kit.notebooks.site``): its index, or False (said on stderr) when it
     could not be built; the run's own results stand either way."""
-    from kit.notebooks import site
-
     try:
         return site.build(out)
     except Exception as e:  # noqa: BLE001 - a site that fails to render is reported, the run is kept

@@ -11,7 +11,7 @@ from kit.commands.sweep.grouping import describe
 from kit.commands.sweep.run import run, summarise  # noqa: F401 - what notebook 06 runs
 from kit.commands.sweep.spec import check_spec, is_main, load_spec, point_id, points  # noqa: F401 - is_main: 06's
 from kit.commands.sweep.tables import model_table, one_at_a_time_table, steps_text  # noqa: F401 - 06's tables
-from kit.judge import oracle
+from kit.judge import expectations, oracle
 from kit.probes import ds_config
 
 
@@ -30,8 +30,6 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
        head is stepped at step 3 with no gradient), every ``conditional`` point of DeepSpeed's own loop with
        optimizer offload on ZeRO-2/3 is B7 (the experts the last micro-batch skips get nothing), wherever they ran.
     """
-    from kit.judge import expectations
-
     bad = []
     if recs and all(r["verdict"] == oracle.CANNOT_RUN for r in recs):
         bad.append(f"every one of the {len(recs)} points is cannot-run: the sweep measured nothing "

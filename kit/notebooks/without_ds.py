@@ -9,6 +9,13 @@ on several ranks (``HFT``). This module is the notebook's logic: its parameters 
 from __future__ import annotations
 
 from kit import config as kconfig
+from kit import probes
+from kit.judge import expectations, oracle
+from kit.judge import tables as report
+from kit.judge.expectations import version_key
+from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
+from kit.stacks import source
+from kit.stacks import versions as kversions
 
 PARAMETERS = ("WORLD_SIZES", "GA_VALUES", "MICRO_BATCH", "HIDDEN", "MODELS", "FSDP2_SETTINGS", "ACCELERATE_VERSIONS",
               "ACCELERATE_MODELS", "TRAINER_STACKS", "TRAINER_GAS", "TRAINER_WORLD_SIZES", "SEED", "DEVICE", "TIMEOUT_S")
@@ -22,8 +29,6 @@ def accelerate_stack(version: str) -> dict:
 def check_notebook(p: dict) -> list:
     """Every parameter of notebook 07 (``kit.notebooks.runall`` runs it before any kernel); the ``(probe, stack)`` pairs its
     worlds will run (``kit.stacks.prefetch`` installs the overlays up front)."""
-    from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
-
     ddp_no_sync.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"])
     fsdp2.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"], p["FSDP2_SETTINGS"])
     kconfig.check_list("ACCELERATE_VERSIONS", p["ACCELERATE_VERSIONS"])
@@ -46,8 +51,6 @@ def check_notebook(p: dict) -> list:
 
 def run(p: dict) -> list[dict]:
     """Every path's records, with the notebook's parameters (``p``: its globals)."""
-    from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
-
     common = dict(micro_batch=p["MICRO_BATCH"], hidden=p["HIDDEN"], seed=p["SEED"], device=p["DEVICE"],
                   timeout_s=p["TIMEOUT_S"], models=p["MODELS"])
     recs = ddp_no_sync.run(world_sizes=p["WORLD_SIZES"], ga_values=p["GA_VALUES"], **common)
@@ -79,8 +82,6 @@ def row_key(rec: dict) -> str:
 
 def in_matrix_order(recs: list[dict]) -> list[dict]:
     """The records by path (``PATHS``) then release, oldest first: the matrix figure's rows and columns."""
-    from kit.judge.expectations import version_key
-
     return sorted(recs, key=lambda r: (PATHS.index(r["bug"]) if r["bug"] in PATHS else 9,
                                        version_key(release(r).split()[-1])))
 
@@ -88,8 +89,6 @@ def in_matrix_order(recs: list[dict]) -> list[dict]:
 def matrix_rows(recs: list[dict]) -> list[dict]:
     """One row per (path, case, setting, release): the worst verdict over world sizes, GAs and models, with the
     ratio, cosine and misplaced weight of its worst record (the harness and controls included: they must be exact)."""
-    from kit.judge import oracle
-
     order = {v: i for i, v in enumerate(oracle.WORST_FIRST)}
     groups: dict = {}
     for r in recs:
@@ -112,8 +111,6 @@ def matrix_rows(recs: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    from kit.judge import tables as report
-
     def num(x, f):
         return "-" if x is None else format(x, f)
 
@@ -126,8 +123,6 @@ def markdown(rows: list[dict]) -> str:
 
 
 def _tf_before(rec: dict, version: str) -> bool:
-    from kit.judge.expectations import version_key
-
     return version_key((rec.get("versions") or {}).get("transformers", "0")) < version_key(version)
 
 
@@ -183,9 +178,6 @@ MECHANISMS = (
 def mechanisms(recs: list[dict]) -> list[dict]:
     """For every mechanism whose cell was measured off the reference or raised, the lines of the code that ran
     (the installed package, or the overlay of the release that ran): ``{"cell", "sentence", "code"}``."""
-    from kit.stacks import source
-    from kit.stacks import versions as kversions
-
     out, seen = [], set()
     for path, case, explains, package, relpath, qualname, marks, sentence in MECHANISMS:
         for r in recs:
@@ -218,9 +210,6 @@ def mechanisms(recs: list[dict]) -> list[dict]:
 
 def violations(recs: list[dict]) -> list[str]:
     """Every probe's own claims, and every verdict on a release ``kit/judge/expectations.py`` pins equal to the table's."""
-    from kit import probes
-    from kit.judge import expectations
-
     bad = []
     for bug in PATHS:
         mine = [r for r in recs if r["bug"] == bug]
@@ -236,8 +225,6 @@ def violations(recs: list[dict]) -> list[str]:
 
 def findings(recs: list[dict]) -> list[str]:
     """What ``kit/judge/expectations.py`` does not pin: a newer release's verdict, said as a finding."""
-    from kit.judge import expectations
-
     out = []
     for bug in PATHS:
         if bug in expectations.KNOWN:
@@ -265,9 +252,6 @@ def fixes(recs: list[dict]) -> list[dict]:
     the fix works), ``expected_after`` what ``kit/judge/expectations.py`` pins for it (None: not pinned; a fix can leave
     another bug of the same release in place). Only problems that were measured (affected, or FSDP2's raises) and
     whose fix ran are listed."""
-    from kit.judge import expectations, oracle
-    from kit.judge.expectations import version_key
-
     order = {v: i for i, v in enumerate(oracle.WORST_FIRST)}
 
     def worst(group):

@@ -34,9 +34,11 @@ expected update is ``ga / (ga + 1)`` of the reference. The releases are overlays
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.probes import runner
+from kit import shapes
+from kit.judge import oracle
+from kit.probes import common as c
+from kit.probes import ddp_no_sync, fsdp2, runner
 from kit.probes.probe import Probe
-from kit.probes import ddp_no_sync
 
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
@@ -60,9 +62,6 @@ def _fresh_state():
 
 def run_case(case: dict) -> dict:
     import sys
-
-    from kit import shapes
-    from kit.probes import common as c
 
     ga, mb, hidden, seed, name = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
     shape = shapes.of_case(case)
@@ -136,8 +135,6 @@ def run_case(case: dict) -> dict:
         stepped.append(moved)
         return None, None
 
-    from kit.probes import fsdp2
-
     read = (lambda: fsdp2.full_read(model)) if name == "accumulate_fsdp2" else (lambda: c.plain_read(model))
     try:
         out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=ga,
@@ -149,8 +146,6 @@ def run_case(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -200,8 +195,6 @@ def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of Accelerate: the control is exact, no rank imported DeepSpeed, the loop bug is
     seen (``sum_not_mean``: ratio GA where GA > 1), and the last incomplete window applies ``ga / GA`` of the
     reference (Accelerate's documented behaviour; a release that changed it is a finding to look at)."""
-    from kit.judge import oracle
-
     bad = [f"{v}: no control ran on this release, so nothing of it was measured"
            for v in sorted({r["version"] for r in recs})
            if not any(r["version"] == v and r["role"] == "control" and r["verdict"] == oracle.NOT_AFFECTED for r in recs)]
@@ -226,8 +219,6 @@ def violations(recs: list[dict]) -> list[str]:
 
 
 def annotate(rec: dict) -> dict:
-    from kit.judge import oracle
-
     rec["model"] = rec["config"].get("model") or "mlp"
     rec["setting"] = f"accelerate {(rec.get('versions') or {}).get('accelerate', rec['version'])}"
     extra = max(rec.get("optimizer_steps_per_window") or [1])

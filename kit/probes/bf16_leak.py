@@ -26,6 +26,8 @@ step's starting weights; the record is the worst step's, with every step in ``st
 from __future__ import annotations
 
 from kit import config as kconfig
+from kit.judge import expectations, oracle
+from kit.probes import common as c
 from kit.probes import runner
 from kit.probes.probe import Probe
 
@@ -86,9 +88,6 @@ def _bf16_accumulator(engine, module):
 def run_case(case: dict) -> dict:
     import deepspeed
 
-    from kit.judge import oracle
-    from kit.probes import common as c
-
     w = c.world_size()
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     dtype = c.DTYPE[case["dtype"]]
@@ -129,8 +128,6 @@ def run_trajectory(case: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from kit.probes import common as c
-
     r, w = c.rank(), c.world_size()
     ga, mb, hidden, seed, lr = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["lr"]
     dtype = c.DTYPE[case["dtype"]]
@@ -156,8 +153,6 @@ def run_trajectory(case: dict) -> dict:
 
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    from kit.probes import common as c
-
     return c.run_cases(payload, lambda case: run_trajectory(case) if "lr" in case else run_case(case))
 
 
@@ -175,8 +170,6 @@ def violations(recs: list[dict], code_order: dict | None = None) -> list[str]:
        attribution noise (the bf16 misplaced-weight limit of ``kit.judge.oracle``, set against the measured noise);
     5. the ``immediate_grad_update`` workaround matches the reference wherever it ran.
     """
-    from kit.judge import expectations, oracle
-
     bad, tol = [], oracle.tolerance("bf16")
     for r in recs:
         where = f"ds {r['version']} W={r['world_size']} GA={r['ga']} {r['case']}"

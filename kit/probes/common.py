@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from kit import shapes
+from kit.judge import oracle
+from kit.launch import worker
 from kit.shapes.data import micro_batches, mse, rank_samples  # noqa: F401 - the data every probe shares
 from kit.shapes.mlp import tiny_mlp  # noqa: F401 - the probes' model, defined once with its shape
 
@@ -163,8 +166,6 @@ def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the
     module dtype's rounding; where they disagree the master read (``safe_get_full_fp32_param``) misreports, and
     the step must be judged from the weights the model really uses."""
-    from kit.judge import oracle
-
     parts = module_parts(module)
     mod, mast = torch.cat(parts), full_fp32_params(module, optimizer, parts)
     diff = (mod - mast).abs()
@@ -182,8 +183,6 @@ def applied(before: dict, after: dict):
 def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
     """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
     a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
-    from kit.judge import oracle
-
     if dtype == "fp32" or step_norm <= 0:
         return 0.0
     return (weights.abs() * oracle.ROUNDING[dtype] / 2).norm().item() / step_norm
@@ -209,8 +208,6 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     (``kit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
     groups each is judged on its own too (``groups``: ``oracle.judge_groups``).
     """
-    from kit.judge import oracle
-
     shape = shape or _mlp()
     per_rank = all_gather_flat(effective)
     if rank() != 0:
@@ -260,8 +257,6 @@ def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_k
     precision, not once per point. The same weights, data and loss give the same numbers: nothing is approximated."""
     import hashlib
 
-    from kit.judge import oracle
-
     flat = flat_params(start)
     key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(flat.numpy().tobytes()).hexdigest())
     hit = _REFERENCES.pop(key, None)
@@ -274,8 +269,6 @@ def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_k
 
 
 def _mlp():
-    from kit import shapes
-
     return shapes.get("mlp")
 
 
@@ -315,8 +308,6 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
     and data (``kit.shapes.shape.Shape``; the MLP by default).
     """
-    from kit.judge import oracle
-
     shape = shape or _mlp()
     r, w, k = rank(), world_size(), world_size() * ga
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
@@ -360,8 +351,6 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
                 dtype, clip, w, ga, hypotheses, extra) -> dict:
     """Rank 0's judgement of one step of ``judge_steps`` (its notes, read floor, hypotheses, extra measurements)."""
-    from kit.judge import oracle
-
     target = reference * judged.get("clip_coef", 1.0)
     judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
                   read={"judged_from": "fp32 masters" if agree else "module weights", "masters_agree": agree,
@@ -381,8 +370,6 @@ def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, d
     """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
     process): how far the run drifted in all, errors of every step compounded. ``replicas``: the data-parallel
     ranks whose micro-batches make a step (every rank by default)."""
-    from kit.judge import oracle
-
     shape = shape or _mlp()
     ref = first.clone()
     for s in range(steps):
@@ -423,8 +410,6 @@ def run_cases(payload: dict, run_one) -> list[dict]:
     (``kit.launch.worker.report_partial``) and the records mark the rest ``cannot-run``.
     """
     import datetime
-
-    from kit.launch import worker
 
     wait_s = float(os.environ.get(SYNC_TIMEOUT_ENV, "120"))
     sync = None

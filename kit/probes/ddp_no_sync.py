@@ -18,6 +18,9 @@ from __future__ import annotations
 import contextlib
 
 from kit import config as kconfig
+from kit import shapes
+from kit.judge import oracle
+from kit.probes import common as c
 from kit.probes import runner
 from kit.probes.probe import Probe
 
@@ -32,9 +35,6 @@ def run_case(case: dict) -> dict:
     import sys
 
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from kit import shapes
-    from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     shape = shapes.of_case(case)
@@ -63,8 +63,6 @@ def run_case(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -76,8 +74,6 @@ def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, model
 
 
 def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp",)) -> None:
-    from kit import shapes
-
     kconfig.check_device(device)
     for name, values in (("WORLD_SIZES", world_sizes), ("GA_VALUES", ga_values), ("MODELS", models)):
         kconfig.check_list(name, values)
@@ -102,8 +98,6 @@ def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: 
 
 def violations(recs: list[dict]) -> list[str]:
     """What notebook 07 asserts: the control matches the reference; no rank imported DeepSpeed."""
-    from kit.judge import oracle
-
     bad = [f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')}: the control is {r['verdict']}: {r['reason']}"
            for r in recs if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED]
     bad += [f"W={r['world_size']} GA={r['ga']} {r['case']}: a rank imported DeepSpeed" for r in recs
@@ -133,7 +127,5 @@ PROBE = Probe(
 
 def oracle_steps(rec: dict) -> dict:
     """Each step named and described (per parameter group where the shape has several); ``model``: its shape."""
-    from kit.judge import oracle
-
     rec["model"] = rec["config"].get("model") or "mlp"
     return oracle.annotate_steps(rec) if rec.get("steps") else rec

@@ -32,8 +32,14 @@ import copy
 import json
 
 from kit import config as kconfig
+from kit import shapes
+from kit.judge import oracle, records
+from kit.judge.expectations import version_key
+from kit.probes import common as c
 from kit.probes import runner
+from kit.probes.bf16_leak import _bf16_accumulator
 from kit.probes.probe import Probe
+from kit.stacks import versions
 
 LOOPS = ("engine", "boundary", "manual", "unmanaged")
 UNMANAGED_SINCE = "0.19.4"
@@ -300,9 +306,6 @@ def loss_scale(w: int, n: int, clip: float, shape=None) -> float:
     """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
     the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
     gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
-    from kit import shapes
-    from kit.judge import oracle
-
     if not clip:
         return 1.0
     shape = shape or shapes.get(shapes.DEFAULT)
@@ -316,8 +319,6 @@ class _TorchLoop:
     ``torch.distributed.all_reduce`` per gradient, torch's own clipping; no DeepSpeed anywhere in the step."""
 
     def __init__(self, model, clip: float, keep_grads: bool, fault: str | None = None, shape=None):
-        from kit.probes import common as c
-
         self.fault, self.shape = fault or "", shape
         if self.fault == "train_frozen":  # tests: the frozen weights handed to the optimizer and trained
             for p in model.parameters():
@@ -327,14 +328,10 @@ class _TorchLoop:
         self.model, self.opt, self.clip, self.keep = model, c.sgd(model), clip, keep_grads
 
     def read(self):
-        from kit.probes import common as c
-
         return c.plain_read(self.model)
 
     def step(self, batches, loss_fn) -> float:
         import torch
-
-        from kit.probes import common as c
 
         n = len(batches)
         drop = self.fault.split(":") if self.fault.startswith("drop:") else None  # "drop:<group>:<micro-batch>"
@@ -358,11 +355,6 @@ class _TorchLoop:
 
 def run_case(case: dict) -> dict:
     import deepspeed
-
-    from kit.judge import oracle
-    from kit.probes import common as c
-
-    from kit import shapes
 
     r, w, n = c.rank(), c.world_size(), case["ga"]
     steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
@@ -428,15 +420,11 @@ def run_case(case: dict) -> dict:
 
 def bf16_accumulator(engine):
     """This rank's fp32 accumulator of a BF16_Optimizer, flat in module order (None for other optimizers)."""
-    from kit.probes.bf16_leak import _bf16_accumulator
-
     return _bf16_accumulator(engine, engine.module)
 
 
 
 def run_rank(payload: dict) -> list[dict]:
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -447,8 +435,6 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     """The cases of one check (the control first) and a note per loop style left out; each case takes ``steps``
     optimizer steps, each judged, on ``model``: a shape's name (``kit.shapes``; the MLP by default) or the
     user's architecture (``{"model_config": ..., "adapter_config": ...}`` from ``kit.shapes.user_model``)."""
-    from kit.judge.expectations import version_key
-
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown or not loops:
         raise kconfig.ConfigError(f"unknown loop style(s) {unknown or loops}; known: {', '.join(LOOPS)} (or all)")
@@ -474,8 +460,6 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
 def model_keys(model) -> dict:
     """The case keys that name a model: ``{"model": name}`` for a registered shape (checked), the user's
     architecture's keys as they are."""
-    from kit import shapes
-
     if isinstance(model, dict):
         return dict(model)
     return {"model": shapes.get(model or shapes.DEFAULT).name}
@@ -487,8 +471,6 @@ def _annotate(recs: list[dict]) -> list[dict]:
     step in words, from its fitted weights), per step the same, and ``norm_verdict`` (the logged grad norm judged
     against the reference's, the worst step's); ``read_finding`` where the fp32 masters read through DeepSpeed's
     API disagreed with the weights the model uses."""
-    from kit.judge import oracle, records
-
     for r in recs:
         oracle.annotate_steps(r)
         for s in r.get("steps") or [r]:
@@ -514,8 +496,6 @@ def _annotate(recs: list[dict]) -> list[dict]:
 def _floor(r: dict) -> None:
     """A ``not-affected`` says the smallest misplaced weight it could have seen; where that is above what one lost
     micro-batch weighs (1 / (2 W N) of the step), it could not have seen one lost: ``inconclusive``."""
-    from kit.judge import oracle, records
-
     if r.get("verdict") != oracle.NOT_AFFECTED or not r.get("metrics"):
         return
     seen = oracle.detectable_weight(records.judged(r))
@@ -534,9 +514,6 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
         timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, steps: int = STEPS, model=None) -> list[dict]:
     """Every loop style of one resolved config in one world (with the control and the known fixes), on ``model``
     (``plan``)."""
-    from kit.judge import oracle, records
-    from kit.stacks import versions
-
     stack = dict(stack or {})
     kconfig.check_device(device)
     kconfig.check_world_size(world_size, device)

@@ -24,9 +24,11 @@ dtype", pytorch/pytorch#196996) is ``cannot-run`` with FSDP's sentence, never a 
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.probes import runner
+from kit import shapes
+from kit.judge import oracle
+from kit.probes import common as c
+from kit.probes import ddp_no_sync, runner
 from kit.probes.probe import Probe
-from kit.probes import ddp_no_sync
 
 BUG = "FSDP2"
 LOOPS = {"sync_last": "measured", "sync_every": "measured", "sum_not_mean": "comparison",
@@ -95,9 +97,6 @@ def full_read(model) -> dict:
 def run_case(case: dict) -> dict:
     import sys
 
-    from kit import shapes
-    from kit.probes import common as c
-
     ga, mb, hidden, seed, loop = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
     shape = shapes.of_case(case)
     model = shape.build(seed, hidden, DEPTH)
@@ -125,8 +124,6 @@ def run_case(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -171,8 +168,6 @@ def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of FSDP2: the control matches the reference, no rank imported DeepSpeed, the loop
     bugs are seen (``sum_not_mean`` affected with ratio GA where GA > 1; ``sync_kept_off`` affected: nothing
     applied), and a failure is a failure: an FSDP case that raised is ``cannot-run`` with its error."""
-    from kit.judge import oracle
-
     bad = []
     for r in recs:
         where = f"W={r['world_size']} GA={r['ga']} {r['config'].get('model', 'mlp')} {r['case']} [{r['config'].get('setting')}]"
@@ -193,8 +188,6 @@ def violations(recs: list[dict]) -> list[str]:
 
 def annotate(rec: dict) -> dict:
     """Its shape and setting at the top of the record (the notebook's rows), each step named."""
-    from kit.judge import oracle
-
     rec["model"] = rec["config"].get("model") or "mlp"
     rec["setting"] = rec["config"].get("setting")
     return oracle.annotate_steps(rec) if rec.get("steps") else rec

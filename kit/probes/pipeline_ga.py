@@ -24,6 +24,8 @@ control            the same dtype and ZeRO stage with GA=1 (one micro-batch)    
 from __future__ import annotations
 
 from kit import config as kconfig
+from kit.judge import oracle, records
+from kit.probes import common as c
 from kit.probes import runner
 from kit.probes.probe import Probe
 
@@ -96,8 +98,6 @@ class LoggingSGD:
 
 
 def full_model(hidden: int, seed: int):
-    from kit.probes import common as c
-
     return c.tiny_mlp(hidden, seed, depth=DEPTH)
 
 
@@ -107,8 +107,6 @@ def run_case(case: dict) -> dict:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
-
-    from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     dtype = c.DTYPE[case["dtype"]]
@@ -153,8 +151,6 @@ def run_case(case: dict) -> dict:
             prev = basis
     out = {"optimizer": type(engine.optimizer).__name__, "dp": dp}
     if c.rank() == 0:
-        from kit.judge import oracle
-
         last = c.flat_params(_assemble(every, hidden, seed, "end"))
         worst = max(range(len(judged)), key=lambda q: max(oracle.severity({**x, "dtype": case["dtype"]})
                                                             for x in [judged[q], *judged[q]["stages"]]))
@@ -198,9 +194,6 @@ def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=No
     step's own starting weights ``start``; ``prev`` (the previous step's micro-batch gradients) joins the basis with
     an expected weight of 0. Returns the step's measurement and its basis (the next step's ``prev``)."""
     import torch
-
-    from kit.judge import oracle
-    from kit.probes import common as c
 
     ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
     micro = [b for d in range(dp) for b in c.micro_batches(seed, d, ga, mb, hidden, step)]  # replica-major
@@ -249,8 +242,6 @@ def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=No
 
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -328,8 +319,6 @@ def _annotate(rec: dict, control: dict | None) -> dict:
     The whole-model numbers (``metrics``, ``attribution``) stay in the record as information: a stage
     that carries a small share of the norm can be off while the whole model looks right.
     """
-    from kit.judge import oracle
-
     rec["affected_stages"] = []
     steps = rec.get("steps") or ([{"step": 0, "stages": rec["stages"]}] if rec.get("stages") else [])
     if rec.get("error") or not steps:
@@ -355,8 +344,6 @@ def _annotate(rec: dict, control: dict | None) -> dict:
 def _judge_stages(stages: list[dict], dtype: str, control: dict | None, c_step: dict | None) -> tuple[str, str]:
     """One step's stages judged against the control's same step (``matches``, ``verdict`` set on each); returns
     the worst stage's ``(verdict, "stage s: reason")``."""
-    from kit.judge import oracle, records
-
     by_stage = {s["stage"]: s for s in (c_step or {}).get("stages") or []}
     for s in stages:
         h = s["hypotheses"]
@@ -435,8 +422,6 @@ def config_verdicts(recs: list[dict]) -> dict:
 
     Returns ``{key: {"verdict", "affected_stages", "matches": {stage: [hypotheses]}, "reason"}}``.
     """
-    from kit.judge import oracle, records
-
     out = {}
     for key, sel in records.group_by(recs, ("version", "world_size", "dtype", "zero_stage"), case="pipeline").items():
         worst = min(sel, key=lambda r: (oracle.WORST_FIRST.index(r["verdict"]), -r["ga"]))
@@ -474,8 +459,6 @@ def violations(recs: list[dict]) -> list[str]:
        sums on every stage, and breaks a correct one);
     5. what the user logs from inside the optimizer is the gradient that was applied (lr = 1).
     """
-    from kit.judge import oracle
-
     bad = []
     ran = [r for r in recs if r["verdict"] != oracle.CANNOT_RUN]
     by_key = {(r["version"], r["world_size"], r["dtype"], r["zero_stage"], r["ga"], r["case"]): r for r in ran}

@@ -20,8 +20,8 @@ import sys
 from kit import config as kconfig
 from kit import launch
 from kit.judge import oracle, records
-from kit.stacks import versions as kversions
 from kit.probes.probe import Probe
+from kit.stacks import versions as kversions
 
 _LISTENERS: list = []
 PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (kit.notebooks.runall reads it)

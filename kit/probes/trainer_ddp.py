@@ -26,9 +26,9 @@ the first with ``average_tokens_across_devices``, default off), and the installe
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.probes import runner
+from kit.judge import oracle
+from kit.probes import runner, trainer_ga
 from kit.probes.probe import Probe
-from kit.probes import trainer_ga
 
 BUG = "HFT"
 CASES = {"trainer": ("measured", {}), "avg_tokens_on": ("measured", {"average_tokens_across_devices": True}),
@@ -95,8 +95,6 @@ def run_rank(payload: dict) -> list[dict]:
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of the Trainer on several ranks: the harness is exact; the loop bug is seen (its
     first step GAS x the same release's first ``trainer`` step); a run that raised is ``cannot-run``."""
-    from kit.judge import oracle
-
     bad = []
     trainer = {(r["version"], r["world_size"], r["ga"]): r for r in recs if r["case"] == "trainer"}
     for r in recs:
@@ -119,8 +117,6 @@ def violations(recs: list[dict]) -> list[str]:
 def annotate_world(recs: list[dict]) -> list[dict]:
     """B1's token and GAS factors and GAS verdict, then each step's fitted weights in words (``shape``: which
     rank's micro-batches weighed what)."""
-    from kit.judge import oracle
-
     out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga._annotate_world(recs)]
     for r in out:
         args = (r.get("config") or {}).get("trainer_args") or {}

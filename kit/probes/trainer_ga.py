@@ -41,8 +41,12 @@ from __future__ import annotations
 import copy
 import math
 
+from kit import config as kconfig
+from kit.judge import oracle
+from kit.probes import common as c
 from kit.probes import runner
 from kit.probes.probe import Probe
+from kit.stacks import versions
 from kit.stacks.versions import PACKAGES
 
 BUG = "B1"
@@ -141,8 +145,6 @@ def run_case(case: dict) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from kit.probes import common as c
-
     mb, gas, path, seed, steps = case["micro_batch"], case["ga"], case["path"], case["seed"], case.get("steps", c.STEPS)
     arch = case.get("arch", "qwen3")
     model = tiny_model(seed, arch)
@@ -211,9 +213,6 @@ def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces,
     its own or its rank's token count shows as such."""
     import torch
 
-    from kit.judge import oracle
-    from kit.probes import common as c
-
     traces = [[t for t in tr or [] if t.get("step") == step] for tr in rank_traces]
     taken = sorted({i for tr in traces for t in tr if t["call"] == "compute_loss" for i in t.get("rows") or []})
     start = tiny_model(seed, arch)
@@ -239,8 +238,6 @@ def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int, arch: 
     step against the reference's own steps, on the same rows, from the same start)."""
     import torch
 
-    from kit.judge import oracle
-
     worst = max(range(len(judged)), key=lambda q: oracle.severity({**judged[q], "dtype": "fp32"}))
     ref = first.clone()
     for st in judged:
@@ -262,8 +259,6 @@ def run_harness(case: dict) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    from kit.probes import common as c
 
     mb, gas, seed, w, r = case["micro_batch"], case["ga"], case["seed"], c.world_size(), c.rank()
     steps, dev, per_step = case.get("steps", c.STEPS), c.device(), mb * gas * w
@@ -386,8 +381,6 @@ def _observe(trainer, fix: str | None = None) -> list[dict]:
 
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    from kit.probes import common as c
-
     return c.run_cases(payload, lambda case: run_harness(case) if case["name"] == "harness" else run_case(case))
 
 
@@ -397,8 +390,6 @@ def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global
          seed: int = 0) -> list[dict]:
     """Per GAS the plain-PyTorch ``harness`` control; per path the GAS = 1 baseline, then every case at every GAS > 1
     (micro-batch = global_batch / GAS)."""
-    from kit import config as kconfig
-
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise kconfig.ConfigError(f"unknown B1 path(s) {sorted(unknown)}; known: {list(PATHS)}")
@@ -428,9 +419,6 @@ def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global
 def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: int, device: str,
              timeout_s: float) -> None:
     """Every knob of the B1 notebook, checked before the first launch (``ConfigError`` says which)."""
-    from kit import config as kconfig
-    from kit.stacks import versions
-
     kconfig.check_device(device)
     kconfig.check_world_size(world_size, device)
     kconfig.check_timeout(timeout_s)
@@ -466,8 +454,6 @@ def violations(recs: list[dict]) -> list[str]:
        +1 summed, -1 or -2: divided by GAS once or twice too often): its GAS handling is explained;
     3. the applied gradient keeps the reference's direction on every such step (cosine 1).
     """
-    from kit.judge import oracle
-
     bad = []
     for r in recs:
         if r["case"] == "harness" and r["verdict"] == oracle.CANNOT_RUN:  # the world itself did not run
@@ -547,8 +533,6 @@ def _annotate(rec: dict, baseline: dict | None = None) -> dict:
     step gets its own factors and ``gas_verdict`` (against the baseline's same step); the record's factors are its
     worst step's, its ``gas_verdict`` the worst of its steps'.
     """
-    from kit.judge import oracle
-
     rec["path"] = rec["config"]["path"]
     steps = rec.get("steps") or [rec]
     base_steps = (baseline or {}).get("steps") or [baseline or {}]
@@ -569,7 +553,6 @@ def _annotate(rec: dict, baseline: dict | None = None) -> dict:
 
 def _factors(part: dict, ga: int) -> None:
     """A step's ``token_factor`` (from every rank's trace of that step), ``gas_factor`` and ``gas_power``."""
-    import math
 
     factor = token_factor(part.get("rank_traces") or [part.get("trace")]) if part.get("metrics") else None
     if factor:
@@ -581,8 +564,6 @@ def _factors(part: dict, ga: int) -> None:
 
 def _gas_verdict(rec: dict, part: dict, base: dict) -> str:
     """One step against the same path's GAS = 1 step (same rows): is it GAS-invariant?"""
-    from kit.judge import oracle
-
     if rec["role"] in ("control", "baseline"):
         return "n/a"
     if not part.get("metrics") or not base.get("metrics"):

@@ -27,8 +27,9 @@ N", "sum of micro-batches"). The record is the worst step's, with every step in 
 """
 from __future__ import annotations
 
-
 from kit import config as kconfig
+from kit.judge import oracle, records
+from kit.probes import common as c
 from kit.probes import runner
 from kit.probes.probe import Probe
 
@@ -113,8 +114,6 @@ LOOPS = {"manual": manual_accumulation_step, "boundary": boundary_marked_step, "
 def run_case(case: dict) -> dict:
     import deepspeed
 
-    from kit.probes import common as c
-
     w = c.world_size()
     n, mb, hidden, seed = case["n"], case["micro_batch"], case["hidden"], case["seed"]
     dtype = c.DTYPE[case["dtype"]]
@@ -144,8 +143,6 @@ def run_case(case: dict) -> dict:
 
 def run_rank(payload: dict) -> list[dict]:
     """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    from kit.probes import common as c
-
     return c.run_cases(payload, run_case)
 
 
@@ -213,8 +210,6 @@ def check_notebook(p: dict) -> list:
 def _annotate(rec: dict) -> dict:
     """Name the hypothesis each step matches (the record's: its worst step's), and say when a fix was not really
     available."""
-    from kit.judge import oracle
-
     oracle.annotate_steps(rec)
     if rec["case"] == "fix_unmanaged" and rec.get("knows_unmanaged") is False:
         rec["reason"] += (f"; this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE}) "
@@ -231,8 +226,6 @@ def config_verdicts(recs: list[dict]) -> dict:
     B3 cannot be judged there -> ``inconclusive`` (or ``cannot-run`` if it did not run).
     Returns ``{(version, stage, dtype, W): {"verdict", "reason", "matches", "ratio_at_max_n"}}``.
     """
-    from kit.judge import oracle, records
-
     out = {}
     for key, sel in records.group_by(recs, ("version", "zero_stage", "dtype", "world_size"), case="manual").items():
         sel = sorted(sel, key=lambda r: r["ga"])
@@ -275,8 +268,6 @@ def violations(recs: list[dict]) -> list[str]:
        turn the manual loop into exactly what DeepSpeed's own GA loop gives (same verdict, ratio
        within the dtype's tolerance) -- whether or not that loop is itself right.
     """
-    from kit.judge import oracle
-
     bad = []
     for r in recs:
         if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kit import config as kconfig
 from kit.shapes.shape import Shape
 
 SEQ = 8  # tokens per sample
@@ -32,8 +33,6 @@ TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 def load_config(where: str) -> dict:
     """The config's dict from a file, a folder holding config.json, or a model id in the local HF cache."""
-    from kit import config as kconfig
-
     p = Path(where).expanduser()
     if p.is_dir():
         p = p / "config.json"
@@ -103,8 +102,6 @@ def shrink(cfg: dict) -> tuple[dict, list[str]]:
 
 def load_adapter(where: str) -> tuple[dict, list[str]]:
     """A PEFT adapter config (``adapter_config.json`` or its folder) for LoRA, and what the kit changes in it."""
-    from kit import config as kconfig
-
     p = Path(where).expanduser()
     if p.is_dir():
         p = p / "adapter_config.json"
@@ -131,8 +128,6 @@ def user_model(where: str, adapter: str | None = None) -> tuple[dict, list[str]]
     """What a check case carries to build the user's architecture at toy size (``model_config``, ``adapter_config``,
     ``model``: its name), and every change in words. Builds it once here, so an architecture the installed
     transformers does not know is refused before anything launches."""
-    from kit import config as kconfig
-
     cfg, notes = shrink(load_config(where))
     if "model_type" not in cfg:
         raise kconfig.ConfigError(f"--model {where}: the config has no model_type, so transformers cannot build it")

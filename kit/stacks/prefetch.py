@@ -23,6 +23,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from kit import config as kconfig
+from kit import launch
+from kit.probes import runner
+from kit.probes.runner import stack_label
+from kit.stacks import versions as kversions
 
 INSTALL_JOBS = 4  # pip installs wait mostly on the network; the builds are what the cores do
 BUILD_TIMEOUT_S = 900.0
@@ -38,8 +42,6 @@ class Need:
 
     @property
     def label(self) -> str:
-        from kit.probes.runner import stack_label
-
         return stack_label(dict(self.stack))
 
     def as_json(self) -> dict:
@@ -65,8 +67,6 @@ def _from_json(items: list) -> list[Need]:
 
 def pending(needs: list[Need]) -> list[tuple[Need, str]]:
     """The needs whose first world would do one-off work, with what that work is in words."""
-    from kit.probes import runner
-
     out = []
     for need in needs:
         probe = _as_probe(need)
@@ -85,16 +85,12 @@ def _as_probe(need: Need):
 
 def install(need: Need):
     """The stack resolved (its overlays installed): ``(launch.World for a one-rank world, versions.Stack)``."""
-    from kit.probes import runner
-
     return runner.world_for(_as_probe(need), dict(need.stack), 1, "cpu", BUILD_TIMEOUT_S)
 
 
 def build(world) -> None:
     """Start DeepSpeed once in a one-rank world of the stack: ``init_distributed`` builds the comm op into the
     kit's cache, where every later world of that release finds it."""
-    from kit import launch
-
     launch.run_world("kit.launch.selftest:ping", {}, world)
 
 
@@ -102,9 +98,6 @@ def prefetch(needs: list[Need], jobs: int = 2, progress: bool = True) -> tuple[l
     """Do the one-off work of ``needs``; returns ``(done, problems)``, one sentence each. Raises
     ``versions.UnknownVersion`` (a ``ConfigError``) when a stack names a release the index does not have."""
     from tqdm import tqdm
-
-    from kit import launch
-    from kit.stacks import versions as kversions
 
     todo = pending(needs)
     done: list[str] = []

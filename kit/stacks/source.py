@@ -11,11 +11,10 @@ import importlib.util
 from pathlib import Path
 
 from kit import config as kconfig
+from kit.stacks import versions as kversions
 
 
 def package_root(package: str, version: str = kconfig.INSTALLED) -> Path:
-    from kit.stacks import versions as kversions
-
     if version in (kconfig.INSTALLED, kversions.installed_version(package)):
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:

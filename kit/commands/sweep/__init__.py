@@ -28,6 +28,7 @@ from kit.commands.sweep import grouping
 from kit.commands.sweep import run as sweep_run
 from kit.commands.sweep import spec as sweep_spec
 from kit.commands.sweep import tables as sweep_tables
+from kit.notebooks import readme_tables
 from kit.probes import runner
 
 
@@ -62,11 +63,9 @@ def main(argv=None) -> int:
                       f"(exit {g['repro']['exit']}): {g['repro']['output'].splitlines()[0][:200]}")
     print(f"{len(recs)} records in {out / 'records.jsonl'}; {summary['wall_s']} s")
     if a.readme:
-        from kit.notebooks import readme_tables as tables
-
         command = "python -m kit.commands.sweep " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
         path = kconfig.repo_path(a.readme)
-        text, done = tables.fill(path.read_text(), {"SWEEP": sweep_tables.table(summary, command)})
+        text, done = readme_tables.fill(path.read_text(), {"SWEEP": sweep_tables.table(summary, command)})
         path.write_text(text)
         print(f"{path}: {'replaced the sweep table' if done else 'has no <!-- gradkit:table SWEEP --> block'}")
     return 0

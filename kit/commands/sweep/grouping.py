@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 
+from kit.commands import check
 from kit.commands.sweep.spec import DEFAULT
 from kit.judge import oracle
 
@@ -134,8 +135,6 @@ def separate(recs: list[dict]) -> list[dict]:
     by itself; the same config at a GA >= 3 (same stack, every other axis equal) separates them: where that
     point is affected, explained, and is one of the tied names, this point is explained by the same bug, said so.
     A tie with no such point stays a tie (its own group)."""
-    from kit.commands import check
-
     def key(r):
         return json.dumps([r.get("stack"), {k: v for k, v in (r.get("point") or {}).items() if k != "ga"}],
                           sort_keys=True)

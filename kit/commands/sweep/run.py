@@ -9,12 +9,13 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
-from kit import launch
+from kit import launch, shapes
+from kit.commands import check, repro
+from kit.commands import report as upstream
 from kit.commands.sweep.grouping import describe, groups, separate, when_text
 from kit.commands.sweep.spec import all_axes, point_case, points, release_of, spec_key, user_config
 from kit.judge import oracle, records
-from kit.probes import ds_config
-from kit.probes import runner
+from kit.probes import ds_config, runner
 
 
 def _key(rec: dict) -> tuple:
@@ -22,8 +23,6 @@ def _key(rec: dict) -> tuple:
 
 
 def _control_key(case: dict) -> tuple:
-    from kit import shapes
-
     return case["ga"], case.get("clip") or 0.0, case.get("steps", 1), case.get("model") or shapes.DEFAULT
 
 
@@ -90,8 +89,6 @@ def run_stack(spec: dict, stack: dict, todo: list[dict], sink, bar=None) -> None
 
 
 def _finish(rec: dict) -> dict:
-    from kit.commands import check
-
     rec["point"] = rec["config"].get("point")
     rec["id"] = rec["config"].get("id")
     ds_config.CHECK.annotate([rec])
@@ -165,8 +162,6 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
     """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
     scripts at a time), and its upstream report (``report_<...>.md``, ``kit.commands.report``)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from kit.commands import repro, report as upstream
 
     by_id = {r["id"]: r for r in mine}
 

@@ -10,8 +10,9 @@ import itertools
 import json
 
 from kit import config as kconfig
+from kit import shapes
 from kit.probes import ds_config
-
+from kit.stacks import versions
 
 SPECIAL_AXES = ("loop", "dtype", "ga", "model")
 
@@ -51,8 +52,6 @@ def check_spec(spec, where: str = "the spec") -> dict:
             for v in values:
                 kconfig.check_ga(v)
         if axis == "model":
-            from kit import shapes
-
             for v in values:
                 shapes.get(v)
     for rule in spec.get("skip") or []:
@@ -184,6 +183,4 @@ def spec_key(spec: dict) -> str:
 
 def release_of(stack: dict) -> str:
     """The DeepSpeed release a stack resolves to (never "installed": an upgrade changes it)."""
-    from kit.stacks import versions
-
     return stack.get("deepspeed") or versions.installed_version("deepspeed")

@@ -7,12 +7,11 @@ import json
 from kit.commands.sweep.grouping import when_text
 from kit.commands.sweep.spec import DEFAULT, release_of
 from kit.judge import oracle
+from kit.judge.tables import markdown_table, per_step
 
 
 def steps_text(rec: dict) -> str:
     """A point's steps in one line: each step's ratio (``*``: off), and which one is the worst."""
-    from kit.judge.tables import per_step
-
     if not rec.get("steps"):
         return "no step judged"
     return f"ratio per step {per_step(rec)} (* off); worst: step {rec.get('worst_step', 0) + 1}"
@@ -21,8 +20,6 @@ def steps_text(rec: dict) -> str:
 def one_at_a_time_table(spec: dict, recs: list[dict]) -> str:
     """Per one-at-a-time key and value, per stack: how many points of each verdict, and DeepSpeed's reason for
     the first that could not run (markdown)."""
-    from kit.judge.tables import markdown_table
-
     keys = (spec.get("one_at_a_time") or {}).get("keys") or {}
     rows = []
     for key, values in keys.items():
@@ -43,8 +40,6 @@ def model_table(spec: dict, recs: list[dict]) -> str:
     """Per model shape other than the MLP, ZeRO stage, loop and optimizer offload: each precision's verdict per
     release, as the known bug that explains it (``B6``), ``ok`` (not affected), ``?`` (affected, unexplained),
     ``x`` (cannot run), ``~`` (inconclusive). Markdown; what a reader scans for the parts some micro-batches miss."""
-    from kit.judge.tables import markdown_table
-
     def cell(r):
         if r is None:
             return "-"
@@ -74,8 +69,6 @@ def model_table(spec: dict, recs: list[dict]) -> str:
 def table(summary: dict, command: str) -> str:
     """The README's sweep table: per stack, its counts; per known bug one row (its largest group's conditions, how
     many more groups it has: notebook 06 lists each); then every unknown group, one row each."""
-    from kit.judge.tables import markdown_table
-
     def short(a):
         return a.split(".")[-1] if not a.endswith("device") else "offload"
 
