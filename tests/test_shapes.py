@@ -12,7 +12,7 @@ from kit.commands import check
 from kit.judge import oracle, records
 from kit.probes import runner
 from kit.probes import ds_config
-from kit.shapes import _hf
+from kit.shapes import hf
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -145,12 +145,12 @@ def test_a_hugging_face_config_builds_at_toy_size_and_says_what_it_shrank(tmp_pa
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(AutoConfig.for_model(name).to_dict()))
-    keys, notes = _hf.user_model(str(path))
+    keys, notes = hf.user_model(str(path))
     assert keys["model_config"]["num_hidden_layers"] == 2 and keys["model_config"]["hidden_size"] == 32
     assert any(n.startswith("model: num_hidden_layers") and "-> 2" in n for n in notes)
-    model = _hf.shape(keys["model_config"]).build(0, 0, 0)
+    model = hf.shape(keys["model_config"]).build(0, 0, 0)
     assert model.config.model_type == name and sum(p.numel() for p in model.parameters()) < 100_000
-    groups = _hf.groups(model)
+    groups = hf.groups(model)
     assert sorted(n for g in groups.values() for n in g) == sorted(n for n, _ in model.named_parameters())
     if name == "qwen3_moe":
         assert "router" in groups and any(g.startswith("expert") for g in groups)
@@ -171,7 +171,7 @@ def test_a_model_id_whose_config_is_in_the_local_hugging_face_cache_builds_witho
     (repo / "refs" / "main").write_text(snap.name)
     (snap / "config.json").write_text(json.dumps(AutoConfig.for_model("qwen3").to_dict()))
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    code = ("import json; from kit.shapes import _hf; keys, notes = _hf.user_model('tiny-org/tiny-qwen3'); "
+    code = ("import json; from kit.shapes import hf; keys, notes = hf.user_model('tiny-org/tiny-qwen3'); "
             "print(json.dumps({'type': keys['model_config']['model_type'], "
             "'layers': keys['model_config']['num_hidden_layers'], 'notes': notes}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -23,7 +23,7 @@ from kit.commands import check_paths
 from kit.judge import expectations, oracle, records
 from kit.judge import verdict as kverdict
 from kit.probes import ds_config
-from kit.shapes import _hf
+from kit.shapes import hf
 
 # What each known bug looks like in a check, and its fix (the case that re-runs it): (pattern, hypothesis, fix text)
 EXPLAINS = {
@@ -257,7 +257,7 @@ def model_of(where: str | None, adapter: str | None) -> tuple[object, list[str]]
         if adapter:
             raise kconfig.ConfigError("--adapter needs --model naming a Hugging Face config (the adapter goes on it)")
         return where or shapes.DEFAULT, []
-    return _hf.user_model(where, adapter)
+    return hf.user_model(where, adapter)
 
 
 def parser() -> argparse.ArgumentParser:

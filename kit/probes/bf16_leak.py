@@ -70,7 +70,7 @@ def ds_config(case: dict, world_size: int) -> dict:
     return cfg
 
 
-def _bf16_accumulator(engine, module):
+def bf16_accumulator(engine, module):
     """This rank's fp32 accumulator of a BF16_Optimizer, flat in module parameter order (else None); a parameter the
     optimizer does not hold (frozen) is 0 there."""
     opt = engine.optimizer
@@ -100,9 +100,9 @@ def run_case(case: dict) -> dict:
         for i, (x, y) in enumerate(batches):
             engine.set_gradient_accumulation_boundary(is_boundary=(i == ga - 1))  # what accelerate does
             engine.backward(c.mse(engine(x.to(dev, dtype)), y.to(dev)))
-            acc = _bf16_accumulator(engine, engine.module)
+            acc = bf16_accumulator(engine, engine.module)
             acc_norms.append(acc.norm().item() if acc is not None else float("nan"))
-        buffer = _bf16_accumulator(engine, engine.module)  # this rank's accumulator going into step()
+        buffer = bf16_accumulator(engine, engine.module)  # this rank's accumulator going into step()
         engine.step()
         norms.append(c.all_gather_floats(acc_norms))  # [rank][micro-batch]
         return c.engine_norm(engine), c.all_gather_flat(buffer) if buffer is not None else None

@@ -37,7 +37,7 @@ from kit.judge import oracle, records
 from kit.judge.expectations import version_key
 from kit.probes import common as c
 from kit.probes import runner
-from kit.probes.bf16_leak import _bf16_accumulator
+from kit.probes.bf16_leak import bf16_accumulator
 from kit.probes.probe import Probe
 from kit.stacks import versions
 
@@ -420,7 +420,7 @@ def run_case(case: dict) -> dict:
 
 def bf16_accumulator(engine):
     """This rank's fp32 accumulator of a BF16_Optimizer, flat in module order (None for other optimizers)."""
-    return _bf16_accumulator(engine, engine.module)
+    return bf16_accumulator(engine, engine.module)
 
 
 

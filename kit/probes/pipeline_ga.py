@@ -374,7 +374,7 @@ def run(world_sizes=(2,), splits=((8, 1), (4, 2), (2, 4), (1, 8)), dtypes=("fp32
                       meta={"pipeline_stages": STAGES, "seed": seed, "hidden": hidden})
 
 
-def _annotate_world(recs: list[dict]) -> list[dict]:
+def annotate_world(recs: list[dict]) -> list[dict]:
     controls = {(r["dtype"], r["zero_stage"]): r for r in recs if r["role"] == "control"}
     for r in recs:
         r["data_parallel"] = r["world_size"] // STAGES
@@ -503,4 +503,4 @@ PROBE = Probe(
     knobs={"world_size": [2, 4], "ga": [4, 2, 8], "zero_stage": [0, 1], "dtype": ["fp32", "bf16"],
            "version": ["installed", "0.18.2", "0.18.6"]},
     explorer_kwargs=explorer_kwargs, typical_s=30.0, control_key=lambda r: (r["dtype"], r["zero_stage"]),
-    world_key=lambda case: case["zero_stage"], annotate=_annotate_world, violations=violations, order=2)
+    world_key=lambda case: case["zero_stage"], annotate=annotate_world, violations=violations, order=2)

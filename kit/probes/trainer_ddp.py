@@ -117,7 +117,7 @@ def violations(recs: list[dict]) -> list[str]:
 def annotate_world(recs: list[dict]) -> list[dict]:
     """B1's token and GAS factors and GAS verdict, then each step's fitted weights in words (``shape``: which
     rank's micro-batches weighed what)."""
-    out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga._annotate_world(recs)]
+    out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga.annotate_world(recs)]
     for r in out:
         args = (r.get("config") or {}).get("trainer_args") or {}
         if r["case"] == "trainer" and args:  # a check's own TrainingArguments

@@ -501,7 +501,7 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
                       label=stack_label)
 
 
-def _annotate_world(recs: list[dict]) -> list[dict]:
+def annotate_world(recs: list[dict]) -> list[dict]:
     baselines = {r["config"]["path"]: r for r in recs if r["case"] == "gas1"}
     return [_annotate(r, baselines.get(r["config"]["path"])) for r in recs]
 
@@ -595,5 +595,5 @@ PROBE = Probe(
     quick_plan=lambda w: dict(paths=("no_ds", "ds_zero0"), gas_values=(1, 4), cases=("trainer",), world_size=1),
     knobs={"world_size": [1, 2], "ga": [4, 2, 8], "zero_stage": ["none", 0, 2, 3], "dtype": ["fp32"],
            "version": list(STACKS)},
-    explorer_kwargs=explorer_kwargs, packages=PACKAGES, typical_s=45.0, annotate=_annotate_world,
+    explorer_kwargs=explorer_kwargs, packages=PACKAGES, typical_s=45.0, annotate=annotate_world,
     violations=violations, order=1)

@@ -10,7 +10,7 @@ A shape is found by being here: adding one edits no list.
 from __future__ import annotations
 
 from kit.registry import Registry
-from kit.shapes import _hf
+from kit.shapes import hf
 from kit.shapes.shape import Shape
 
 DEFAULT = "mlp"
@@ -23,5 +23,5 @@ def of_case(case: dict) -> Shape:
     """The shape a case names (``model``; the MLP when it names none); the user's own architecture when the case
     carries its shrunk Hugging Face config (``model_config``, from ``gradkit check --model``)."""
     if case.get("model_config"):
-        return _hf.shape(case["model_config"], case.get("adapter_config"))
+        return hf.shape(case["model_config"], case.get("adapter_config"))
     return get(case.get("model") or DEFAULT)
