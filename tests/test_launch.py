@@ -119,11 +119,11 @@ def test_a_world_folder_that_never_got_its_owner_is_removed_once_it_is_old(monke
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # remove_stale_worlds looks in tempfile.gettempdir()
     old = tmp_path / "gradkit-world-killed-at-birth"
     fresh = tmp_path / "gradkit-world-starting-now"
-    owned = launch.lifecycle._new_world_folder()  # claimed by this (live) process
+    owned = launch.cleanup.new_world_folder()  # claimed by this (live) process
     for folder in (old, fresh):
         folder.mkdir()
     (old / "owner.tmp").write_text("")  # killed mid-claim: the owner never renamed into place
-    long_ago = time.time() - 2 * launch.lifecycle.OWNERLESS_GRACE_S
+    long_ago = time.time() - 2 * launch.cleanup.OWNERLESS_GRACE_S
     for folder in (old, owned):
         os.utime(folder, (long_ago, long_ago))
     assert owned.parent == tmp_path and (owned / launch.OWNER_FILE).read_text().split()[0] == str(os.getpid())
@@ -169,20 +169,20 @@ def test_a_stop_while_the_ranks_start_kills_them_as_they_come_up(monkeypatch, wa
 
     from kit.launch import lifecycle, warm as kwarm
 
-    real, counted = lifecycle._start_ranks, []
+    real, counted = lifecycle.start_ranks, []
 
     def start_then_stop(*a, **k):
         out = real(*a, **k)  # the ranks are processes now; the caller has not registered them yet
         counted.append(launch.stop_worlds())
         return out
 
-    monkeypatch.setattr(kwarm if warm else lifecycle, "_start_ranks", start_then_stop)
+    monkeypatch.setattr(kwarm if warm else lifecycle, "start_ranks", start_then_stop)
     with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():
         with pytest.raises(launch.WorldStopped, match="while its ranks started"):
             launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
     assert counted == [1]  # the world being started is one of the worlds stopped
     assert not launch.ranks_below(os.getpid())  # killed, not left running (nor kept warm)
-    assert not launch._WARM
+    assert not kwarm._WARM
     monkeypatch.undo()
     with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():  # the next call runs as usual
         assert [r["rank_sum"] for r in launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2))] == [1.0, 1.0]
@@ -195,7 +195,7 @@ def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_
     a call, retries included, stops the world the call is starting."""
     from kit.launch import lifecycle
 
-    real, calls = lifecycle._start_ranks, []
+    real, calls = lifecycle.start_ranks, []
 
     def start(*a, **k):
         calls.append(1)
@@ -205,7 +205,7 @@ def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_
         launch.stop_worlds()  # the Interrupt, while the second world's ranks start
         return out
 
-    monkeypatch.setattr(lifecycle, "_start_ranks", start)
+    monkeypatch.setattr(lifecycle, "start_ranks", start)
     with pytest.raises(launch.WorldStopped):
         launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
     assert len(calls) == 2 and not launch.ranks_below(os.getpid())

@@ -96,7 +96,8 @@ def test_a_half_written_error_file_does_not_hide_the_rank_that_raised(tmp_path):
     (tmp_path / "rank1.error.json").write_text(json.dumps({"rank": 1, "time": 1.0, "type": "RuntimeError",
                                                            "message": "needle-8", "traceback": "tb"}))
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
-    e = launch._failure([0, 1], [1, 1], tmp_path, logs, by_exit=False)
+    from kit.launch import results
+    e = results.blame([0, 1], [1, 1], tmp_path, logs, by_exit=False)
     assert e.rank == 1 and "needle-8" in str(e)
 
 

@@ -8,11 +8,11 @@ import time
 import pytest
 
 from kit import launch
-from kit.launch import lifecycle
+from kit.launch import cleanup, lifecycle
 
 
 def _segments():
-    return sorted(p.name for p in lifecycle.SHM_DIR.glob(f"{lifecycle.SHM_PREFIX}_{os.getuid()}_*"))
+    return sorted(p.name for p in cleanup.SHM_DIR.glob(f"{cleanup.SHM_PREFIX}_{os.getuid()}_*"))
 
 
 @pytest.mark.world
@@ -22,13 +22,13 @@ def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
     from kit.launch import warm
 
     seen = []
-    real = lifecycle.release_port
+    real = cleanup.release_port
 
     def spy(holder):
         port = holder.getsockname()[1]
 
         def mine():
-            return sorted(p.name for p in lifecycle.SHM_DIR.glob(f"{lifecycle.SHM_PREFIX}_{os.getuid()}_*_{port}_*"))
+            return sorted(p.name for p in cleanup.SHM_DIR.glob(f"{cleanup.SHM_PREFIX}_{os.getuid()}_*_{port}_*"))
 
         made = mine()
         real(holder)
@@ -46,18 +46,18 @@ def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
 
 
 def test_an_orphan_segment_is_removed_and_a_mapped_one_kept():
-    orphan = lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1_0"
-    held = lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{os.getuid()}_127.0.0.1_2_0"
-    young = lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{os.getuid()}_127.0.0.1_3_0"
+    orphan = cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{os.getuid()}_127.0.0.1_1_0"
+    held = cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{os.getuid()}_127.0.0.1_2_0"
+    young = cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{os.getuid()}_127.0.0.1_3_0"
     for p in (orphan, held, young):
         p.write_bytes(b"\0" * 4096)
-    old = time.time() - 2 * lifecycle.ORPHAN_SHM_GRACE_S
+    old = time.time() - 2 * cleanup.ORPHAN_SHM_GRACE_S
     os.utime(orphan, (old, old))
     os.utime(held, (old, old))
     with open(held, "r+b") as f:
         view = mmap.mmap(f.fileno(), 4096)  # a live process maps it, as a running rank does
         try:
-            removed = lifecycle.remove_orphan_segments()
+            removed = cleanup.remove_orphan_segments()
             assert orphan in removed and not orphan.exists()
             assert held.exists() and young.exists()  # mapped; too young to judge (a world starting now)
         finally:
@@ -75,16 +75,16 @@ def test_a_worlds_segments_go_while_its_port_is_still_held_and_no_others(monkeyp
     holder.bind(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     uid = os.getuid()
-    ours = [lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port}_{r}" for r in (0, 1)]
-    others = [lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port + 1}_0",  # another world's
-              lifecycle.SHM_DIR / f"{lifecycle.SHM_PREFIX}_{uid}_127.0.0.1_{port}_x"]  # not a rank's
+    ours = [cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{uid}_127.0.0.1_{port}_{r}" for r in (0, 1)]
+    others = [cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{uid}_127.0.0.1_{port + 1}_0",  # another world's
+              cleanup.SHM_DIR / f"{cleanup.SHM_PREFIX}_{uid}_127.0.0.1_{port}_x"]  # not a rank's
     held = []
-    real = lifecycle._unlink
-    monkeypatch.setattr(lifecycle, "_unlink", lambda paths: held.append(holder.fileno() != -1) or real(paths))
+    real = cleanup._unlink
+    monkeypatch.setattr(cleanup, "_unlink", lambda paths: held.append(holder.fileno() != -1) or real(paths))
     for p in ours + others:
         p.write_bytes(b"\0")
     try:
-        assert sorted(lifecycle.release_port(holder)) == ours
+        assert sorted(cleanup.release_port(holder)) == ours
         assert held == [True] and holder.fileno() == -1  # removed while held; the port is free afterwards
         assert not any(p.exists() for p in ours) and all(p.exists() for p in others)
     finally:

@@ -71,7 +71,7 @@ def test_a_truncated_comm_op_is_rebuilt_not_a_sigbus(private_cache):
     shared, cache = private_cache
     ext = cache / "torch_extensions"
     shutil.copytree(shared / "torch_extensions", ext)
-    key = launch._installed_key()
+    key = launch.installed_key()
     so = next((ext / key).rglob("*.so"))
     size = so.stat().st_size
     with open(so, "r+b") as f:
@@ -88,7 +88,7 @@ def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_world(private
     shared, cache = private_cache
     ext = cache / "torch_extensions"
     shutil.copytree(shared / "torch_extensions", ext)
-    (lock,) = [so.parent / "lock" for so in (ext / launch._installed_key()).rglob("*.so")]
+    (lock,) = [so.parent / "lock" for so in (ext / launch.installed_key()).rglob("*.so")]
     lock.touch()  # what a SIGKILL during init_distributed leaves
     out = launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=60))
     assert [r["rank_sum"] for r in out] == [1.0, 1.0] and not lock.exists()
@@ -148,8 +148,8 @@ def test_a_world_waits_for_a_build_under_torchs_own_lock_and_the_holder_ends_wel
 
     shared, cache = private_cache
     ext = cache / "torch_extensions"
-    shutil.copytree(shared / "torch_extensions" / launch._installed_key(), ext / launch._installed_key())
-    (lock,) = [so.parent / "lock" for so in (ext / launch._installed_key()).rglob("*.so")]
+    shutil.copytree(shared / "torch_extensions" / launch.installed_key(), ext / launch.installed_key())
+    (lock,) = [so.parent / "lock" for so in (ext / launch.installed_key()).rglob("*.so")]
     holder = _hold(lock)
     job, out = tmp_path / "world", {}
     world = threading.Thread(target=lambda: out.update(r=launch.run_world(

@@ -37,11 +37,11 @@ def test_job_after_job_in_one_warm_world_gives_the_answers_of_fresh_worlds():
     world, _ = runner.world_for(zb.PROBE, {}, 2, "cpu", 300)  # the world the B3 runs ask for
     with launch.warm_worlds():
         first = _metrics(zb.run(**runs["B3"]))
-        ranks = {k: [p.pid for p in w.procs] for k, w in launch._WARM.items()}
+        ranks = {k: [p.pid for p in w.procs] for k, w in launch.warm._WARM.items()}
         again = _metrics(zb.run(**runs["B3"]))
-        assert {k: [p.pid for p in w.procs] for k, w in launch._WARM.items()} == ranks  # the same ranks served it
+        assert {k: [p.pid for p in w.procs] for k, w in launch.warm._WARM.items()} == ranks  # the same ranks served it
         b2, b4 = (_metrics(probes.get(bug).run(**runs[bug])) for bug in ("B2", "B4"))
-        assert len(launch._WARM) == launch.WARM_MAX  # B3's went when B4's came (least recently used)
+        assert len(launch.warm._WARM) == launch.WARM_MAX  # B3's went when B4's came (least recently used)
     assert first == again == fresh["B3"] and b2 == fresh["B2"] and b4 == fresh["B4"]
     assert all(r[3] != "cannot-run" for r in b2 + b4)
     # how much faster the warm run is is a speed goal: scripts/bench.py --profile (explorer Run, warm world)
@@ -56,7 +56,7 @@ def test_one_warm_world_per_target_and_never_more_than_warm_max():
         b = _pids(launch.run_world("kit.launch.selftest:hang_on_rank", {"rank": -1}, w))  # nobody hangs
         assert a1 == a2 and not set(a1) & set(b)  # same target: same ranks; another target: its own
         c = _pids(launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=1, init="torch", timeout_s=60)))
-    assert len(launch._WARM) == launch.WARM_MAX == 2
+    assert len(launch.warm._WARM) == launch.WARM_MAX == 2
     assert not [p for p in a1 if psutil.pid_exists(p)]  # the least recently used went
     assert all(psutil.pid_exists(p) for p in b + c)
 
@@ -95,7 +95,7 @@ def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit
     assert all(p.is_running() for p in procs), "the warm world died with the thread that started it"
     gone, alive = psutil.wait_procs(procs, timeout=15)
     assert not alive, "idle ranks stayed past their limit"
-    servers = [s.proc for s in launch._SERVERS.values() if s is not None]
+    servers = [s.proc for s in launch.servers._SERVERS.values() if s is not None]
     assert len(servers) == 1 and servers[0].wait(timeout=15) == 0, "the idle fork server stayed"
     with launch.warm_worlds():  # the next call notices and starts a new world
         assert not set(got["pids"]) & set(_pids(launch.run_world("kit.launch.selftest:ping", {}, world_size=2,

@@ -23,7 +23,6 @@ from pathlib import Path
 from kit import config as kconfig
 from kit import launch, shapes
 from kit.judge import oracle
-from kit.launch import lifecycle
 from kit.probes import ds_config
 from kit.stacks import versions as kversions
 
@@ -206,11 +205,11 @@ def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         # torchrun starts each rank in a session of its own: killing torchrun alone would leave them running
-        lifecycle.kill_tree(proc.pid)
+        launch.kill_tree(proc.pid)
         stdout, _ = proc.communicate()
         return 124, f"timed out after {timeout_s:g} s: {stdout[-2000:]!r}"
     finally:  # the script's DeepSpeed world on CPU leaves its comm op's shared memory behind, as every one does
-        lifecycle.remove_orphan_segments(grace_s=5.0)
+        launch.remove_orphan_segments(grace_s=5.0)
     text = "\n".join(line for line in (stdout + stderr).splitlines()
                      if "REPRODUCED" in line or "reproduced" in line or line.startswith("{\"deepspeed\""))
     return proc.returncode, text or unjudged(stdout + stderr)

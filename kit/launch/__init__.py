@@ -17,29 +17,39 @@ CUDA). The CPU comm op DeepSpeed JIT-builds in ``init_distributed`` is kept in
 ``<cache>/torch_extensions/<deepspeed version>`` so only the first launch of a
 version pays for the build.
 
-Where things are (everything other code uses is re-exported here, as ``kit.launch.NAME``):
+Where things are (everything other code uses is re-exported here, as ``kit.launch.NAME``), each module built only on
+those listed before it:
 
 - ``spec``: the world spec and commands: ``World``, the errors (``LaunchError``, ``RankFailed``,
   ``RankTimeout``, ``WorldStopped``), ``REPO_ROOT``, ``LAUNCHERS``, the hostfile, each rank's / launcher's command line and
-  environment, the torch-extensions cache check (``elf_damage``, ``repair_extensions``), and ``main``
+  environment, the torch-extensions cache check (``elf_damage``, ``repair_extensions``, ``installed_key``), and ``main``
   (``python -m kit.launch --dry-run``).
-- ``lifecycle``: the life of a world's processes: ``run_world`` (with its rendezvous retry), starting the ranks,
-  waiting for them, killing them (``die_with_parent``, ``kill_tree``, ``stop_worlds``, ``check_stop``, ``ranks_below``), and
-  the world folders of callers that were killed (``OWNER_FILE``, ``remove_stale_worlds``).
-- ``warm``: warm worlds, ranks kept up between calls: ``warm_worlds``, ``prewarm``, ``stop_warm_worlds``.
+- ``results``: reading what the ranks left: result and error records, partial reports (``PartialReader``), the rank
+  to blame.
+- ``processes``: the kit's processes: dying with the caller (``die_with_parent``, ``session_dying_with_parent``),
+  killing them (``kill_tree``), the user's stop (``stop_worlds``, ``check_stop``), finding ranks (``ranks_below``).
+- ``cleanup``: what worlds leave behind: world folders (``OWNER_FILE``, ``remove_stale_worlds``) and DeepSpeed's
+  shared-memory segments (``remove_orphan_segments``).
 - ``servers``: fork servers, which fork a stack's warm ranks with its imports paid (``NO_FORK_ENV``).
-- ``results``: reading what the ranks left: result and error records, partial reports, the rank to blame.
+- ``ranks``: starting a world's ranks (started, or forked by a fork server) and waiting for them.
+- ``warm``: warm worlds, ranks kept up between calls: ``warm_worlds``, ``prewarm``, ``stop_warm_worlds``.
+- ``lifecycle``: ``run_world``: a job of a warm world or a one-shot world, with its rendezvous retry.
+
+``worker`` (every rank's process), ``forkserver`` (a fork server's process) and ``selftest`` (rank functions that check
+the launcher) are run in other processes, never imported here.
 
 A limit or timeout is read in the submodule that defines it: set it there (``launch.warm.WARM_IDLE_S``,
-``launch.servers.SERVER_IDLE_S``, ``launch.lifecycle.OWNERLESS_GRACE_S`` ...), not on this package. Callers
+``launch.servers.SERVER_IDLE_S``, ``launch.cleanup.OWNERLESS_GRACE_S`` ...), not on this package. Callers
 outside the package call ``launch.run_world(...)`` through this package, so replacing ``launch.run_world``
 here reaches them.
 """
-from kit.launch.lifecycle import (OWNER_FILE, PR_SET_PDEATHSIG, _session_dying_with_parent, check_stop, die_with_parent,
-                                  kill_tree, ranks_below, remove_stale_worlds, run_world, stop_worlds)
-from kit.launch.results import _failure, _PartialReader, how_it_ended
-from kit.launch.servers import _SERVERS, NO_FORK_ENV
+from kit.launch.cleanup import OWNER_FILE, remove_orphan_segments, remove_stale_worlds
+from kit.launch.lifecycle import run_world
+from kit.launch.processes import (PR_SET_PDEATHSIG, check_stop, die_with_parent, kill_tree, ranks_below,
+                                  session_dying_with_parent, stop_worlds)
+from kit.launch.results import PartialReader, how_it_ended
+from kit.launch.servers import NO_FORK_ENV
 from kit.launch.spec import (LAUNCHERS, REPO_ROOT, LaunchError, RankFailed, RankTimeout, World, WorldStopped,
-                             _installed_key, elf_damage, launch_commands, launcher_env, main, rank_env, read_hostfile,
+                             elf_damage, installed_key, launch_commands, launcher_env, main, rank_env, read_hostfile,
                              repair_extensions, worker_module_args)
-from kit.launch.warm import _WARM, WARM_MAX, prewarm, stop_warm_worlds, warm_worlds
+from kit.launch.warm import WARM_MAX, prewarm, stop_warm_worlds, warm_worlds

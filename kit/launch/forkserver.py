@@ -24,6 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
+from kit.launch import worker
+from kit.launch.processes import die_with_parent
+
 
 def _say(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
@@ -35,9 +38,7 @@ def _child(req: dict) -> None:
     code = 70
     try:
         os.setsid()  # its own process group, as a started rank: killed as one with what it starts
-        from kit import launch
-
-        launch.die_with_parent()  # the server; the server dies with the caller
+        die_with_parent()  # the server; the server dies with the caller
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -49,8 +50,6 @@ def _child(req: dict) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
-        from kit.launch import worker
-
         code = worker.main(Path(req["job"]))
     except BaseException:  # noqa: BLE001 - anything here is the rank's failure, said in its log
         traceback.print_exc()
@@ -85,8 +84,6 @@ def main() -> int:
         if path not in sys.path:
             sys.path.insert(0, path)
     try:
-        from kit.launch import worker
-
         worker.check_stack(spec.get("expect") or {})
         import torch  # noqa: F401
 

@@ -9,19 +9,19 @@ from pathlib import Path
 from kit.launch.spec import RankFailed
 
 
-def _tail(path: Path, n: int = 4000) -> str:
+def tail(path: Path, n: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
     except FileNotFoundError:
         return ""
 
 
-def _complete(path: Path) -> bool:
+def is_complete(path: Path) -> bool:
     """A rank's result file that is whole (the worker renames it into place; a foreign writer may not)."""
     return _read_whole(path) is not None
 
 
-class _PartialReader:
+class PartialReader:
     """Hands each complete line rank 0 appended to its partial file to ``on_partial``, once."""
 
     def __init__(self, path: Path, on_partial):
@@ -40,7 +40,7 @@ class _PartialReader:
                 self.on_partial(json.loads(line))
 
 
-def _partials(job: Path, world_size: int) -> dict:
+def read_partials(job: Path, world_size: int) -> dict:
     out = {}
     for r in range(world_size):
         path = job / f"rank{r}.partial.jsonl"
@@ -69,13 +69,13 @@ def _read_whole(path: Path) -> dict | None:
         return None
 
 
-def _failure(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True,
-             started_in: Path | None = None) -> RankFailed:
+def blame(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True,
+          started_in: Path | None = None) -> RankFailed:
     """The rank to blame: the first to go (``bad`` is in exit order). Its own exception if it raised one;
     else how it died (a signal, an exit code) and its last output. The others' errors come after, as context:
     when one rank dies, its peers fail a moment later in their collectives. Under torchrun or the DeepSpeed
     launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
-    tails = {r: _tail(logs[r]) for r in range(len(logs))}
+    tails = {r: tail(logs[r]) for r in range(len(logs))}
     found = [*(started_in.glob("rank*.error.json") if started_in else []), *job.glob("rank*.error.json")]
     errors = {e["rank"]: e for e in map(_read_whole, found) if e}
     first = bad[0]

@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import time
 
+from kit.judge import oracle
+from kit.probes import common
+
 
 def ping(payload: dict) -> dict:
     """Every rank reports who it is and the sum of all ranks (a real collective)."""
@@ -52,8 +55,6 @@ def cases_then_desync(payload: dict) -> list:
     import torch
     import torch.distributed as dist
 
-    from kit.probes import common
-
     def one(case):
         if case["name"] == "desync" and dist.get_rank() == 1:
             raise RuntimeError("only rank 1 fails here")
@@ -84,14 +85,10 @@ def judge_with_rank_offset(payload: dict) -> dict:
     ``payload['offset'] * r`` (relative): the rank agreement the oracle reports for ranks that disagree (or not)."""
     import torch
 
-    from kit.probes import common as c
-
     seed, ga, mb, hidden = 0, 2, 4, 8
-    model = c.tiny_mlp(hidden, seed, 2)
-    every = [b for r in range(c.world_size()) for b in c.micro_batches(seed, r, ga, mb, hidden)]
-    from kit.judge import oracle
-
-    _, _, reference = oracle.reference_gradients(model, every, c.mse)
-    effective = reference * (1.0 + payload["offset"] * c.rank())
-    out, *_ = c.judge(effective, model if c.rank() == 0 else None, seed, ga, mb, hidden)
-    return {"rank": c.rank(), "rank_spread": out.get("rank_spread"), "finite": bool(torch.isfinite(effective).all())}
+    model = common.tiny_mlp(hidden, seed, 2)
+    every = [b for r in range(common.world_size()) for b in common.micro_batches(seed, r, ga, mb, hidden)]
+    _, _, reference = oracle.reference_gradients(model, every, common.mse)
+    effective = reference * (1.0 + payload["offset"] * common.rank())
+    out, *_ = common.judge(effective, model if common.rank() == 0 else None, seed, ga, mb, hidden)
+    return {"rank": common.rank(), "rank_spread": out.get("rank_spread"), "finite": bool(torch.isfinite(effective).all())}

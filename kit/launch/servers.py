@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from kit import config as kconfig
-from kit.launch.lifecycle import _kill, _session_dying_with_parent
+from kit.launch.processes import kill_groups, session_dying_with_parent
 from kit.launch.spec import REPO_ROOT, World, rank_env
 
 SERVER_MAX = 3  # servers kept at once (each holds a whole stack in memory): the least recently used goes
@@ -29,10 +29,10 @@ SERVER_IDLE_S = 60.0  # a server with no rank for this long leaves (a kernel's w
 NO_FORK_ENV = "GRADKIT_NO_FORK_SERVER"  # set (to anything): every rank is a process of its own, as before
 
 
-class _Forked:
+class Forked:
     """A rank forked by a fork server, read like a ``subprocess.Popen``: its exit status comes from the server."""
 
-    def __init__(self, pid: int, exit_file: Path, server: "_Server"):
+    def __init__(self, pid: int, exit_file: Path, server: "Server"):
         self.pid, self.exit_file, self.server, self.returncode = pid, exit_file, server, None
 
     def poll(self):
@@ -68,60 +68,58 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class _Server:
+class Server:
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
         self.lock = threading.Lock()
         self.used = time.monotonic()
 
-    def fork(self, job: Path, env: dict, log: Path, exit_file: Path) -> _Forked:
+    def fork(self, job: Path, env: dict, log: Path, exit_file: Path) -> Forked:
         with self.lock:
             self.proc.stdin.write(json.dumps({"job": str(job), "env": env, "log": str(log), "exit_file": str(exit_file)}) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
-        return _Forked(int(json.loads(line)["pid"]), exit_file, self)
+        return Forked(int(json.loads(line)["pid"]), exit_file, self)
 
 
-_SERVERS: dict[str, "_Server | None"] = {}  # None: this stack's server could not start; its ranks start as before
+_SERVERS: dict[str, "Server | None"] = {}  # None: this stack's server could not start; its ranks start as before
 
 
-def _stack_fields(world: World) -> list:
+def stack_fields(world: World) -> list:
     """What a world's ranks import and how they start: the same for every world size (a fork server's key)."""
     return [world.device, world.pythonpath, world.env, world.init, world.extensions_key, world.expect,
             str(kconfig.cache_dir())]
 
 
-def _server_key(world: World) -> str:
-    return json.dumps(_stack_fields(world), sort_keys=True, default=str)
+def server_key(world: World) -> str:
+    return json.dumps(stack_fields(world), sort_keys=True, default=str)
 
 
-def _server_for(world: World) -> "_Server | None":
-    """The fork server of ``world``'s stack, started now if there is none (from the spawner thread)."""
+def server_for(world: World, busy: set[str]) -> "Server | None":
+    """The fork server of ``world``'s stack, started now if there is none (from the spawner thread). ``busy``: the
+    keys of the servers whose ranks are up now (the warm worlds'), never stopped to make room."""
     if world.device != "cpu" or world.launcher != "local" or world.nnodes != 1 or os.environ.get(NO_FORK_ENV):
         return None
-    from kit.launch.warm import _WARM  # the warm worlds are built on this module: imported here
-
-    key = _server_key(world)
+    key = server_key(world)
     server = _SERVERS.get(key, False)
     if server is False or (server is not None and server.proc.poll() is not None):
-        busy = {w.server_key for w in _WARM.values()}
         idle = sorted((k for k, s in _SERVERS.items() if s is not None and k != key and k not in busy),
                       key=lambda k: _SERVERS[k].used)
         for old in idle[:max(0, sum(s is not None for s in _SERVERS.values()) + 1 - SERVER_MAX)]:
-            _stop_server(old)
+            stop_server(old)
         _SERVERS[key] = server = _start_server(world)
     if server is not None:
         server.used = time.monotonic()
     return server
 
 
-def _start_server(world: World) -> "_Server | None":
+def _start_server(world: World) -> "Server | None":
     import select
 
     env = rank_env(world, 0, 0)
     proc = subprocess.Popen([sys.executable, "-m", "kit.launch.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT), text=True,
-                            preexec_fn=_session_dying_with_parent)
+                            preexec_fn=session_dying_with_parent)
     proc.stdin.write(json.dumps({"pythonpath": [*world.pythonpath, str(REPO_ROOT)], "expect": world.expect,
                                  "init": world.init, "idle_s": SERVER_IDLE_S}) + "\n")
     proc.stdin.flush()
@@ -133,17 +131,35 @@ def _start_server(world: World) -> "_Server | None":
         except ValueError:
             said = {}
     if said.get("ready"):
-        return _Server(proc)
-    _kill([proc])
+        return Server(proc)
+    kill_groups([proc])
     return None
 
 
-def _stop_server(key: str) -> None:
+def stop_server(key: str) -> None:
     server = _SERVERS.pop(key, None)
     if server is not None:
-        _kill([server.proc])  # its ranks die with it (parent-death signal)
+        kill_groups([server.proc])  # its ranks die with it (parent-death signal)
         for f in (server.proc.stdin, server.proc.stdout):
             try:
                 f.close()
             except OSError:
                 pass
+
+
+def server_keys() -> set[str]:
+    """The stacks that have a fork server now, or whose server could not start."""
+    return set(_SERVERS)
+
+
+def forget_unstarted(keys) -> None:
+    """Forget the stacks among ``keys`` whose server could not start: the next run tries again."""
+    for key in keys:
+        if _SERVERS.get(key) is None:
+            _SERVERS.pop(key, None)
+
+
+def stop_servers() -> None:
+    """Stop every fork server of this process."""
+    for key in list(_SERVERS):
+        stop_server(key)

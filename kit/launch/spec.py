@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kit import config as kconfig
+from kit.stacks import versions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHERS = kconfig.LAUNCHERS
+RANK_NAME = "gradkit-rank"  # a rank's process name (what ps -e and psutil's name() show): gradkit-rank<R>
 
 
 class LaunchError(RuntimeError):
@@ -119,8 +121,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def _installed_key() -> str:
-    from kit.stacks import versions
+def installed_key() -> str:
+    """The torch-extensions cache folder of the installed DeepSpeed (a world that names no ``extensions_key``)."""
     return versions.Stack({"deepspeed": versions.installed_version("deepspeed")}).extensions_key
 
 
@@ -199,7 +201,7 @@ def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(world.world_size),
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "PYTHONUNBUFFERED": "1",
-        "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / (world.extensions_key or _installed_key())),
+        "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / (world.extensions_key or installed_key())),
     })
     if world.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"

@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.launch.lifecycle import (_LIVE, _kill, _new_world_folder, _start_ranks, _wait, check_stop, release_port,
-                                  remove_stale_worlds)
-from kit.launch.results import _partials
-from kit.launch.servers import _SERVERS, _Forked, _server_for, _server_key, _stack_fields, _stop_server
+from kit.launch.cleanup import new_world_folder, release_port, remove_stale_worlds
+from kit.launch.processes import check_stop, kill_groups, track_world, untrack_world
+from kit.launch.ranks import start_ranks, wait_for_ranks
+from kit.launch.results import read_partials
+from kit.launch.servers import (Forked, forget_unstarted, server_for, server_key, server_keys, stack_fields,
+                                stop_servers)
 from kit.launch.spec import LaunchError, World
 
 WARM_IDLE_S = 600.0
@@ -57,7 +59,7 @@ def warm_worlds(keep: bool = True):
     Their fork servers stay for the next run of their stack, until ``SERVER_IDLE_S`` without a rank."""
     before = getattr(_WARM_FLAG, "on", False)
     with _WARM_LOCK:
-        had, had_servers = set(_WARM), set(_SERVERS)
+        had, had_servers = set(_WARM), server_keys()
     _WARM_FLAG.on = True
     try:
         yield
@@ -67,17 +69,15 @@ def warm_worlds(keep: bool = True):
             with _WARM_LOCK:
                 for key in set(_WARM) - had:
                     _discard(key)
-                for key in set(_SERVERS) - had_servers:
-                    if _SERVERS.get(key) is None:
-                        _SERVERS.pop(key, None)  # could not start: the next run tries again
+                forget_unstarted(server_keys() - had_servers)  # could not start: the next run tries again
 
 
-def _warm_wanted(world: World) -> bool:
+def warm_wanted(world: World) -> bool:
     return getattr(_WARM_FLAG, "on", False) and world.launcher == "local" and world.nnodes == 1
 
 
 def _warm_key(world: World, target: str) -> str:
-    return json.dumps([target, world.world_size, *_stack_fields(world)], sort_keys=True, default=str)
+    return json.dumps([target, world.world_size, *stack_fields(world)], sort_keys=True, default=str)
 
 
 _SPAWNER = None  # the one thread that starts warm worlds (see _start_warm)
@@ -96,15 +96,15 @@ def _start_warm(world: World) -> _Warm:
 
 def _start_warm_here(world: World) -> _Warm:
     remove_stale_worlds()
-    job = _new_world_folder()  # claimed before the fork server starts (which may take a while)
+    job = new_world_folder()  # claimed before the fork server starts (which may take a while)
     try:
-        server = _server_for(world)
-        procs, logs, holder = _start_ranks(world, job, {"serve": True, "idle_s": WARM_IDLE_S}, server)
+        server = server_for(world, busy={w.server_key for w in _WARM.values()})
+        procs, logs, holder = start_ranks(world, job, {"serve": True, "idle_s": WARM_IDLE_S}, server)
     except BaseException:
         shutil.rmtree(job, ignore_errors=True)
         raise
-    forked = server is not None and any(isinstance(p, _Forked) for p in procs)
-    return _Warm(procs, logs, holder, job, server_key=_server_key(world) if forked else "")
+    forked = server is not None and any(isinstance(p, Forked) for p in procs)
+    return _Warm(procs, logs, holder, job, server_key=server_key(world) if forked else "")
 
 
 def prewarm(world: World, target: str) -> _Warm:
@@ -126,7 +126,7 @@ def prewarm(world: World, target: str) -> _Warm:
 def _discard(key: str) -> None:
     w = _WARM.pop(key, None)
     if w is not None:
-        _kill(w.procs)
+        kill_groups(w.procs)
         release_port(w.holder)
         shutil.rmtree(w.job, ignore_errors=True)
         # its server stays for the next world of its stack (leaving after SERVER_IDLE_S without a rank)
@@ -138,23 +138,23 @@ def stop_warm_worlds(servers: bool = True) -> int:
         keys = list(_WARM)
         for key in keys:
             _discard(key)
-        for key in list(_SERVERS) if servers else []:
-            _stop_server(key)
+        if servers:
+            stop_servers()
     return len(keys)
 
 
 atexit.register(stop_warm_worlds)
 
 
-def _run_warm(target: str, payload: dict, world: World, on_partial, stops: int) -> list:
+def run_warm(target: str, payload: dict, world: World, on_partial, stops: int) -> list:
     starting: list = []  # counted by a stop_worlds while the warm world starts (it has no ranks yet)
-    _LIVE[id(starting)] = starting
+    track_world(starting)
     try:
         w = prewarm(world, target)
     finally:
-        _LIVE.pop(id(starting), None)
+        untrack_world(starting)
     key = _warm_key(world, target)
-    _LIVE[id(w.procs)] = w.procs
+    track_world(w.procs)
     ok = False
     try:
         check_stop(stops)  # a stop while it started: the finally below discards the world, its ranks killed
@@ -165,15 +165,15 @@ def _run_warm(target: str, payload: dict, world: World, on_partial, stops: int) 
         tmp.write_text(json.dumps({"target": target, "payload": payload}))
         os.replace(tmp, folder / "spec.json")  # the ranks see the job whole or not at all
         try:
-            _wait(w.procs, world, folder, w.logs, on_partial, serving=True, started_in=w.job)
+            wait_for_ranks(w.procs, world, folder, w.logs, on_partial, serving=True, started_in=w.job)
         except LaunchError as e:
-            e.partial = _partials(folder, world.world_size)
+            e.partial = read_partials(folder, world.world_size)
             raise
         results = [json.loads((folder / f"rank{r}.json").read_text())["result"] for r in range(world.world_size)]
         ok = True
         return results
     finally:
-        _LIVE.pop(id(w.procs), None)
+        untrack_world(w.procs)
         if ok:
             shutil.rmtree(folder, ignore_errors=True)
         else:

@@ -18,6 +18,9 @@ import time
 import traceback
 from pathlib import Path
 
+from kit.launch.spec import RANK_NAME
+from kit.stacks.versions import module_name
+
 
 def init_process_group(device: str, how: str, timeout_s: float, init_method: str = "env://") -> None:
     """Join the world: through a file store in the job folder for the kit's own local ranks (no port to race
@@ -165,8 +168,6 @@ def check_stack(expect: dict) -> dict:
     A damaged overlay (a missing ``__init__.py``) lets Python fall through to the installed release: the record
     would then carry the requested label over another release's behaviour. This makes that a ``cannot-run``.
     """
-    from kit.stacks.versions import module_name
-
     found, bad = {}, []
     for package, want in expect.items():
         try:
@@ -185,9 +186,6 @@ def check_stack(expect: dict) -> dict:
     if bad:
         raise StackMismatch("the world's packages are not the ones requested: " + "; ".join(bad))
     return found
-
-
-RANK_NAME = "gradkit-rank"  # a rank's process name (what ps -e and psutil's name() show): gradkit-rank<R>
 
 
 def name_process(name: str) -> None:

@@ -232,7 +232,7 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     try:
         with open(log, "wb") as logf, STOP.lock:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=launch._session_dying_with_parent)
+                                    preexec_fn=launch.session_dying_with_parent)
             STOP.running[proc.pid] = proc
             LIVE[path.name] = Live(executed, tmp / "progress.jsonl")
         if STOP.signal:  # the stop came while it was being started
@@ -280,7 +280,7 @@ class Live:
         self.since = time.time()  # an executed notebook older than this is a previous run's, not yet overwritten
         self.world: dict = {}
         self.done = 0
-        self.read_events = launch._PartialReader(events, self._hear)  # whole lines only, each once
+        self.read_events = launch.PartialReader(events, self._hear)  # whole lines only, each once
 
     def _hear(self, event: dict) -> None:
         if event.get("kind") == "world":
@@ -497,7 +497,7 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
         with STOP.lock:
             if STOP.signal:
                 return {"status": "stopped", "wall_s": 0.0, "done": [], "problems": [], "stacks": len(needs)}
-            proc = subprocess.Popen(cmd, env=env, preexec_fn=launch._session_dying_with_parent)
+            proc = subprocess.Popen(cmd, env=env, preexec_fn=launch.session_dying_with_parent)
             STOP.running[proc.pid] = proc
         try:
             code = proc.wait()
