@@ -5,6 +5,7 @@ import json
 import pytest
 
 from kit.commands import bisect
+from kit.commands.bisect import diff, search
 from kit.judge import oracle
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0]}
@@ -35,11 +36,11 @@ def test_a_boundary_among_many_releases_is_found_exactly_by_binary_search_and_co
     order = releases(13)
     results = {r: (bad() if i < 7 else GOOD) for i, r in enumerate(order)}
     measure, calls = measuring(results)
-    found = bisect.search(order, measure, stride=4)
+    found = search.search(order, measure, stride=4)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.6.0", "0.7.0")]
     ch = found["changes"][0]
     assert ch["from"]["verdict"] == oracle.AFFECTED and ch["to"]["verdict"] == oracle.NOT_AFFECTED and ch["confirmed"]
-    assert "last bad 0.6.0" in bisect.describe(ch) and "first good 0.7.0" in bisect.describe(ch)
+    assert "last bad 0.6.0" in search.describe(ch) and "first good 0.7.0" in search.describe(ch)
     assert calls.count("0.6.0") == 2 and calls.count("0.7.0") == 2  # measured, then confirmed in a second run
     assert len(set(calls)) < len(order)  # a search, not a scan: releases between equal results are not run
 
@@ -57,38 +58,38 @@ def test_a_change_of_shape_is_a_change_and_one_that_does_not_repeat_is_said_unco
                 return {"release": release, **bad("all but the first micro-batch")}
         return {"release": release, **results[release]}
 
-    found = bisect.search(order, measure, stride=2)
+    found = search.search(order, measure, stride=2)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.2.0", "0.3.0")]
     assert "the step is all but the first micro-batch until 0.2.0, first and last micro-batch from 0.3.0" \
-        in bisect.describe(found["changes"][0])
-    assert found["changes"][0]["confirmed"] is False and "NOT confirmed" in bisect.describe(found["changes"][0])
+        in search.describe(found["changes"][0])
+    assert found["changes"][0]["confirmed"] is False and "NOT confirmed" in search.describe(found["changes"][0])
 
 
 def test_a_release_that_cannot_run_is_skipped_never_good_and_a_change_next_to_it_is_a_range():
     order = releases(6)
     results = {"0.0.0": bad(), "0.1.0": bad(), "0.2.0": SKIP, "0.3.0": SKIP, "0.4.0": GOOD, "0.5.0": GOOD}
     measure, _ = measuring(results)
-    found = bisect.search(order, measure, stride=1)
+    found = search.search(order, measure, stride=1)
     [ch] = found["changes"]
     assert (ch["before"], ch["after"], ch["between"]) == ("0.1.0", "0.4.0", ["0.2.0", "0.3.0"])
-    assert "between 0.1.0 and 0.4.0 (not run here: 0.2.0, 0.3.0)" in bisect.describe(ch)
+    assert "between 0.1.0 and 0.4.0 (not run here: 0.2.0, 0.3.0)" in search.describe(ch)
     assert [s["release"] for s in found["skipped"]] == ["0.2.0", "0.3.0"]
     assert all(s["verdict"] == oracle.CANNOT_RUN for s in found["skipped"])
-    text = bisect.table(found)
+    text = search.table(found)
     assert "| 0.2.0 | cannot-run | skipped: Output 0 of Split is a view" in text
     # only skipped releases after a bad one: never a "first good" made of a release that did not run
-    found = bisect.search(["0.0.0", "0.2.0", "0.3.0"], measuring(results)[0], stride=1)
+    found = search.search(["0.0.0", "0.2.0", "0.3.0"], measuring(results)[0], stride=1)
     assert found["changes"] == [] and len(found["skipped"]) == 2
 
 
 def test_a_change_and_its_undoing_inside_one_stride_is_seen_with_stride_one():
     order = releases(5)
     results = {r: (bad("first and last micro-batch") if i == 2 else GOOD) for i, r in enumerate(order)}
-    assert bisect.search(order, measuring(results)[0], stride=4)["changes"] == []  # said in the output
-    found = bisect.search(order, measuring(results)[0], stride=1)
+    assert search.search(order, measuring(results)[0], stride=4)["changes"] == []  # said in the output
+    found = search.search(order, measuring(results)[0], stride=1)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.1.0", "0.2.0"), ("0.2.0", "0.3.0")]
-    assert "first bad 0.2.0" in bisect.describe(found["changes"][0])
-    assert "first good 0.3.0" in bisect.describe(found["changes"][1])
+    assert "first bad 0.2.0" in search.describe(found["changes"][0])
+    assert "first good 0.3.0" in search.describe(found["changes"][1])
 
 
 def test_bad_input_is_refused_before_anything_launches(tmp_path):
@@ -113,13 +114,13 @@ def test_bad_input_is_refused_before_anything_launches(tmp_path):
 def test_the_changed_functions_are_read_from_both_sources_on_the_gradient_path(tmp_path):
     before = "class BF16_Optimizer:\n    def step(self):\n        a = 1\n    def describe(self):\n        return 1\n"
     after = "class BF16_Optimizer:\n    def step(self):\n        a = 2\n    def describe(self):\n        return 2\n"
-    fa, fb = bisect._functions(before, "BF16_Optimizer"), bisect._functions(after, "BF16_Optimizer")
+    fa, fb = diff._functions(before, "BF16_Optimizer"), diff._functions(after, "BF16_Optimizer")
     assert set(fa) == {"BF16_Optimizer.step"} and fa["BF16_Optimizer.step"] != fb["BF16_Optimizer.step"]  # not describe()
     # a module-level helper a gradient-path method calls is on the path too (B8's split_half_float_double)
     helper = ("def split_half_float_double(tensors):\n    return [tensors]\n\ndef unrelated():\n    pass\n\n"
               "class DeepSpeedZeroOptimizer:\n    def buffered_reduce_fallback(self, grads):\n"
               "        return split_half_float_double(grads)\n")
-    assert set(bisect._functions(helper, "DeepSpeedZeroOptimizer")) == {"DeepSpeedZeroOptimizer.buffered_reduce_fallback",
+    assert set(diff._functions(helper, "DeepSpeedZeroOptimizer")) == {"DeepSpeedZeroOptimizer.buffered_reduce_fallback",
                                                                          "split_half_float_double"}
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kit.commands import bisect
+from kit.commands.bisect import diff, listing, result, search
 from kit.judge import oracle
 from kit.stacks import versions
 from kit import config as kconfig
@@ -22,9 +23,9 @@ SKIP = {"verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": "doe
 
 def test_the_installed_release_runs_without_an_overlay_and_any_other_in_one(monkeypatch):
     monkeypatch.setattr(versions, "installed_version", lambda p: {"deepspeed": "0.18.6+cpu", "accelerate": "1.2.0"}[p])
-    assert bisect.stack_of("0.18.6") == {} and bisect.stack_of("0.18.5") == {"deepspeed": "0.18.5"}
-    assert bisect.stack_of("1.2.0", "accelerate") == {} and bisect.stack_of("1.0.1", "accelerate") == {"accelerate": "1.0.1"}
-    assert [v for v in ("0.18.6", "1.0", "0.18.6rc1", "1.0.0.dev0", "0.18.6.post1") if bisect._final(v)] == ["0.18.6", "1.0"]
+    assert listing.stack_of("0.18.6") == {} and listing.stack_of("0.18.5") == {"deepspeed": "0.18.5"}
+    assert listing.stack_of("1.2.0", "accelerate") == {} and listing.stack_of("1.0.1", "accelerate") == {"accelerate": "1.0.1"}
+    assert [v for v in ("0.18.6", "1.0", "0.18.6rc1", "1.0.0.dev0", "0.18.6.post1") if listing._final(v)] == ["0.18.6", "1.0"]
 
 
 @pytest.fixture
@@ -48,33 +49,33 @@ def index(monkeypatch, tmp_path):
         out = said["stdout"] if text else said["stdout"].encode()
         return subprocess.CompletedProcess(cmd, 0, out if capture_output else None, "")
 
-    monkeypatch.setattr(bisect.subprocess, "run", run)
+    monkeypatch.setattr(listing.subprocess, "run", run)
     return tmp_path / "cache" / "releases" / "deepspeed.json", said
 
 
 def test_the_index_is_asked_once_a_day_its_final_releases_in_order_and_kept(index):
     cache, said = index
-    found, where = bisect.index_releases()
+    found, where = listing.index_releases()
     assert found == ["0.2.0", "0.9.0", "0.9.1", "0.10.0"] and where == "the package index"  # rc left out, in order
     held = json.loads(cache.read_text())
     assert held["releases"] == found and abs(held["fetched"] - time.time()) < 60
     said["stdout"] = "Available versions: 0.3.0\n"
-    again, where = bisect.index_releases()
+    again, where = listing.index_releases()
     assert again == found and said["calls"] == 1 and where.startswith("the package index (cached ")
     assert time.strftime("%Y-%m-%d", time.gmtime()) in where
-    cache.write_text(json.dumps({"fetched": time.time() - bisect.INDEX_MAX_AGE_S - 5, "releases": ["0.1.0"]}))
-    assert bisect.index_releases() == (["0.3.0"], "the package index") and said["calls"] == 2  # a day old: asked
+    cache.write_text(json.dumps({"fetched": time.time() - listing.INDEX_MAX_AGE_S - 5, "releases": ["0.1.0"]}))
+    assert listing.index_releases() == (["0.3.0"], "the package index") and said["calls"] == 2  # a day old: asked
 
 
 def test_the_cached_list_is_kept_for_exactly_a_day(index, monkeypatch):
     cache, said = index
     now = 1_700_000_000.0
-    monkeypatch.setattr(bisect.time, "time", lambda: now)
+    monkeypatch.setattr(listing.time, "time", lambda: now)
     cache.parent.mkdir(parents=True)
     for age, asked in ((86399.0, 0), (86400.0, 1), (86401.0, 1), (3600.0, 0)):
         said["calls"] = 0
         cache.write_text(json.dumps({"fetched": now - age, "releases": ["0.1.0"]}))
-        found, where = bisect.index_releases()
+        found, where = listing.index_releases()
         assert said["calls"] == asked, (age, where)
         assert found == (["0.2.0", "0.9.0", "0.9.1", "0.10.0"] if asked else ["0.1.0"])
 
@@ -84,42 +85,42 @@ def test_offline_the_cached_list_is_used_and_said_else_the_releases_the_kit_alre
     said["raise"] = subprocess.TimeoutExpired("pip", 60)
     cache.parent.mkdir(parents=True)
     cache.write_text(json.dumps({"fetched": 86400.0 * 3, "releases": ["0.1.0", "0.2.0"]}))
-    found, where = bisect.index_releases()
+    found, where = listing.index_releases()
     assert found == ["0.1.0", "0.2.0"]
     assert where == "the package index as cached on 1970-01-04 (the index cannot be reached now)"
     said["raise"], said["stdout"] = None, "pip says nothing useful\n"  # no "Available versions:" line
-    assert bisect.index_releases()[0] == ["0.1.0", "0.2.0"]
+    assert listing.index_releases()[0] == ["0.1.0", "0.2.0"]
     cache.write_text("not json")
-    found, where = bisect.index_releases()  # no list at all: the overlays complete here, and the installed one
+    found, where = listing.index_releases()  # no list at all: the overlays complete here, and the installed one
     assert found == ["0.17.0", "0.18.6+cpu"] and "already in the kit's cache and the installed one" in where
     said["raise"] = OSError("no pip")
     cache.unlink()
-    assert bisect.index_releases()[0] == ["0.17.0", "0.18.6+cpu"]
+    assert listing.index_releases()[0] == ["0.17.0", "0.18.6+cpu"]
 
 
 def test_the_releases_to_bisect_are_the_given_ones_in_order_or_the_indexs_between_from_and_to(index, monkeypatch):
-    monkeypatch.setattr(bisect, "index_releases", lambda p=bisect.PACKAGE: (["0.2.0", "0.9.0", "0.9.1", "0.10.0"], "idx"))
-    assert bisect.release_list(None, "installed", " 0.9.1, installed,,0.2.0 ") == (["0.9.1", "0.18.6", "0.2.0"],
+    monkeypatch.setattr(listing, "index_releases", lambda p=listing.PACKAGE: (["0.2.0", "0.9.0", "0.9.1", "0.10.0"], "idx"))
+    assert listing.release_list(None, "installed", " 0.9.1, installed,,0.2.0 ") == (["0.9.1", "0.18.6", "0.2.0"],
                                                                                   "--releases")
     with pytest.raises(kconfig.ConfigError, match="at least two releases"):
-        bisect.release_list(None, "installed", "0.9.1, ")
+        listing.release_list(None, "installed", "0.9.1, ")
     with pytest.raises(kconfig.ConfigError, match="release number"):
-        bisect.release_list(None, "installed", "0.9.1,newest")
-    assert bisect.release_list(None, "installed") == (["0.2.0", "0.9.0", "0.9.1", "0.10.0", "0.18.6"], "idx")
-    assert bisect.release_list("0.9.0", "0.9.1")[0] == ["0.9.0", "0.9.1"]  # both ends included
-    assert bisect.release_list("0.9.1", "installed")[0] == ["0.9.1", "0.10.0", "0.18.6"]
+        listing.release_list(None, "installed", "0.9.1,newest")
+    assert listing.release_list(None, "installed") == (["0.2.0", "0.9.0", "0.9.1", "0.10.0", "0.18.6"], "idx")
+    assert listing.release_list("0.9.0", "0.9.1")[0] == ["0.9.0", "0.9.1"]  # both ends included
+    assert listing.release_list("0.9.1", "installed")[0] == ["0.9.1", "0.10.0", "0.18.6"]
     with pytest.raises(kconfig.ConfigError, match="between 0.9.1 and 0.9.1 idx has 1 release"):
-        bisect.release_list("0.9.1", "0.9.1")
+        listing.release_list("0.9.1", "0.9.1")
     with pytest.raises(kconfig.ConfigError, match="between the first release and 0.2.0 idx has 1 release"):
-        bisect.release_list(None, "0.2.0")
+        listing.release_list(None, "0.2.0")
     with pytest.raises(kconfig.ConfigError, match="release number"):
-        bisect.release_list("zero", "installed")
+        listing.release_list("zero", "installed")
     with pytest.raises(kconfig.ConfigError, match="release number"):
-        bisect.release_list(None, "newest")
+        listing.release_list(None, "newest")
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.9.0")  # already in the index: not twice
-    assert bisect.release_list(None, "installed")[0] == ["0.2.0", "0.9.0"]
+    assert listing.release_list(None, "installed")[0] == ["0.2.0", "0.9.0"]
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.19.0.dev0")  # a dev build is not a release
-    assert bisect.release_list("0.9.1", "installed")[0] == ["0.9.1", "0.10.0"]  # up to it, without it
+    assert listing.release_list("0.9.1", "installed")[0] == ["0.9.1", "0.10.0"]  # up to it, without it
 
 
 # ---------------------------------------------------------------------------------------------- one release
@@ -133,33 +134,33 @@ def _summary(verdict, **row):
 def test_one_releases_result_is_the_loops_verdict_and_the_step_in_words():
     recs = [{"role": "control", "optimizer": "Control"}, {"role": "measured"},
             {"role": "measured", "optimizer": "DeepSpeedZeroOptimizer"}, {"role": "measured", "optimizer": "Other"}]
-    r = bisect.result_of(_summary(oracle.AFFECTED, matches="last micro-batch / N", cosine=0.9, misplaced_weight=0.5,
+    r = result.result_of(_summary(oracle.AFFECTED, matches="last micro-batch / N", cosine=0.9, misplaced_weight=0.5,
                                   explained_by="x", reason="ignored"), "manual", "0.18.6", recs)
     assert r == {"release": "0.18.6", "verdict": oracle.AFFECTED, "step": "last micro-batch / N", "ratios": [0.5, 0.25],
                  "cosine": 0.9, "misplaced_weight": 0.5, "explained_by": "x", "optimizer": "DeepSpeedZeroOptimizer",
                  "reason": None, "control": oracle.NOT_AFFECTED}
-    tie = bisect.result_of(_summary(oracle.AFFECTED, ties=["a", "b"], matches="a"), "manual", "1", [])
+    tie = result.result_of(_summary(oracle.AFFECTED, ties=["a", "b"], matches="a"), "manual", "1", [])
     assert tie["step"] == "ambiguous between 'a' and 'b'" and tie["optimizer"] is None
-    assert bisect.result_of(_summary(oracle.AFFECTED, matches="none", shape="sum x GA"), "manual", "1", [])["step"] \
+    assert result.result_of(_summary(oracle.AFFECTED, matches="none", shape="sum x GA"), "manual", "1", [])["step"] \
         == "sum x GA"
-    assert bisect.result_of(_summary(oracle.AFFECTED, shape="sum x GA"), "manual", "1", [])["step"] == "sum x GA"
-    assert bisect.result_of(_summary(oracle.AFFECTED), "manual", "1", [])["step"] == "off, not named"
-    good = bisect.result_of(_summary(oracle.NOT_AFFECTED, matches="global mean", reason="r"), "manual", "1", [])
+    assert result.result_of(_summary(oracle.AFFECTED, shape="sum x GA"), "manual", "1", [])["step"] == "sum x GA"
+    assert result.result_of(_summary(oracle.AFFECTED), "manual", "1", [])["step"] == "off, not named"
+    good = result.result_of(_summary(oracle.NOT_AFFECTED, matches="global mean", reason="r"), "manual", "1", [])
     assert good["step"] is None and good["reason"] is None and good["ratios"] == [0.5, 0.25]
-    skipped = bisect.result_of({**_summary(oracle.INCONCLUSIVE, reason="the control is off"), "control": None},
+    skipped = result.result_of({**_summary(oracle.INCONCLUSIVE, reason="the control is off"), "control": None},
                                "manual", "1", [])
     assert skipped["reason"] == "the control is off" and skipped["control"] is None and skipped["step"] is None
-    gone = bisect.result_of(_summary(oracle.AFFECTED), "engine", "1", [])
+    gone = result.result_of(_summary(oracle.AFFECTED), "engine", "1", [])
     assert gone == {"release": "1", "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [],
                     "reason": "the loop 'engine' did not run"}
 
 
 def test_a_probe_records_step_is_said_per_stage_else_by_the_hypothesis_it_matches():
-    assert bisect.step_words({"stages": [{"stage": 0, "matches": "sum (x GA)"}, {"stage": 1}]}) == \
+    assert result.step_words({"stages": [{"stage": 0, "matches": "sum (x GA)"}, {"stage": 1}]}) == \
         "stage 0: sum (x GA); stage 1: None"
-    assert bisect.step_words({"stages": [], "matches": "m", "shape": "s"}) == "m"
-    assert bisect.step_words({"shape": "s"}) == "s"
-    assert bisect.step_words({}) == "off (this probe names no step)"
+    assert result.step_words({"stages": [], "matches": "m", "shape": "s"}) == "m"
+    assert result.step_words({"shape": "s"}) == "s"
+    assert result.step_words({}) == "off (this probe names no step)"
 
 
 class _Probe(SimpleNamespace):
@@ -187,30 +188,30 @@ def test_a_probes_measure_judges_its_case_by_the_worst_configuration_and_names_i
             rec(oracle.AFFECTED, "a"), rec(oracle.AFFECTED, "a"),
             {"case": "control", "probe_verdict": oracle.AFFECTED, "verdict": oracle.AFFECTED}]
     probe, calls = _probe(recs)
-    measure = bisect.probe_measure(probe, {"world_sizes": [2]}, "measured")
+    measure = result.probe_measure(probe, {"world_sizes": [2]}, "measured")
     assert measure("0.18.5") == {"release": "0.18.5", "verdict": oracle.AFFECTED, "step": "a; b", "ratios": [0.5, None],
                                  "reason": None, "optimizer": "SGD"}
     assert calls == [{"world_sizes": [2], "stacks": [{"deepspeed": "0.18.5"}]}]
     measure("0.18.6")
     assert calls[-1]["stacks"] == [{}]
     odd = [{"case": "measured", "probe_verdict": "odd", "verdict": "odd", "why": "w"}, rec(oracle.CANNOT_RUN, None)]  # unknown ranks last
-    res = bisect.probe_measure(_probe(odd)[0], {}, "measured")("0.18.5")
+    res = result.probe_measure(_probe(odd)[0], {}, "measured")("0.18.5")
     assert res["verdict"] == oracle.CANNOT_RUN and res["reason"] == "w" and res["step"] is None
     assert res["ratios"] == [0.5, None]
     flat = [{"case": "measured", "verdict": oracle.AFFECTED, "probe_verdict": oracle.NOT_AFFECTED,
              "metrics": {"norm_ratio": 1.0}, "why": "w"}]  # the probe's own verdict, not the record's
-    res = bisect.probe_measure(_probe(flat)[0], {}, "measured")("0.18.5")
+    res = result.probe_measure(_probe(flat)[0], {}, "measured")("0.18.5")
     assert res["ratios"] == [1.0] and res["step"] is None and res["reason"] is None  # its own metrics, one step
-    words = bisect.probe_measure(_probe(recs)[0], {}, "measured", words=lambda r: r["matches"].upper())
+    words = result.probe_measure(_probe(recs)[0], {}, "measured", words=lambda r: r["matches"].upper())
     assert words("0.18.5")["step"] == "A; B"
-    none = bisect.probe_measure(_probe([{"case": "control", "verdict": "v"}])[0], {}, "measured")("0.18.5")
+    none = result.probe_measure(_probe([{"case": "control", "verdict": "v"}])[0], {}, "measured")("0.18.5")
     assert none == {"release": "0.18.5", "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [],
                     "reason": "the probe gave no record of the case 'measured'"}
-    refused = bisect.probe_measure(_probe(error=versions.CannotRun("no wheel"))[0], {}, "measured")("0.18.5")
+    refused = result.probe_measure(_probe(error=versions.CannotRun("no wheel"))[0], {}, "measured")("0.18.5")
     assert refused == {"release": "0.18.5", "verdict": oracle.CANNOT_RUN, "step": None, "ratios": [],
                        "reason": "no wheel"}
     with pytest.raises(kconfig.ConfigError, match=r"the BX probe's stack names \['torch', 'deepspeed'\], not 'accelerate'"):
-        bisect.probe_measure(probe, {}, "measured", axis="accelerate")
+        result.probe_measure(probe, {}, "measured", axis="accelerate")
 
 
 def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_that_cannot_install_is_skipped(monkeypatch):
@@ -228,7 +229,7 @@ def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_th
 
     monkeypatch.setattr(ds_config, "run", run)
     monkeypatch.setattr(check, "summarise", lambda recs: _summary(oracle.AFFECTED, matches="m"))
-    measure = bisect.measure_with("cfg", "manual", 2, "cpu", 60.0, 3, model="moe")
+    measure = result.measure_with("cfg", "manual", 2, "cpu", 60.0, 3, model="moe")
     res = measure("0.18.5")
     assert res["verdict"] == oracle.AFFECTED and res["step"] == "m" and res["optimizer"] == "SGD"
     assert calls == [("cfg", ("manual",), 2, {"deepspeed": "0.18.5"}, "cpu", 60.0, 3, "moe")]
@@ -237,15 +238,15 @@ def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_th
 
 
 def test_a_change_is_a_change_of_verdict_or_of_the_steps_shape():
-    assert bisect.signature({"verdict": "a", "step": "x", "ratios": [1]}) == ("a", "x")
-    assert bisect.signature({"verdict": "a"}) == ("a", None)
+    assert result.signature({"verdict": "a", "step": "x", "ratios": [1]}) == ("a", "x")
+    assert result.signature({"verdict": "a"}) == ("a", None)
 
 
 # ---------------------------------------------------------------------------------------------- the search
 
 def test_the_first_pass_takes_every_strideth_release_and_the_last():
-    assert bisect.grid(13, 4) == [0, 4, 8, 12] and bisect.grid(10, 4) == [0, 4, 8, 9]
-    assert bisect.grid(3, 0) == [0, 1, 2] and bisect.grid(1, 4) == [0] and bisect.grid(5, 1) == [0, 1, 2, 3, 4]
+    assert search.grid(13, 4) == [0, 4, 8, 12] and search.grid(10, 4) == [0, 4, 8, 9]
+    assert search.grid(3, 0) == [0, 1, 2] and search.grid(1, 4) == [0] and search.grid(5, 1) == [0, 1, 2, 3, 4]
 
 
 def test_the_first_pass_is_installed_up_front_for_the_probe_and_package_bisected(monkeypatch):
@@ -257,9 +258,9 @@ def test_the_first_pass_is_installed_up_front_for_the_probe_and_package_bisected
     monkeypatch.setattr(kprefetch, "needs_of", lambda pairs: pairs)
     monkeypatch.setattr(kprefetch, "prefetch", lambda needs, progress: asked.append((needs, progress)) or ([], ["p"]))
     order = ["0.0.0", "0.1.0", "0.2.0", "0.3.0", "0.4.0"]
-    assert bisect.prefetch(order, 2, progress=False) == ["p"]
+    assert search.prefetch(order, 2, progress=False) == ["p"]
     assert asked[-1] == ([(ds_config.CHECK, {"deepspeed": "0.0.0"}), (ds_config.CHECK, {"deepspeed": "0.2.0"})], False)
-    bisect.prefetch(order, 4, probe="B1", axis="transformers")  # installed_version says 0.4.0 for any package
+    search.prefetch(order, 4, probe="B1", axis="transformers")  # installed_version says 0.4.0 for any package
     assert asked[-1] == ([("B1", {"transformers": "0.0.0"})], True)
 
 
@@ -269,7 +270,7 @@ def test_the_search_measures_each_release_once_tells_progress_and_reports_what_i
     results["0.8.0"] = SKIP
     measure, calls = measuring(results)
     heard = []
-    found = bisect.search(order, measure, stride=4, progress=lambda rel, res: heard.append((rel, res["verdict"])))
+    found = search.search(order, measure, stride=4, progress=lambda rel, res: heard.append((rel, res["verdict"])))
     assert [(c["before"], c["after"], c["between"]) for c in found["changes"]] == [("0.4.0", "0.5.0", [])]
     # the last release does not run: the release below it that runs is the last anchor (0.7.0, not 0.4.0's GOOD)
     assert "0.7.0" in found["measured"] and found["skipped"] == [{"release": "0.8.0", "verdict": oracle.CANNOT_RUN,
@@ -279,24 +280,24 @@ def test_the_search_measures_each_release_once_tells_progress_and_reports_what_i
         found["measured"], key=order.index)  # in release order
     assert found["order"] == order and found["stride"] == 4 and found["confirmations"] == {"0.4.0": True, "0.5.0": True}
     assert found["changes"][0]["from"]["release"] == "0.4.0" and found["changes"][0]["to"]["release"] == "0.5.0"
-    plain = bisect.search(order, measuring(results)[0], stride=4, confirm=False)
+    plain = search.search(order, measuring(results)[0], stride=4, confirm=False)
     assert plain["confirmations"] == {} and "confirmed" not in plain["changes"][0]
-    assert not bisect.describe(plain["changes"][0]).endswith("(NOT confirmed: a second run of one side gave another result)")
+    assert not search.describe(plain["changes"][0]).endswith("(NOT confirmed: a second run of one side gave another result)")
 
 
 def test_a_release_at_either_end_that_runs_where_the_grids_did_not_is_an_anchor():
     order = [f"0.{i}.0" for i in range(9)]
     results = {r: SKIP for r in order}
     results.update({"0.1.0": bad(), "0.2.0": bad(), "0.6.0": GOOD, "0.7.0": GOOD})  # grid: 0, 4, 8 all skipped
-    found = bisect.search(order, measuring(results)[0], stride=4)
+    found = search.search(order, measuring(results)[0], stride=4)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.2.0", "0.6.0")]
     assert found["changes"][0]["between"] == ["0.3.0", "0.4.0", "0.5.0"]
     results.update({"0.4.0": bad()})  # one grid release runs; the first and last that run join it
-    found = bisect.search(order, measuring(results)[0], stride=4)
+    found = search.search(order, measuring(results)[0], stride=4)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.4.0", "0.6.0")]
     results.update({"0.0.0": GOOD, "0.4.0": SKIP})  # anchors 0.0.0 and 0.7.0 agree: a change and its undoing
-    assert bisect.search(order, measuring(results)[0], stride=4)["changes"] == []  # between them are not seen
-    nothing = bisect.search(order[:3], measuring({r: SKIP for r in order})[0], stride=1)
+    assert search.search(order, measuring(results)[0], stride=4)["changes"] == []  # between them are not seen
+    nothing = search.search(order[:3], measuring({r: SKIP for r in order})[0], stride=1)
     assert nothing["changes"] == [] and len(nothing["skipped"]) == 3
 
 
@@ -305,7 +306,7 @@ def test_the_middle_release_is_measured_first_and_a_skipped_one_gives_way_to_its
     results = {r: (bad() if i < 6 else GOOD) for i, r in enumerate(order)}
     results["0.4.0"] = SKIP
     measure, calls = measuring(results)
-    found = bisect.search(order, measure, stride=8, confirm=False)
+    found = search.search(order, measure, stride=8, confirm=False)
     assert calls == ["0.0.0", "0.8.0", "0.4.0", "0.3.0", "0.5.0", "0.6.0"]  # 4 skipped: 3 (nearer, lower) then 5
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.5.0", "0.6.0")]
 
@@ -313,7 +314,7 @@ def test_the_middle_release_is_measured_first_and_a_skipped_one_gives_way_to_its
 def test_between_two_anchors_the_middle_one_is_measured_first_then_the_middle_of_the_half_that_changes():
     order = [f"0.{i}.0" for i in range(13)]
     measure, calls = measuring({r: (bad() if i < 6 else GOOD) for i, r in enumerate(order)})
-    found = bisect.search(order, measure, stride=4, confirm=False)
+    found = search.search(order, measure, stride=4, confirm=False)
     assert calls == ["0.0.0", "0.4.0", "0.8.0", "0.12.0", "0.6.0", "0.5.0"]  # between 4 and 8: 6, then 5
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.5.0", "0.6.0")]
 
@@ -323,38 +324,38 @@ def test_a_first_release_that_does_not_run_gives_way_to_the_next_that_does_below
     results = {r: bad() for r in order}
     results.update({"0.0.0": SKIP, "0.1.0": GOOD})
     measure, calls = measuring(results)
-    found = bisect.search(order, measure, stride=4, confirm=False)
+    found = search.search(order, measure, stride=4, confirm=False)
     assert [(c["before"], c["after"]) for c in found["changes"]] == [("0.1.0", "0.2.0")]
     assert calls.count("0.8.0") == 1 and calls.count("0.0.0") == 1  # each release measured once
 
 
 def test_a_change_says_which_way_it_goes_between_which_releases_and_whether_it_repeated():
     ch = {"before": "0.1.0", "after": "0.2.0", "between": [], "from": GOOD, "to": bad("x")}
-    assert bisect.describe(ch) == "0.1.0 -> 0.2.0: last good 0.1.0, first bad 0.2.0: the step becomes x"
+    assert search.describe(ch) == "0.1.0 -> 0.2.0: last good 0.1.0, first bad 0.2.0: the step becomes x"
     ch = {**ch, "from": bad("y"), "to": GOOD, "confirmed": True}
-    assert bisect.describe(ch) == "0.1.0 -> 0.2.0: last bad 0.1.0 (y), first good 0.2.0"
+    assert search.describe(ch) == "0.1.0 -> 0.2.0: last bad 0.1.0 (y), first good 0.2.0"
     ch = {**ch, "to": bad("z"), "between": ["0.1.5"], "confirmed": False}
-    assert bisect.describe(ch) == ("between 0.1.0 and 0.2.0 (not run here: 0.1.5): the step is y until 0.1.0, z from "
+    assert search.describe(ch) == ("between 0.1.0 and 0.2.0 (not run here: 0.1.5): the step is y until 0.1.0, z from "
                                    "0.2.0 (NOT confirmed: a second run of one side gave another result)")
     ch = {"before": "0.1.0", "after": "0.2.0", "between": [], "from": SKIP, "to": GOOD}
-    assert bisect.describe(ch) == "0.1.0 -> 0.2.0: cannot-run until 0.1.0, not-affected from 0.2.0"
+    assert search.describe(ch) == "0.1.0 -> 0.2.0: cannot-run until 0.1.0, not-affected from 0.2.0"
     ch = {**ch, "from": GOOD, "to": {**SKIP, "verdict": oracle.INCONCLUSIVE}}
-    assert bisect.describe(ch) == "0.1.0 -> 0.2.0: not-affected until 0.1.0, inconclusive from 0.2.0"
+    assert search.describe(ch) == "0.1.0 -> 0.2.0: not-affected until 0.1.0, inconclusive from 0.2.0"
 
 
 def test_the_table_gives_each_releases_verdict_step_and_ratios_and_the_releases_not_run():
     found = {"order": ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"],
              "measured": {"0.1.0": {**GOOD, "ratios": [1.0, None, 0.99999]}, "0.2.0": {**bad("x"), "ratios": [1, 0.5]},
                           "0.4.0": {**SKIP, "reason": "r" * 200}, "0.5.0": {**bad(None), "ratios": []}}}
-    lines = bisect.table(found).splitlines()
+    lines = search.table(found).splitlines()
     assert lines[:2] == ["| DeepSpeed | verdict | the step is | ratio per step |", "|---|---|---|---|"]
     assert lines[2] == "| 0.1.0 | not-affected | global mean | 1.000 / 1.000 |"
     assert lines[3] == "| 0.2.0 | affected | x | 1.000 / 0.500 |"
     assert lines[4] == "| 0.3.0 | not run (no change around it) | | |"
     assert lines[5] == f"| 0.4.0 | cannot-run | skipped: {'r' * 160} | - |"
     assert lines[6] == "| 0.5.0 | affected | - | - |" and len(lines) == 7
-    assert bisect.table({**found, "axis": "transformers"}).startswith("| transformers | verdict |")
-    no_reason = bisect.table({"order": ["1"], "measured": {"1": {**SKIP, "reason": None}}})
+    assert search.table({**found, "axis": "transformers"}).startswith("| transformers | verdict |")
+    no_reason = search.table({"order": ["1"], "measured": {"1": {**SKIP, "reason": None}}})
     assert no_reason.splitlines()[2] == "| 1 | cannot-run | skipped:  | - |"
 
 
@@ -365,16 +366,16 @@ def test_the_functions_on_the_gradient_path_keep_their_decorators_and_module_fun
            "def helper(a):\n    return a\n\ndef describe():\n    pass\n\n"
            "class Engine:\n    @property\n    def is_gradient_accumulation_boundary(self):\n        return helper(1)\n"
            "    def forward(self):\n        pass\n    async def allreduce_bucket(self):\n        pass\n")
-    funcs = bisect._functions(src, None)
+    funcs = diff._functions(src, None)
     assert set(funcs) == {"reduce_grads"}  # module-level functions on the path; a helper of none of them by name
     assert funcs["reduce_grads"].startswith("@decorate\n@twice\ndef reduce_grads(a):")
     assert funcs["reduce_grads"].endswith("    return helper(a)")
-    cls = bisect._functions(src, "Engine")
+    cls = diff._functions(src, "Engine")
     assert set(cls) == {"Engine.is_gradient_accumulation_boundary", "Engine.allreduce_bucket", "helper"}
     assert cls["Engine.is_gradient_accumulation_boundary"].lstrip().startswith("@property")
     assert cls["helper"] == "def helper(a):\n    return a"
-    assert bisect._functions(src, "Missing") == {}
-    assert bisect._functions("class Step:\n    def BackWard(self):\n        pass\n", "Step") != {}  # any case
+    assert diff._functions(src, "Missing") == {}
+    assert diff._functions("class Step:\n    def BackWard(self):\n        pass\n", "Step") != {}  # any case
 
 
 def _release(root, files: dict):
@@ -392,8 +393,8 @@ def test_the_commit_of_a_release_is_read_from_its_package_and_unknown_is_none(mo
              "c": _release(tmp_path / "c", {"git_version_info.py": "git_hash=''\n"}), "d": None,
              "e": _release(tmp_path / "e", {"other.py": ""}),
              "f": _release(tmp_path / "f", {"git_version_info.py": "git_hash='fff'\n"})}  # only the older name
-    monkeypatch.setattr(bisect, "_source_root", lambda r, p=bisect.PACKAGE: roots[r])
-    assert [bisect.git_hash(r) for r in "abcdef"] == ["abc123", "def456", None, None, None, "fff"]
+    monkeypatch.setattr(diff, "_source_root", lambda r, p=listing.PACKAGE: roots[r])
+    assert [diff.git_hash(r) for r in "abcdef"] == ["abc123", "def456", None, None, None, "fff"]
 
 
 def test_a_releases_source_is_its_resolved_stacks_package_folder_and_none_where_it_cannot_install(monkeypatch, tmp_path):
@@ -408,9 +409,9 @@ def test_a_releases_source_is_its_resolved_stacks_package_folder_and_none_where_
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6")
     monkeypatch.setattr(versions, "resolve_stack", resolve_stack)
     monkeypatch.setattr(versions, "module_name", lambda p: p.replace("-", "_"))
-    assert bisect._source_root("0.17.0") == tmp_path / "deepspeed"
+    assert diff._source_root("0.17.0") == tmp_path / "deepspeed"
     assert asked == [({"deepspeed": "0.17.0"}, ("deepspeed",))]
-    assert bisect._source_root("0.1.0") is None and bisect._source_root("0.18.6") is None  # no root said: none
+    assert diff._source_root("0.1.0") is None and diff._source_root("0.18.6") is None  # no root said: none
 
 
 ENGINE_A = ("class DeepSpeedEngine:\n    def backward(self, loss):\n        return loss\n"
@@ -428,8 +429,8 @@ def test_the_diff_holds_the_changed_added_and_removed_functions_on_the_path_cut_
                                                 "git_version_info_installed.py": "git_hash='aaa'\n"}),
              "0.2.0": _release(tmp_path / "b", {"runtime/engine.py": ENGINE_B,
                                                 "git_version_info_installed.py": "git_hash='bbb'\n"})}
-    monkeypatch.setattr(bisect, "_source_root", lambda r, p=bisect.PACKAGE: roots[r])
-    d = bisect.diff("0.1.0", "0.2.0", "DeepSpeedZeroOptimizer_Stage3", max_lines=30)
+    monkeypatch.setattr(diff, "_source_root", lambda r, p=listing.PACKAGE: roots[r])
+    d = diff.diff("0.1.0", "0.2.0", "DeepSpeedZeroOptimizer_Stage3", max_lines=30)
     assert (d["before"], d["after"], d["package"], d["commits"]) == ("0.1.0", "0.2.0", "deepspeed", ("aaa", "bbb"))
     opt, eng = d["files"]
     assert opt == {"file": "deepspeed/runtime/zero/stage3.py", "class": "DeepSpeedZeroOptimizer_Stage3",
@@ -446,21 +447,21 @@ def test_the_diff_holds_the_changed_added_and_removed_functions_on_the_path_cut_
     assert len(step["diff"].splitlines()) == 31 and step["diff"].endswith(f"\n... ({84 - 30} more lines)")
     assert funcs["DeepSpeedEngine.new_boundary"]["lines"] == 2 and "more lines" not in funcs[
         "DeepSpeedEngine.new_boundary"]["diff"]
-    default = {f["name"]: f for f in bisect.diff("0.1.0", "0.2.0", None)["files"][0]["functions"]}
+    default = {f["name"]: f for f in diff.diff("0.1.0", "0.2.0", None)["files"][0]["functions"]}
     assert default["DeepSpeedEngine.step"]["diff"].endswith("\n... (24 more lines)")  # 60 lines by default
     ctx = ENGINE_A.replace("        a20 = 20\n", "        a20 = 21\n")  # one line changed: two lines around it
     roots["0.1.5"] = _release(tmp_path / "c", {"runtime/engine.py": ctx})
-    one = {f["name"]: f for f in bisect.diff("0.1.0", "0.1.5", None)["files"][0]["functions"]}["DeepSpeedEngine.step"]
+    one = {f["name"]: f for f in diff.diff("0.1.0", "0.1.5", None)["files"][0]["functions"]}["DeepSpeedEngine.step"]
     assert one["diff"].splitlines()[3:] == ["         a18 = 18", "         a19 = 19", "-        a20 = 20",
                                             "+        a20 = 21", "         a21 = 21", "         a22 = 22"]
-    whole = bisect.diff("0.1.0", "0.2.0", "DeepSpeedZeroOptimizer_Stage3", max_lines=84)  # 84 lines: all of them
+    whole = diff.diff("0.1.0", "0.2.0", "DeepSpeedZeroOptimizer_Stage3", max_lines=84)  # 84 lines: all of them
     assert "more lines" not in {f["name"]: f for f in whole["files"][1]["functions"]}["DeepSpeedEngine.step"]["diff"]
-    assert [f["file"] for f in bisect.diff("0.1.0", "0.2.0", "SGD")["files"]] == ["deepspeed/runtime/engine.py"]
-    assert [f["file"] for f in bisect.diff("0.1.0", "0.2.0", None)["files"]] == ["deepspeed/runtime/engine.py"]
+    assert [f["file"] for f in diff.diff("0.1.0", "0.2.0", "SGD")["files"]] == ["deepspeed/runtime/engine.py"]
+    assert [f["file"] for f in diff.diff("0.1.0", "0.2.0", None)["files"]] == ["deepspeed/runtime/engine.py"]
     roots["0.3.0"] = None  # a release whose source cannot be read: a note, not a crash
-    assert bisect.diff("0.1.0", "0.3.0", None)["files"][0]["note"] == "not in both releases"
+    assert diff.diff("0.1.0", "0.3.0", None)["files"][0]["note"] == "not in both releases"
     roots["0.4.0"] = _release(tmp_path / "d", {})
-    assert bisect.diff("0.4.0", "0.1.0", None)["files"][0]["note"] == "not in both releases"
+    assert diff.diff("0.4.0", "0.1.0", None)["files"][0]["note"] == "not in both releases"
 
 
 def test_another_packages_diff_reads_its_own_files(monkeypatch, tmp_path):
@@ -471,8 +472,8 @@ def test_another_packages_diff_reads_its_own_files(monkeypatch, tmp_path):
         (path / "trainer.py").write_text(f"class Trainer:\n    def training_step(self):\n        return {r[0]}\n")
         return path
 
-    monkeypatch.setattr(bisect, "_source_root", root)
-    d = bisect.diff("4.0", "5.0", "DeepSpeedZeroOptimizer", package="transformers")  # a DeepSpeed optimizer: not read
+    monkeypatch.setattr(diff, "_source_root", root)
+    d = diff.diff("4.0", "5.0", "DeepSpeedZeroOptimizer", package="transformers")  # a DeepSpeed optimizer: not read
     assert [(f["file"], f["class"]) for f in d["files"]] == [("transformers/trainer.py", "Trainer")]
     assert [f["name"] for f in d["files"][0]["functions"]] == ["Trainer.training_step"]
     assert d["commits"] == (None, None)
@@ -484,7 +485,7 @@ def test_the_diff_text_names_the_commits_or_the_tags_and_shows_the_largest_chang
          "files": [{"file": "deepspeed/runtime/zero/stage3.py", "class": "Z3", "functions": [], "note": "not in both"},
                    {"file": "deepspeed/runtime/engine.py", "class": "E", "functions": []},
                    {"file": "deepspeed/x.py", "class": "X", "functions": [fn("a", 2), fn("b", 9), fn("c", 5)]}]}
-    lines = bisect.diff_text(d, max_functions=2).splitlines()
+    lines = diff.diff_text(d, max_functions=2).splitlines()
     assert lines[0] == ("the commits between them: git log --oneline aaa..bbb -- deepspeed/runtime/zero/stage3.py "
                         "deepspeed/runtime/engine.py deepspeed/x.py")
     assert lines[1] == "deepspeed/runtime/zero/stage3.py (Z3): not in both"
@@ -492,11 +493,11 @@ def test_the_diff_text_names_the_commits_or_the_tags_and_shows_the_largest_chang
     assert lines[3] == ("deepspeed/x.py (X): 3 function(s) on the gradient path changed: a (changed, 2 lines), "
                         "b (changed, 9 lines), c (changed, 5 lines)")
     assert lines[4:] == ["<diff of b>", "<diff of c>"]
-    assert bisect.diff_text(d).splitlines()[4:] == ["<diff of b>", "<diff of c>", "<diff of a>"]
+    assert diff.diff_text(d).splitlines()[4:] == ["<diff of b>", "<diff of c>", "<diff of a>"]
     many = {**d, "files": [{"file": "f.py", "class": "C", "functions": [fn(f"f{i}", i) for i in range(8)]}]}
-    assert bisect.diff_text(many).splitlines()[2:] == [f"<diff of f{i}>" for i in (7, 6, 5, 4, 3, 2)]  # six at most
+    assert diff.diff_text(many).splitlines()[2:] == [f"<diff of f{i}>" for i in (7, 6, 5, 4, 3, 2)]  # six at most
     for commits in ((None, "bbb"), ("aaa", None)):
-        head = bisect.diff_text({**d, "commits": commits}).splitlines()[0]
+        head = diff.diff_text({**d, "commits": commits}).splitlines()[0]
         assert head.startswith("the commits between them (the packages name no commit: their release tags): "
                                "git log --oneline v0.1.0..v0.2.0 -- ")
 
@@ -514,10 +515,10 @@ def command(monkeypatch, tmp_path):
         state["made"].append((loop, world_size, device, timeout_s, steps))
         return measuring(state["results"])[0]
 
-    monkeypatch.setattr(bisect, "measure_with", measure_with)
-    monkeypatch.setattr(bisect, "prefetch", lambda order, stride, progress, probe, axis: state["prefetched"].append(
+    monkeypatch.setattr(result, "measure_with", measure_with)
+    monkeypatch.setattr(search, "prefetch", lambda order, stride, progress, probe, axis: state["prefetched"].append(
         (order, stride, progress, probe, axis)) or state["problems"])
-    monkeypatch.setattr(bisect, "diff", lambda b, a, opt, package: {
+    monkeypatch.setattr(diff, "diff", lambda b, a, opt, package: {
         "before": b, "after": a, "commits": ("c1", "c2"), "optimizer": opt,
         "files": [{"file": "deepspeed/runtime/engine.py", "class": "E", "functions": []}]})
     return cfg, state
@@ -623,7 +624,7 @@ def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_a
     cfg, state = command
     probe = probes.get("B1")
     made = []
-    monkeypatch.setattr(bisect, "probe_measure", lambda p, kw, case, axis: made.append((p.id, kw, case, axis))
+    monkeypatch.setattr(result, "probe_measure", lambda p, kw, case, axis: made.append((p.id, kw, case, axis))
                         or measuring({"4.46.0": bad("z"), "5.3.0": GOOD})[0])
     out = tmp_path / "b1.json"
     code = bisect.main(["--probe", "B1", "--axis", "transformers", "--releases", "4.46.0,5.3.0", "--json", str(out),
@@ -634,5 +635,5 @@ def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_a
     assert text.startswith(f"gradkit bisect the B1 probe ({probe.title}), case {probe.measured_case}; 2 transformers "
                            "releases from --releases")
     assert "| transformers | verdict |" in text
-    assert state["prefetched"] == [(["4.46.0", "5.3.0"], bisect.STRIDE, True, probe, "transformers")]
+    assert state["prefetched"] == [(["4.46.0", "5.3.0"], search.STRIDE, True, probe, "transformers")]
     assert json.loads(out.read_text())["axis"] == "transformers"

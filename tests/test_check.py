@@ -7,7 +7,7 @@ import pytest
 
 from kit import config, launch
 from kit.commands import check
-from kit.judge import oracle
+from kit.judge import expectations, oracle, parts
 from kit.probes import ds_config
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
@@ -217,9 +217,9 @@ def test_a_bugs_own_fix_in_the_config_rules_it_out_and_says_which_key():
     (_ds("engine", optimizer="BF16_Optimizer", matches="own rank's boundary micro-batch"), "B4",
      "B4 (deepspeedai/DeepSpeed#7985): BF16_Optimizer averages"),
     (_ds("engine", ds=OFFLOAD, matches="first and last micro-batch"), "B5", "B5 (deepspeedai/DeepSpeed#7967)"),
-    (_ds("engine", stage=3, matches=oracle.PART_STALE), "B6", f"the step is '{oracle.PART_STALE}'"),
-    (_ds("engine", ds=OFFLOAD, ga=2, matches=oracle.PART_LOST), "B7", "B7 (found by gradkit"),
-    (_ds("engine", ds=OFFLOAD, ga=2, matches=f"{oracle.PART_LOST} and {oracle.PART_STALE}"), "B7", "B7"),
+    (_ds("engine", stage=3, matches=parts.PART_STALE), "B6", f"the step is '{parts.PART_STALE}'"),
+    (_ds("engine", ds=OFFLOAD, ga=2, matches=parts.PART_LOST), "B7", "B7 (found by gradkit"),
+    (_ds("engine", ds=OFFLOAD, ga=2, matches=f"{parts.PART_LOST} and {parts.PART_STALE}"), "B7", "B7"),
 ])
 def test_an_affected_record_is_named_only_by_the_bug_whose_step_it_shows(rec, bug, words):
     got, sentence = check.explain(rec)
@@ -284,7 +284,7 @@ def test_the_check_summary_takes_the_worse_of_the_step_and_the_logged_norm_and_e
     assert [st["off"] for st in at] == [False, True]  # exactly at the limit: within; 1.5x: off
     assert manual["read_finding"] == "the masters misreport" and manual["shape"] == "the last x1"
     assert manual["explained_by"] == "B3" and manual["fix"]["verdict"] == oracle.NOT_AFFECTED
-    assert manual["fix"]["ratio"] == 1.0 and manual["fix"]["what"] == check.EXPLAINS["B3"][2]
+    assert manual["fix"]["ratio"] == 1.0 and manual["fix"]["what"] == expectations.KNOWN["B3"].explains[2]
     s = check.summarise(recs[:3])  # the fix is another release: said, not run
     assert s["loops"][1]["fix"]["verdict"].startswith("not re-run here") and s["loops"][1]["fix"]["ratio"] is None
     s = check.summarise([_ds("engine", verdict=oracle.NOT_AFFECTED), _ds("boundary", verdict=oracle.CANNOT_RUN)])

@@ -1,7 +1,7 @@
-"""The probes' shared judging pieces (``kit.probes.common``) in one process with a one-rank gloo group: a plain SGD
-loop whose exact gradient is known, with a defect planted in the loop, must be judged as that defect, step by step.
-The same code runs inside every rank of the world tests; here each behaviour has a test that takes seconds, so a
-defect planted in common.py fails one (issue 27's mutation runs use these as their fast stage)."""
+"""The probes' shared judging pieces (``kit.probes.ranks.common``) in one process with a one-rank gloo group: a plain
+SGD loop whose exact gradient is known, with a defect planted in the loop, must be judged as that defect, step by step.
+The same code runs inside every rank of the world tests; here each behaviour has a test that takes seconds, so a defect
+planted in common.py fails one (issue 27's mutation runs use these as their fast stage)."""
 import math
 
 import pytest
@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from kit import shapes
-from kit.judge import oracle, records
-from kit.probes import common as c
+from kit.judge import oracle, records, tolerances
+from kit.probes.ranks import common as c
+from kit.probes.ranks import judging
 
 SEED, HIDDEN, MB, DEPTH = 0, 8, 3, 2
 
@@ -42,7 +43,7 @@ def loop(ga, steps=2, div=None, keep_grads=False, drop_last=False, clip=0.0, sca
             opt.zero_grad(set_to_none=True)
         return 1.5, {"step": step}
 
-    return c.judge_steps(steps, lambda: c.plain_read(model), take, seed=SEED, ga=ga, micro_batch=MB, hidden=HIDDEN,
+    return judging.judge_steps(steps, lambda: judging.plain_read(model), take, seed=SEED, ga=ga, micro_batch=MB, hidden=HIDDEN,
                          depth=DEPTH, clip=clip, loss_scale=scale, shape=sh, **kw)
 
 
@@ -146,7 +147,7 @@ def test_judging_stops_after_a_step_that_leaves_non_finite_weights():
                 p.add_(math.inf if step == 0 else 1.0)
         return None, None
 
-    out = c.judge_steps(3, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
+    out = judging.judge_steps(3, lambda: judging.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
                         shape=sh)
     assert len(out["steps"]) == 1 and out["trajectory"]["steps"] == 1
 
@@ -160,7 +161,7 @@ def test_a_judgement_that_raises_is_raised_after_every_step_is_taken():
 
     model = shapes.get("mlp").build(SEED, HIDDEN, DEPTH)
     with pytest.raises(ValueError, match="reference|zero|nothing"):  # nothing moved: a zero effective gradient is fine,
-        c.judge_steps(3, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
+        judging.judge_steps(3, lambda: judging.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
                       hypotheses=lambda w, n, p: (_ for _ in ()).throw(ValueError("nothing to explain")))
     assert taken == [0, 1, 2]  # every rank takes every step's collectives, whatever rank 0's judgement did
 
@@ -168,7 +169,7 @@ def test_a_judgement_that_raises_is_raised_after_every_step_is_taken():
 def test_a_shape_with_parameter_groups_is_judged_per_group():
     out = loop(ga=2, steps=1, shape="conditional")
     assert out.get("groups") and all(g["rel_err"] < 1e-6 for g in out["groups"].values())
-    idx = c.group_index(shapes.get("conditional").build(SEED, HIDDEN, DEPTH), shapes.get("conditional"))
+    idx = judging.group_index(shapes.get("conditional").build(SEED, HIDDEN, DEPTH), shapes.get("conditional"))
     n = sum(p.numel() for p in shapes.get("conditional").build(SEED, HIDDEN, DEPTH).parameters())
     assert len(idx) > 1 and all(0 <= int(i.min()) and int(i.max()) < n for i in idx.values())
 
@@ -185,7 +186,7 @@ def test_the_read_of_a_step_uses_the_masters_only_where_both_reads_agree_with_th
 def test_the_rounding_floor_is_zero_for_fp32_and_the_weights_rounding_against_the_step_otherwise():
     w = torch.full((4,), 2.0, dtype=torch.float64)
     assert c.rounding_floor(w, "fp32", 1.0) == 0.0 and c.rounding_floor(w, "bf16", 0.0) == 0.0
-    expect = (w.abs() * oracle.ROUNDING["bf16"] / 2).norm().item() / 0.5
+    expect = (w.abs() * tolerances.ROUNDING["bf16"] / 2).norm().item() / 0.5
     assert abs(c.rounding_floor(w, "bf16", 0.5) - expect) < 1e-15 and expect > 0
 
 
@@ -195,7 +196,7 @@ def test_a_step_read_from_rounded_weights_carries_its_floor():
     opt = c.sgd(model)
 
     def read():
-        r = c.plain_read(model)
+        r = judging.plain_read(model)
         return {**r, "masters": r["masters"] + 1.0, "agree": False, "max_diff": 1.0}
 
     def take(step, batches):
@@ -205,7 +206,7 @@ def test_a_step_read_from_rounded_weights_carries_its_floor():
         opt.zero_grad(set_to_none=True)
         return None, None
 
-    out = c.judge_steps(1, read, take, seed=SEED, ga=2, micro_batch=MB, hidden=HIDDEN, dtype="bf16", shape=sh)
+    out = judging.judge_steps(1, read, take, seed=SEED, ga=2, micro_batch=MB, hidden=HIDDEN, dtype="bf16", shape=sh)
     assert out["read"] == {"judged_from": "module weights", "masters_agree": False, "max_diff": 1.0}
     assert out["read_floor"] > 0 and out["metrics"]["rel_l2"] < 1e-6
     assert "clip_coef" not in out  # no clipping unless asked for
@@ -233,34 +234,34 @@ def test_a_reference_is_remembered_by_its_exact_starting_weights():
     m = sh.build(SEED, HIDDEN, DEPTH)
     every = sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0)
     key = (SEED, 2, MB, HIDDEN, 0)
-    a = c.reference_at(m, every, sh, 1.0, key)
-    assert all(torch.equal(x, y) for x, y in zip(a, c.reference_at(m, every, sh, 1.0, key)))
-    assert torch.allclose(c.reference_at(m, every, sh, 4.0, key)[2], 4 * a[2])
+    a = judging.reference_at(m, every, sh, 1.0, key)
+    assert all(torch.equal(x, y) for x, y in zip(a, judging.reference_at(m, every, sh, 1.0, key)))
+    assert torch.allclose(judging.reference_at(m, every, sh, 4.0, key)[2], 4 * a[2])
     with torch.no_grad():
         next(m.parameters()).add_(1e-3)
-    assert not torch.equal(c.reference_at(m, every, sh, 1.0, key)[2], a[2])
+    assert not torch.equal(judging.reference_at(m, every, sh, 1.0, key)[2], a[2])
     fresh = oracle.reference_gradients(m, every, sh.loss_fn)[2]
-    assert torch.equal(c.reference_at(m, every, sh, 1.0, key)[2], fresh)
+    assert torch.equal(judging.reference_at(m, every, sh, 1.0, key)[2], fresh)
 
 
 def test_a_skeleton_holds_the_weights_it_is_given_and_at_most_eight_are_kept():
     sh = shapes.get("mlp")
     flat = c.flat_params(sh.build(SEED, HIDDEN, DEPTH))
-    m = c.skeleton(sh, SEED, HIDDEN, DEPTH, flat * 2)
+    m = judging.skeleton(sh, SEED, HIDDEN, DEPTH, flat * 2)
     assert torch.equal(c.flat_params(m), (flat * 2).float().double())
     for h in range(10):
-        c.skeleton(sh, SEED, 4 + h, DEPTH, c.flat_params(sh.build(SEED, 4 + h, DEPTH)))
-    assert len(c._SKELETONS) == 8  # at most eight, the newest
+        judging.skeleton(sh, SEED, 4 + h, DEPTH, c.flat_params(sh.build(SEED, 4 + h, DEPTH)))
+    assert len(judging._SKELETONS) == 8  # at most eight, the newest
 
 
 def test_a_case_that_raises_becomes_an_error_result_and_the_next_case_still_runs():
     def run_one(case):
-        with c.phase("steps"):
+        with judging.phase("steps"):
             if case["name"] == "bad":
                 raise ValueError("planted")
         return {"value": case["ga"]}
 
-    out = c.run_cases({"cases": [{"name": "bad", "ga": 1}, {"name": "good", "ga": 2}]}, run_one)
+    out = judging.run_cases({"cases": [{"name": "bad", "ga": 1}, {"name": "good", "ga": 2}]}, run_one)
     assert [r["case"] for r in out] == ["bad", "good"] and [r["ga"] for r in out] == [1, 2]
     assert out[0]["error"] == "ValueError: planted" and "Traceback" in out[0]["traceback"] and "value" not in out[0]
     assert out[1]["value"] == 2 and "error" not in out[1]
@@ -378,8 +379,8 @@ def test_a_released_engine_is_destroyed_and_the_seed_reset():
     destroyed = []
     engine = type("E", (), {"destroy": lambda self: destroyed.append(True)})()
     torch.manual_seed(123)
-    c.release(engine)
-    c.release(object())  # an engine with nothing to destroy
+    judging.release(engine)
+    judging.release(object())  # an engine with nothing to destroy
     assert destroyed == [True] and torch.initial_seed() == 0
 
 
@@ -414,16 +415,16 @@ def test_a_rank_s_data_is_the_same_on_every_call_and_its_own():
 
 
 def test_the_phases_of_a_case_add_up_their_time():
-    c._PHASES.clear()
-    with c.phase("a"):
+    judging._PHASES.clear()
+    with judging.phase("a"):
         pass
-    with c.phase("a"):
+    with judging.phase("a"):
         pass
     with pytest.raises(ValueError):
-        with c.phase("b"):
+        with judging.phase("b"):
             raise ValueError
-    assert set(c._PHASES) == {"a", "b"} and all(v >= 0 for v in c._PHASES.values())
-    watch = c.Stopwatch()
+    assert set(judging._PHASES) == {"a", "b"} and all(v >= 0 for v in judging._PHASES.values())
+    watch = judging.Stopwatch()
     assert 0 <= watch() < 5
 
 
@@ -431,8 +432,8 @@ def test_outside_a_world_a_process_is_rank_0_of_1():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", "from kit.probes import common as c; print(c.rank(), c.world_size())"],
-                         capture_output=True, text=True, check=True)
+    code = "from kit.probes.ranks import common as c; print(c.rank(), c.world_size())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "1"]
 
 
@@ -462,33 +463,33 @@ def test_the_shares_of_two_ranks_count_the_samples_of_both(monkeypatch):
 
 
 def test_the_reference_cache_keeps_the_newest_only_when_it_is_over_its_size(monkeypatch):
-    monkeypatch.setattr(c, "_REFERENCE_BYTES", 1)
+    monkeypatch.setattr(judging, "_REFERENCE_BYTES", 1)
     sh = shapes.get("mlp")
     m = sh.build(SEED, HIDDEN, DEPTH)
     for step in range(3):
-        c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("cache test", step))
-    assert len(c._REFERENCES) == 1 and next(iter(c._REFERENCES))[2] == ("cache test", 2)
+        judging.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("cache test", step))
+    assert len(judging._REFERENCES) == 1 and next(iter(judging._REFERENCES))[2] == ("cache test", 2)
 
 
 def test_a_phase_adds_the_time_between_its_start_and_end_to_its_name(monkeypatch):
     clock = iter([10.0, 10.123456, 20.0, 20.5])
-    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
-    c._PHASES.clear()
-    with c.phase("steps"):
+    monkeypatch.setattr(judging.time, "perf_counter", lambda: next(clock))
+    judging._PHASES.clear()
+    with judging.phase("steps"):
         pass
-    with c.phase("steps"):
+    with judging.phase("steps"):
         pass
-    assert c._PHASES == {"steps": pytest.approx(0.623456)}
+    assert judging._PHASES == {"steps": pytest.approx(0.623456)}
 
 
 def test_a_cases_phases_are_kept_to_a_tenth_of_a_millisecond_and_a_long_error_is_cut(monkeypatch):
     def run_one(case):
         if case["name"] == "long":
             raise ValueError("x" * 5000)
-        c._PHASES["steps"] = 0.123456
+        judging._PHASES["steps"] = 0.123456
         return {}
 
-    out = c.run_cases({"cases": [{"name": "timed", "ga": 1}, {"name": "long", "ga": 1}]}, run_one)
+    out = judging.run_cases({"cases": [{"name": "timed", "ga": 1}, {"name": "long", "ga": 1}]}, run_one)
     assert out[0]["phases"]["steps"] == 0.1235
     assert out[1]["error"] == "ValueError: " + "x" * 500 and len(out[1]["traceback"]) == 3000
 
@@ -502,8 +503,8 @@ def test_a_rank_whose_peers_do_not_arrive_after_a_case_stops_the_world_saying_wh
         raise RuntimeError("Rank 1 failed to pass monitoredBarrier in 120000 ms" + "." * 400 + "\nmore")
 
     monkeypatch.setattr(c.dist, "monitored_barrier", barrier)
-    with pytest.raises(c.WorldDesynchronised) as e:
-        c.run_cases({"cases": [{"name": "bad", "ga": 4}]}, lambda case: (_ for _ in ()).throw(KeyError("k")))
+    with pytest.raises(judging.WorldDesynchronised) as e:
+        judging.run_cases({"cases": [{"name": "bad", "ga": 4}]}, lambda case: (_ for _ in ()).throw(KeyError("k")))
     said = str(e.value)
     assert said.startswith("case 'bad' (GA=4) ended on rank 0 (error: KeyError: 'k') but not on every rank within 120 s: ")
     assert said.endswith(": " + ("Rank 1 failed to pass monitoredBarrier in 120000 ms" + "." * 400)[:300])
@@ -514,23 +515,23 @@ def test_the_data_and_the_judgement_default_to_the_first_step():
     assert torch.equal(c.micro_batches(SEED, 0, 2, 2, HIDDEN)[1][0], c.micro_batches(SEED, 0, 2, 2, HIDDEN, step=0)[1][0])
     sh = shapes.get("mlp")
     start = sh.build(SEED, HIDDEN, DEPTH)
-    _, _, reference = c.reference_at(start, sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0), sh, 1.0, ("default step", 0))
-    out, *_ = c.judge(reference.clone(), start, SEED, 2, MB, HIDDEN, shape=sh)
+    _, _, reference = judging.reference_at(start, sh.micro_batches(SEED, 0, 2, MB, HIDDEN, 0), sh, 1.0, ("default step", 0))
+    out, *_ = judging.judge(reference.clone(), start, SEED, 2, MB, HIDDEN, shape=sh)
     assert out["metrics"]["rel_l2"] < 1e-12 and "clip_coef" not in out  # and no clipping unless asked for
 
 
 def test_the_reference_cache_counts_8_bytes_a_number(monkeypatch):
     sh = shapes.get("mlp")
     m = sh.build(SEED, HIDDEN, DEPTH)
-    c._REFERENCES.clear()
-    first = c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 0), sh, 1.0, ("bytes", 0))
-    monkeypatch.setattr(c, "_REFERENCE_BYTES", 2 * first[0].numel() * 8)  # room for two
+    judging._REFERENCES.clear()
+    first = judging.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 0), sh, 1.0, ("bytes", 0))
+    monkeypatch.setattr(judging, "_REFERENCE_BYTES", 2 * first[0].numel() * 8)  # room for two
     for step in (1, 2):
-        c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("bytes", step))
-    assert [k[2] for k in c._REFERENCES] == [("bytes", 1), ("bytes", 2)]
-    monkeypatch.setattr(c, "_REFERENCE_BYTES", 3 * first[0].numel() * 7)  # room for two at 8 bytes, not three
-    c.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 3), sh, 1.0, ("bytes", 3))
-    assert [k[2] for k in c._REFERENCES] == [("bytes", 2), ("bytes", 3)]
+        judging.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, step), sh, 1.0, ("bytes", step))
+    assert [k[2] for k in judging._REFERENCES] == [("bytes", 1), ("bytes", 2)]
+    monkeypatch.setattr(judging, "_REFERENCE_BYTES", 3 * first[0].numel() * 7)  # room for two at 8 bytes, not three
+    judging.reference_at(m, sh.micro_batches(SEED, 0, 1, MB, HIDDEN, 3), sh, 1.0, ("bytes", 3))
+    assert [k[2] for k in judging._REFERENCES] == [("bytes", 2), ("bytes", 3)]
 
 
 def test_a_rank_uses_the_gpu_only_where_there_is_one_and_deepspeed_is_not_told_cpu(monkeypatch):
@@ -544,10 +545,10 @@ def test_a_rank_uses_the_gpu_only_where_there_is_one_and_deepspeed_is_not_told_c
 
 def test_a_cases_other_time_is_what_its_phases_leave_and_never_below_zero():
     def run_one(case):
-        c._PHASES["steps"] = 100.0  # more than the case took: nothing is left for "other"
+        judging._PHASES["steps"] = 100.0  # more than the case took: nothing is left for "other"
         return {}
 
-    (out,) = c.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
+    (out,) = judging.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
     assert out["phases"] == {"steps": 100.0, "other": 0.0}
 
 
@@ -566,15 +567,15 @@ def test_versions_name_deepspeed_where_a_rank_imported_it(fake_deepspeed):
 
 
 def test_a_probe_case_takes_two_judged_steps_by_default():
-    from kit.probes import ddp_no_sync
+    from kit.probes.ranks import ddp_no_sync
 
     out = ddp_no_sync.run_case({"name": "control", "ga": 2, "micro_batch": MB, "hidden": HIDDEN, "seed": SEED})
-    assert [s["step"] for s in out["steps"]] == [0, 1] and c.STEPS == 2
+    assert [s["step"] for s in out["steps"]] == [0, 1] and judging.STEPS == 2
 
 
 def test_the_probes_data_is_the_same_as_every_earlier_run_of_the_kit():
     """What the data a (seed, rank, step) names looks like: the sweep reuses records of earlier runs for the same point
-    (and the README's numbers were measured on it), so it must not change between kit versions. Its numbers, not its
+    (and the docs' numbers were measured on it), so it must not change between kit versions. Its numbers, not its
     bits: the targets come from a matmul (and the samples from a vectorised sampler) whose last bits depend on the
     CPU's kernels, so a hash of the bytes differs between two machines of the same kind (AVX2 / AVX-512)."""
     def numbers(*args):
@@ -596,8 +597,8 @@ def test_the_probes_data_is_the_same_as_every_earlier_run_of_the_kit():
 
 def test_a_stopwatch_reads_to_the_millisecond(monkeypatch):
     clock = iter([5.0, 6.2346])
-    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
-    assert c.Stopwatch()() == 1.235
+    monkeypatch.setattr(judging.time, "perf_counter", lambda: next(clock))
+    assert judging.Stopwatch()() == 1.235
 
 
 def test_a_rank_other_than_0_takes_every_step_and_reports_nothing(monkeypatch):
@@ -609,19 +610,19 @@ def test_a_rank_other_than_0_takes_every_step_and_reports_nothing(monkeypatch):
         taken.append(step)
         return None, None
 
-    assert c.judge_steps(2, lambda: c.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN) == {}
+    assert judging.judge_steps(2, lambda: judging.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN) == {}
     assert taken == [0, 1]
 
 
 def test_a_cases_other_time_is_kept_to_a_tenth_of_a_millisecond(monkeypatch):
     clock = iter([0.0, 1.235])
-    monkeypatch.setattr(c.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(judging.time, "perf_counter", lambda: next(clock))
 
     def run_one(case):
-        c._PHASES["steps"] = 0.12345
+        judging._PHASES["steps"] = 0.12345
         return {}
 
-    (out,) = c.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
+    (out,) = judging.run_cases({"cases": [{"name": "a", "ga": 1}]}, run_one)
     other = out["phases"]["other"]
     assert out["wall_s"] == 1.235 and abs(other - 1.11155) <= 0.00005 and round(other, 4) == other != round(other, 3)
 

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from kit import config, launch
-from kit.notebooks import runall
+from kit.notebooks import runall, runall_params
 from kit.probes import bf16_leak
 
 
@@ -56,9 +56,9 @@ def test_symptom_splits_must_share_one_global_batch():
 
 def test_unknown_papermill_parameter_is_refused(repo):
     nb = repo / "notebooks" / "04_bf16_leak.ipynb"
-    runall.validate_parameters(nb, {"WORLD_SIZE": 2, "GA_VALUES": [1]})
+    runall_params.validate_parameters(nb, {"WORLD_SIZE": 2, "GA_VALUES": [1]})
     with pytest.raises(config.ConfigError, match="WORLD_SIZ"):
-        runall.validate_parameters(nb, {"WORLD_SIZ": 2})
+        runall_params.validate_parameters(nb, {"WORLD_SIZ": 2})
 
 
 def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):

@@ -61,6 +61,27 @@ def test_every_shipped_probe_is_registered_once_with_its_notebook():
     assert probes.by_notebook()["07_without_deepspeed.ipynb"].id == "DDP"
 
 
+def test_every_probe_is_split_at_the_process_boundary():
+    """A probe's caller side is ``kit.probes.<module>`` (its ``PROBE``), what its ranks run ``kit.probes.ranks.<module>``
+    (the ``ranks`` package adds no probe); a rank module never imports the caller's side: the runner, another
+    probe's caller module, the commands, the notebooks."""
+    import subprocess
+    import sys
+
+    from kit.probes import ds_config
+
+    every = [*probes.registry().values(), ds_config.CHECK]
+    assert {"B1", "B2", "B3", "B4", "DDP", "FSDP2", "ACC", "HFT"} == set(probes.registry())
+    assert all(p.target == f"kit.probes.ranks.{p.module}:run_rank" for p in every)
+    code = ("import importlib, sys\n"
+            f"for m in {[p.module for p in every]!r}:\n"
+            "    assert callable(importlib.import_module('kit.probes.ranks.' + m).run_rank)\n"
+            "print(' '.join(m for m in sys.modules if m.startswith(('kit.probes.', 'kit.commands', 'kit.notebooks'))\n"
+            "               and not m.startswith(('kit.probes.ranks', 'kit.probes.probe'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == []
+
+
 def _toy(**kw) -> Probe:
     return Probe(id="T9", title="a toy", module="ddp_no_sync", notebook="07_without_deepspeed.ipynb",
                  measured_case="no_sync", ratio_meaning="r", advice="a", run=kw.get("run", ddp_no_sync.run),
@@ -82,7 +103,7 @@ def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_
         assert "T9" in ex.bug.options
         ex.run()
         assert calls[-1] == ("T9", {"world_sizes": [2], "ga_values": [2]})
-        assert toy.target == "kit.probes.ddp_no_sync:run_rank"
+        assert toy.target == "kit.probes.ranks.ddp_no_sync:run_rank"
     finally:
         probes.unregister("T9")
     assert "T9" not in probes.registry()

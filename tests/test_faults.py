@@ -200,9 +200,9 @@ def test_a_figure_of_a_world_where_nothing_ran_says_so_instead_of_failing(name):
     import matplotlib
 
     matplotlib.use("Agg")
-    from kit.notebooks import plots
+    from kit.notebooks import probe_plots
 
-    fig = getattr(plots, name)([])
+    fig = getattr(probe_plots, name)([])
     assert any("nothing to draw" in t.get_text() for ax in fig.axes for t in ax.texts)
 
 

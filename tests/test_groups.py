@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kit.judge import oracle
+from kit.judge import naming, oracle, parts, tolerances
 
 # 2 ranks x 2 micro-batches (rank-major rows 0..3); 7 parameters: the trunk (0-3) every micro-batch reaches, the
 # expert (4-6) only micro-batch 1 of each rank (rows 0 and 2) reaches
@@ -19,7 +19,7 @@ GROUPS = {"trunk": torch.tensor([0, 1, 2, 3]), "expert": torch.tensor([4, 5, 6])
 
 
 def _judge(weights):
-    return oracle.judge_groups(torch.tensor(weights, dtype=torch.float64) @ BASIS, BASIS, EXPECTED, TARGET, GROUPS, 2, 2)
+    return parts.judge_groups(torch.tensor(weights, dtype=torch.float64) @ BASIS, BASIS, EXPECTED, TARGET, GROUPS, 2, 2)
 
 
 def test_an_exact_step_is_exact_in_every_group_and_says_which_micro_batches_reach_it():
@@ -28,7 +28,7 @@ def test_an_exact_step_is_exact_in_every_group_and_says_which_micro_batches_reac
     for name in GROUPS:
         assert g[name]["rel_err"] < 1e-12 and g[name]["lost"] is None and not g[name]["expected_zero"]
         assert g[name]["shape"] == "every micro-batch reaching it x1" and abs(g[name]["norm_ratio"] - 1) < 1e-12
-    tiny = oracle.judge_groups(TARGET * 1e-12, BASIS * 1e-12, EXPECTED, TARGET * 1e-12, GROUPS, 2, 2)
+    tiny = parts.judge_groups(TARGET * 1e-12, BASIS * 1e-12, EXPECTED, TARGET * 1e-12, GROUPS, 2, 2)
     assert tiny["expert"]["reached"] == [0, 2]  # reached is relative to the largest micro-batch, at any scale
 
 
@@ -48,19 +48,19 @@ def test_a_group_with_no_right_update_is_judged_against_the_whole_step():
     target[4:] = 0.0  # the expert's right update is 0 (frozen, or not reached in this step)
     eff = target.clone()
     eff[4] = 0.1 * target.norm()
-    g = oracle.judge_groups(eff, BASIS, EXPECTED, target, GROUPS, 2, 2)
+    g = parts.judge_groups(eff, BASIS, EXPECTED, target, GROUPS, 2, 2)
     assert g["expert"]["expected_zero"] and abs(g["expert"]["rel_err"] - 0.1) < 1e-12 and g["expert"]["norm_ratio"] is None
     assert "attribution" not in g["expert"]
 
 
 def test_the_previous_steps_micro_batches_and_positions_are_named():
-    assert oracle._positions([0, 2], 2, 2) == "micro-batch 1 on every rank"
-    assert oracle._positions([0, 1, 2, 3], 2, 2) == "micro-batches 1,2 on every rank"
-    assert oracle._positions([1, 5], 2, 2) == "rank 0 micro-batch 2, the previous step's rank 0 micro-batch 2"
-    assert oracle._positions([6], 2, 2) == "the previous step's rank 1 micro-batch 1"
-    shape = oracle._group_shape([0, 2, 4], [0.25, 0.25, 0.25], [0.25, 0.25, 0.0], 2, 2)
+    assert parts._positions([0, 2], 2, 2) == "micro-batch 1 on every rank"
+    assert parts._positions([0, 1, 2, 3], 2, 2) == "micro-batches 1,2 on every rank"
+    assert parts._positions([1, 5], 2, 2) == "rank 0 micro-batch 2, the previous step's rank 0 micro-batch 2"
+    assert parts._positions([6], 2, 2) == "the previous step's rank 1 micro-batch 1"
+    shape = parts._group_shape([0, 2, 4], [0.25, 0.25, 0.25], [0.25, 0.25, 0.0], 2, 2)
     assert shape == "every micro-batch reaching it x1; the previous step's micro-batches x1"
-    assert oracle._group_shape([0, 2, 4], [0.25, 0.25, 0.001], [0.25, 0.25, 0.0], 2, 2) == \
+    assert parts._group_shape([0, 2, 4], [0.25, 0.25, 0.001], [0.25, 0.25, 0.0], 2, 2) == \
         "every micro-batch reaching it x1"  # a trace of the previous step under 0.05 of a share is not said
 
 
@@ -94,40 +94,40 @@ def test_a_group_alone_off_makes_the_step_affected_and_is_named(group, said):
 
 def test_parts_a_step_got_wrong_are_named_as_stale_or_lost():
     stale = _group(rel_err=0.5, expected_zero=True)
-    assert oracle.part_pattern(_step(stale), "fp32", 2, 2) == [oracle.PART_STALE]
+    assert parts.part_pattern(_step(stale), "fp32", 2, 2) == [parts.PART_STALE]
     old = _group(rel_err=0.5)
     old["attribution"].update(rows=[0, 2, 4], weights=[0.25, 0.25, 0.2], expected_weights=[0.25, 0.25, 0.0])
-    assert oracle.part_pattern(_step(old), "fp32", 2, 2) == [oracle.PART_STALE]  # the previous step's, > half a share
+    assert parts.part_pattern(_step(old), "fp32", 2, 2) == [parts.PART_STALE]  # the previous step's, > half a share
     old["attribution"]["weights"] = [0.25, 0.25, 0.1]
-    assert oracle.part_pattern(_step(old), "fp32", 2, 2) == []  # under half a share
+    assert parts.part_pattern(_step(old), "fp32", 2, 2) == []  # under half a share
     lost = _group(rel_err=0.5, lost="micro-batch 1 on every rank")  # rows 0 and 2: no boundary (1, 3) reaches it
-    assert oracle.part_pattern(_step(lost), "fp32", 2, 2) == [oracle.PART_LOST]
+    assert parts.part_pattern(_step(lost), "fp32", 2, 2) == [parts.PART_LOST]
     lost["attribution"]["rows"] = [1, 3]  # the boundary micro-batches reach it: not this pattern
-    assert oracle.part_pattern(_step(lost), "fp32", 2, 2) == []
-    assert oracle.part_pattern(_step(_group(rel_err=0.9e-4, lost="x")), "fp32", 2, 2) == []  # within the limits
+    assert parts.part_pattern(_step(lost), "fp32", 2, 2) == []
+    assert parts.part_pattern(_step(_group(rel_err=0.9e-4, lost="x")), "fp32", 2, 2) == []  # within the limits
 
 
 def test_a_whole_step_carrying_the_previous_steps_gradient_is_stale():
     step = {"metrics": {"rel_l2": 0.5, "norm_ratio": 1.5, "cosine": 0.9},
             "attribution": {"weights": [0.25] * 4 + [0.2, 0, 0, 0], "expected_weights": [0.25] * 4 + [0] * 4,
                             "misplaced_weight": 0.1}}
-    assert oracle.part_pattern(step, "fp32", 2, 2) == [oracle.PART_STALE]
+    assert parts.part_pattern(step, "fp32", 2, 2) == [parts.PART_STALE]
     step["attribution"]["weights"] = [0.25] * 4 + [0.1, 0, 0, 0]
-    assert oracle.part_pattern(step, "fp32", 2, 2) == []
+    assert parts.part_pattern(step, "fp32", 2, 2) == []
 
 
 def test_groups_off_says_what_each_wrong_group_did():
-    said = oracle.groups_off(_step(_group(rel_err=0.3, expected_zero=True)), "fp32")
+    said = parts.groups_off(_step(_group(rel_err=0.3, expected_zero=True)), "fp32")
     assert said == ["expert: updated by 0.3 of the step's norm where its right update is 0"]
-    said = oracle.groups_off(_step(_group(rel_err=1.0, lost="micro-batch 1 on every rank", shape="x0")), "fp32")
+    said = parts.groups_off(_step(_group(rel_err=1.0, lost="micro-batch 1 on every rank", shape="x0")), "fp32")
     assert said == ["expert: the gradient from micro-batch 1 on every rank was lost (x0)"]
-    said = oracle.groups_off(_step(_group(rel_err=0.5, uses=0.5)), "fp32")
+    said = parts.groups_off(_step(_group(rel_err=0.5, uses=0.5)), "fp32")
     assert said == ["expert: its gradient is embedding use x1, head use x0 (each use's right weight: 1)"]
-    assert oracle.groups_off(_step(_group(rel_err=0.5e-4)), "fp32") == []  # within the limits: nothing to say
+    assert parts.groups_off(_step(_group(rel_err=0.5e-4)), "fp32") == []  # within the limits: nothing to say
     whole = {"attribution": {"weights": [0.25, 9.0, 0.25, 9.0], "residual": 0.0}}
-    assert oracle.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == []  # the whole step's fit explains it
+    assert parts.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == []  # the whole step's fit explains it
     whole["attribution"]["residual"] = 0.5
-    assert oracle.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == ["expert: s (rel. error 0.5)"]
+    assert parts.groups_off(_step(_group(rel_err=0.5), **whole), "fp32") == ["expert: s (rel. error 0.5)"]
 
 
 @pytest.mark.parametrize("logged, word", [(None, "n/a"), (math.inf, oracle.AFFECTED), (math.nan, oracle.AFFECTED),
@@ -147,7 +147,7 @@ def test_the_verdict_names_the_worst_step_and_the_rounding_of_each_dtype():
          "worst_step": 1}
     assert "at step 2 (the worst of 2)" in oracle.verdict(m, {"metrics": {"rel_l2": 0, "norm_ratio": 1, "cosine": 1},
                                                              "dtype": "fp32"})[1]
-    assert oracle.ROUNDING == {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}  # the formats' unit steps
+    assert tolerances.ROUNDING == {"fp32": 2.0 ** -23, "bf16": 2.0 ** -8, "fp16": 2.0 ** -10}  # the formats' unit steps
 
 
 def test_comparison_and_fit_of_small_vectors_and_non_finite_steps():
@@ -176,11 +176,11 @@ def test_clipping_coefficient_is_the_engines_on_any_norm():
 def test_the_step_in_words_names_the_previous_steps_share():
     cur = [0.25] * 4
     right = [0.25] * 4 + [0.0] * 4
-    assert oracle.describe_weights(cur + [0.25] * 4, right, 2, 2) == \
+    assert naming.describe_weights(cur + [0.25] * 4, right, 2, 2) == \
         "every micro-batch x1; the previous step's micro-batches x1"
-    assert oracle.describe_weights(cur + [0.25, 0.0, 0.0, 0.0], right, 2, 2) == \
+    assert naming.describe_weights(cur + [0.25, 0.0, 0.0, 0.0], right, 2, 2) == \
         "every micro-batch x1; the previous step's micro-batches 1, 0, 0, 0 (x their share)"
-    assert oracle.describe_weights(cur + [0.01] * 4, right, 2, 2) == "every micro-batch x1"  # under 0.05 of a share
+    assert naming.describe_weights(cur + [0.01] * 4, right, 2, 2) == "every micro-batch x1"  # under 0.05 of a share
 
 
 def _rec(steps, **kw):
@@ -192,34 +192,34 @@ def test_a_record_takes_its_worst_steps_words_and_names_parts_where_no_whole_ste
         rel_err=0.3, expected_zero=True)}, "hypotheses": {"best": "x", "best_matches": False, "ambiguous": []}}
     exact = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0},
              "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": []}}
-    rec = oracle.annotate_steps(_rec([exact, stale], worst_step=1, judge_dtype="fp32"))
-    assert rec["matches"] == oracle.PART_STALE and rec["parts"] == [oracle.PART_STALE]
+    rec = naming.annotate_steps(_rec([exact, stale], worst_step=1, judge_dtype="fp32"))
+    assert rec["matches"] == parts.PART_STALE and rec["parts"] == [parts.PART_STALE]
     assert rec["steps"][0]["matches"] == "global mean"
     assert "expert: updated by 0.3 of the step's norm" in rec["shape"]
     tie = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
-    assert oracle.annotate_steps(_rec([tie]))["matches"] == "global mean"  # exact on every signal: the mean
+    assert naming.annotate_steps(_rec([tie]))["matches"] == "global mean"  # exact on every signal: the mean
     off_tie = {**tie, "metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}}
-    assert oracle.annotate_steps(_rec([off_tie]))["matches"] == "ambiguous between 'global mean' and 'last / N'"
+    assert naming.annotate_steps(_rec([off_tie]))["matches"] == "ambiguous between 'global mean' and 'last / N'"
 
 
 def test_the_logged_norm_verdict_of_a_record_is_its_first_off_step():
     steps = [{"step": 0, "reference_norm": 10.0, "logged_norm": 10.0},
              {"step": 1, "reference_norm": 10.0, "logged_norm": 20.0}]
-    rec = oracle.annotate_norms(_rec(steps))
+    rec = naming.annotate_norms(_rec(steps))
     assert rec["norm_verdict"] == oracle.AFFECTED and rec["norm_reason"].startswith("step 2: the logged grad norm 20")
-    rec = oracle.annotate_norms(_rec([steps[0]]))
+    rec = naming.annotate_norms(_rec([steps[0]]))
     assert rec["norm_verdict"] == oracle.NOT_AFFECTED and rec["norm_reason"].startswith("step 1: ")
-    rec = oracle.annotate_norms(_rec([{"step": 0, "reference_norm": 10.0}]))  # the engine keeps no norm
+    rec = naming.annotate_norms(_rec([{"step": 0, "reference_norm": 10.0}]))  # the engine keeps no norm
     assert rec["norm_verdict"] == "n/a"
 
 
 
 def test_positions_at_the_edge_of_the_previous_step_and_on_one_rank():
-    assert oracle._positions([4], 2, 2) == "the previous step's rank 0 micro-batch 1"  # row k: the previous step's first
-    assert oracle._positions([3, 4], 2, 2) == "rank 1 micro-batch 2, the previous step's rank 0 micro-batch 1"
-    assert oracle._positions([0], 1, 2) == "rank 0 micro-batch 1"  # one rank: never "on every rank"
-    assert oracle._positions([7], 2, 2) == "the previous step's rank 1 micro-batch 2"
+    assert parts._positions([4], 2, 2) == "the previous step's rank 0 micro-batch 1"  # row k: the previous step's first
+    assert parts._positions([3, 4], 2, 2) == "rank 1 micro-batch 2, the previous step's rank 0 micro-batch 1"
+    assert parts._positions([0], 1, 2) == "rank 0 micro-batch 1"  # one rank: never "on every rank"
+    assert parts._positions([7], 2, 2) == "the previous step's rank 1 micro-batch 2"
 
 
 def test_a_tied_weights_uses_are_fitted_and_said():
@@ -227,7 +227,7 @@ def test_a_tied_weights_uses_are_fitted_and_said():
     uses = {"tied": {"embedding use": torch.tensor([1.0, 0, 0], dtype=torch.float64),
                      "head use": torch.tensor([0, 1.0, 0], dtype=torch.float64)}}
     eff = torch.tensor([1.0, 0.25, 0.0], dtype=torch.float64)  # the head's use a quarter of its right weight
-    g = oracle.judge_groups(eff, basis, torch.ones(3, dtype=torch.float64) / 3, torch.tensor([1.0, 1.0, 0.0],
+    g = parts.judge_groups(eff, basis, torch.ones(3, dtype=torch.float64) / 3, torch.tensor([1.0, 1.0, 0.0],
                             dtype=torch.float64), {"tied": torch.tensor([0, 1, 2])}, 1, 3, uses)
     assert g["tied"]["uses"]["shape"] == "embedding use x1, head use x0.2"
     assert abs(g["tied"]["uses"]["misplaced_weight"] - 0.375) < 1e-12
@@ -236,7 +236,7 @@ def test_a_tied_weights_uses_are_fitted_and_said():
 def test_a_short_candidate_is_padded_with_zeros_and_a_zero_candidate_predicts_nothing():
     basis = torch.eye(3, dtype=torch.float64)
     eff = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
-    h = oracle.explain(eff, basis, {"first": [1.0], "all": [1.0, 1.0, 1.0], "none": [0.0, 0.0, 0.0]}, "fp32")
+    h = naming.explain(eff, basis, {"first": [1.0], "all": [1.0, 1.0, 1.0], "none": [0.0, 0.0, 0.0]}, "fp32")
     assert h["best"] == "first" and h["best_matches"] and h["ambiguous"] == [] and "none" not in h["candidates"]
 
 
@@ -255,35 +255,35 @@ def test_a_signal_at_its_limit_is_within_it_and_a_non_finite_cosine_is_off():
 
 def test_the_step_in_words_where_a_micro_batch_has_no_right_weight_and_the_previous_steps_tenths():
     # rank 1's micro-batch 2 has no right weight (e.g. a frozen part): its weight is said as a share of the step
-    assert oracle.describe_weights([0.25, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.0], 2, 2) == \
+    assert naming.describe_weights([0.25, 0.25, 0.25, 0.0], [0.25, 0.25, 0.25, 0.0], 2, 2) == \
         "rank 0: every micro-batch x1; rank 1: micro-batch 2 x0, the others x1"
-    assert oracle.describe_weights([0.25] * 4 + [0.03] * 4, [0.25] * 4 + [0.0] * 4, 2, 2) == \
+    assert naming.describe_weights([0.25] * 4 + [0.03] * 4, [0.25] * 4 + [0.0] * 4, 2, 2) == \
         "every micro-batch x1; the previous step's micro-batches x0.1"
 
 
 def test_every_group_is_looked_at_not_only_the_first():
     fine, off = _group(rel_err=0.5e-4), _group(rel_err=0.5, expected_zero=True)
     two = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "groups": {"a": fine, "b": off}}
-    assert oracle.part_pattern(two, "fp32", 2, 2) == [oracle.PART_STALE]
-    assert oracle.groups_off(two, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
+    assert parts.part_pattern(two, "fp32", 2, 2) == [parts.PART_STALE]
+    assert parts.groups_off(two, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
     whole = {"attribution": {"weights": [0.25, 9.0, 0.25, 9.0], "residual": 0.0}}  # explains group a, not b
     other = _group(rel_err=0.5, expected_zero=True)
     other["attribution"]["weights"] = [0.5, 0.5]  # not the whole step's weights
     three = {**two, **whole, "groups": {"a": _group(rel_err=0.5), "b": other}}
-    assert oracle.groups_off(three, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
+    assert parts.groups_off(three, "fp32") == ["b: updated by 0.5 of the step's norm where its right update is 0"]
 
 
 def test_a_record_without_a_worst_step_takes_its_first_and_keeps_a_matching_names_and_ties():
     named = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "groups": {"expert": _group(
         rel_err=0.3, expected_zero=True)}, "hypotheses": {"best": "sum (x GA)", "best_matches": True,
                                                           "ambiguous": ["sum (x GA)", "other"]}}
-    rec = oracle.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named, {
+    rec = naming.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named, {
         "metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}}]})
     assert rec["matches"] == "ambiguous between 'sum (x GA)' and 'other'" and rec["ties"] == ["sum (x GA)", "other"]
     named["hypotheses"]["ambiguous"] = []
-    rec = oracle.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named]})
+    rec = naming.annotate_steps({"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [named]})
     assert rec["matches"] == "sum (x GA)"  # a name that fits is kept, the parts are said beside it
-    assert rec["parts"] == [oracle.PART_STALE]
+    assert rec["parts"] == [parts.PART_STALE]
     ctrl = {"metrics": {"rel_l2": 0, "norm_ratio": 1, "cosine": 1}, "dtype": "fp32"}
     one = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "dtype": "fp32", "steps": [{}]}
     assert " at step " not in oracle.verdict(one, ctrl)[1]  # one step: no "worst of"
@@ -296,26 +296,26 @@ def test_a_record_without_a_worst_step_takes_its_first_and_keeps_a_matching_name
 def test_a_weight_with_no_right_one_is_said_as_a_share_to_a_tenth_and_never_as_minus_zero():
     # rows 0-2 of one rank of 3 micro-batches, row 0 has no right weight (x = 0): said as w * k, to a tenth
     third = 1 / 3
-    assert oracle._group_shape([0, 1, 2], [-0.001, third, third], [0.0, third, third], 1, 3) == \
+    assert parts._group_shape([0, 1, 2], [-0.001, third, third], [0.0, third, third], 1, 3) == \
         "rank 0 micro-batch 1 x0, the others reaching it x1"
-    assert oracle._group_shape([0, 1, 2], [0.25 / 3, third, third], [0.0, third, third], 1, 3) == \
+    assert parts._group_shape([0, 1, 2], [0.25 / 3, third, third], [0.0, third, third], 1, 3) == \
         "rank 0 micro-batch 1 x0.2, the others reaching it x1"  # 0.25 to a tenth
-    assert oracle._group_shape([0, 1, 2], [third / 2, third, third], [third, third, third], 1, 3) == \
+    assert parts._group_shape([0, 1, 2], [third / 2, third, third], [third, third, third], 1, 3) == \
         "rank 0 micro-batch 1 x0.5, the others reaching it x1"
-    assert oracle._group_shape([0, 1, 2], [0.5, 0.5, 0.165], [0.5, 0.5, 0.0], 1, 2) == \
+    assert parts._group_shape([0, 1, 2], [0.5, 0.5, 0.165], [0.5, 0.5, 0.0], 1, 2) == \
         "every micro-batch reaching it x1; the previous step's micro-batches x0.3"  # 0.33 to a tenth
-    assert oracle.describe_weights([0.5, 0.25], [0.5, 0.0], 1, 2) == "micro-batch 2 x0.5, the others x1"
-    assert oracle.describe_weights([0.5, -0.001], [0.5, 0.0], 1, 2) == "micro-batch 2 x0, the others x1"
+    assert naming.describe_weights([0.5, 0.25], [0.5, 0.0], 1, 2) == "micro-batch 2 x0.5, the others x1"
+    assert naming.describe_weights([0.5, -0.001], [0.5, 0.0], 1, 2) == "micro-batch 2 x0, the others x1"
 
 
 def test_one_micro_batch_on_one_rank_names_the_previous_steps_share():
-    assert oracle.describe_weights([1.0, 0.5], [1.0, 0.0], 1, 1) == \
+    assert naming.describe_weights([1.0, 0.5], [1.0, 0.0], 1, 1) == \
         "every micro-batch x1; the previous step's micro-batches x0.5"
 
 
 def test_rows_past_the_previous_step_are_not_the_previous_steps():
     # k = 2: rows 2-3 are the previous step's micro-batches; a basis longer than that says nothing more of them
-    assert oracle.describe_weights([0.5, 0.5, 0.0, 0.0, 0.7, 0.7], [0.5, 0.5, 0, 0, 0, 0], 1, 2) == "every micro-batch x1"
+    assert naming.describe_weights([0.5, 0.5, 0.0, 0.0, 0.7, 0.7], [0.5, 0.5, 0, 0, 0, 0], 1, 2) == "every micro-batch x1"
 
 
 def test_a_lost_part_is_named_only_where_no_boundary_micro_batch_of_any_rank_reaches_it():
@@ -324,40 +324,40 @@ def test_a_lost_part_is_named_only_where_no_boundary_micro_batch_of_any_rank_rea
         g["attribution"]["rows"] = rows
         return {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0}, "groups": {"expert": g}}
 
-    assert oracle.part_pattern(step([0, 1]), "fp32", 1, 2) == []  # row 1: the boundary of one rank of 2
-    assert oracle.part_pattern(step([0]), "fp32", 1, 2) == [oracle.PART_LOST]
-    assert oracle.part_pattern(step([2, 3]), "fp32", 2, 2) == []  # row 3: rank 1's boundary
+    assert parts.part_pattern(step([0, 1]), "fp32", 1, 2) == []  # row 1: the boundary of one rank of 2
+    assert parts.part_pattern(step([0]), "fp32", 1, 2) == [parts.PART_LOST]
+    assert parts.part_pattern(step([2, 3]), "fp32", 2, 2) == []  # row 3: rank 1's boundary
     rec = {"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [step([2, 3])]}
-    assert oracle.annotate_steps(rec)["parts"] == []  # the record's own world size and GA are used
+    assert naming.annotate_steps(rec)["parts"] == []  # the record's own world size and GA are used
     rec = {"dtype": "fp32", "world_size": 1, "ga": 2, "steps": [step([0])]}
-    assert oracle.annotate_steps(rec)["parts"] == [oracle.PART_LOST]
+    assert naming.annotate_steps(rec)["parts"] == [parts.PART_LOST]
     rec = {"dtype": "fp32", "world_size": 2, "ga": 2, "steps": [step([1])]}  # rank 0's boundary, with 2 ranks
-    assert oracle.annotate_steps(rec)["parts"] == []
+    assert naming.annotate_steps(rec)["parts"] == []
 
 
 def test_signals_exactly_at_a_limit_are_within_it():
-    tol = oracle.tolerance("fp32")
+    tol = tolerances.tolerance("fp32")
     at_rel = {"rel_err": tol.rel_l2, "expected_zero": True, "attribution": {"misplaced_weight": 0.0, "rows": []}}
-    assert oracle.part_pattern({"groups": {"g": at_rel}}, "fp32", 1, 2) == []
+    assert parts.part_pattern({"groups": {"g": at_rel}}, "fp32", 1, 2) == []
     at_mis = _group(rel_err=0.0, misplaced=tol.misplaced_weight)
-    assert oracle.groups_off({"groups": {"g": at_mis}}, "fp32") == []
+    assert parts.groups_off({"groups": {"g": at_mis}}, "fp32") == []
     uses_at = _group(rel_err=0.5, uses=tol.misplaced_weight, expected_zero=True)
-    assert oracle.groups_off({"groups": {"g": uses_at}}, "fp32") == [
+    assert parts.groups_off({"groups": {"g": uses_at}}, "fp32") == [
         "g: updated by 0.5 of the step's norm where its right update is 0"]  # the uses are within their limit
     uses_edge = _group(rel_err=0.5, uses=0.5, expected_zero=True)
     uses_edge["uses"]["residual"] = 0.05  # a fit of the uses with this residual does not explain the group
-    assert oracle.groups_off({"groups": {"g": uses_edge}}, "fp32")[0].startswith("g: updated by 0.5")
+    assert parts.groups_off({"groups": {"g": uses_edge}}, "fp32")[0].startswith("g: updated by 0.5")
     k = 2
     whole = {"metrics": {"rel_l2": 0.5, "norm_ratio": 0.5, "cosine": 1.0},
              "attribution": {"weights": [0.5, 0.5, 0.5 / k, 0.5 / k], "misplaced_weight": 0.5}}
-    assert oracle.part_pattern(whole, "fp32", 1, k) == []  # exactly half a share: not more than half
+    assert parts.part_pattern(whole, "fp32", 1, k) == []  # exactly half a share: not more than half
     whole["attribution"]["weights"][2] = 0.26
-    assert oracle.part_pattern(whole, "fp32", 1, k) == [oracle.PART_STALE]
+    assert parts.part_pattern(whole, "fp32", 1, k) == [parts.PART_STALE]
 
 
 def test_a_group_judged_against_a_zero_step_does_not_divide_by_zero():
     basis = torch.eye(2, dtype=torch.float64)
-    g = oracle.judge_groups(torch.tensor([1.0, 0.0], dtype=torch.float64), basis, torch.zeros(2, dtype=torch.float64),
+    g = parts.judge_groups(torch.tensor([1.0, 0.0], dtype=torch.float64), basis, torch.zeros(2, dtype=torch.float64),
                             torch.zeros(2, dtype=torch.float64), {"all": torch.tensor([0, 1])}, 1, 2)
     assert g["all"]["expected_zero"] and g["all"]["rel_err"] > 1e100
 
@@ -377,10 +377,10 @@ def test_a_read_floor_doubles_into_the_limits_and_a_nan_cosine_is_said_against_1
 
 
 def test_the_logged_norm_of_a_step_without_an_index_is_step_1_and_the_first_off_step_is_named():
-    rec = oracle.annotate_norms(_rec([{"reference_norm": 10.0, "logged_norm": 10.0}]))
+    rec = naming.annotate_norms(_rec([{"reference_norm": 10.0, "logged_norm": 10.0}]))
     assert rec["norm_reason"].startswith("step 1: ")
     steps = [{"step": s, "reference_norm": 10.0, "logged_norm": 20.0 + s} for s in range(3)]
-    assert oracle.annotate_norms(_rec(steps))["norm_reason"].startswith("step 1: the logged grad norm 20 ")
+    assert naming.annotate_norms(_rec(steps))["norm_reason"].startswith("step 1: the logged grad norm 20 ")
 
 
 def test_the_reference_of_a_model_with_a_part_a_micro_batch_does_not_reach_is_zero_there():
@@ -408,8 +408,8 @@ def test_the_fits_residual_is_relative_to_the_fitted_vector_at_any_scale():
 
 
 def test_a_micro_batch_every_one_of_three_ranks_has_is_said_once():
-    assert oracle._positions([0, 2, 4], 3, 2) == "micro-batch 1 on every rank"
-    assert oracle._positions([0, 2], 3, 2) == "rank 0 micro-batch 1, rank 1 micro-batch 1"
+    assert parts._positions([0, 2, 4], 3, 2) == "micro-batch 1 on every rank"
+    assert parts._positions([0, 2], 3, 2) == "rank 0 micro-batch 1, rank 1 micro-batch 1"
 
 
 def _bf16_rec(step, **kw):
@@ -419,24 +419,24 @@ def _bf16_rec(step, **kw):
 def test_a_record_without_a_judge_dtype_is_judged_at_its_own_dtypes_limits():
     tie = {"metrics": {"rel_l2": 0.01, "norm_ratio": 1.01, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
-    assert oracle.annotate_steps(_bf16_rec(tie))["matches"] == "global mean"  # within bf16's limits
-    assert oracle.annotate_steps(_bf16_rec(tie, dtype="fp32"))["matches"].startswith("ambiguous")
+    assert naming.annotate_steps(_bf16_rec(tie))["matches"] == "global mean"  # within bf16's limits
+    assert naming.annotate_steps(_bf16_rec(tie, dtype="fp32"))["matches"].startswith("ambiguous")
     group = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "groups": {"g": _group(rel_err=0.01)}}
-    assert oracle.annotate_steps(_bf16_rec(group))["shape"] is None  # within bf16's limits: nothing said
-    assert "g: s (rel. error 0.01)" in oracle.annotate_steps(_bf16_rec(group, dtype="fp32"))["shape"]
+    assert naming.annotate_steps(_bf16_rec(group))["shape"] is None  # within bf16's limits: nothing said
+    assert "g: s (rel. error 0.01)" in naming.annotate_steps(_bf16_rec(group, dtype="fp32"))["shape"]
     norm = {"step": 0, "reference_norm": 10.0, "logged_norm": 10.1}
-    assert oracle.annotate_norms(_bf16_rec(norm))["norm_verdict"] == oracle.NOT_AFFECTED
-    assert oracle.annotate_norms(_bf16_rec(norm, dtype="fp32"))["norm_verdict"] == oracle.AFFECTED
+    assert naming.annotate_norms(_bf16_rec(norm))["norm_verdict"] == oracle.NOT_AFFECTED
+    assert naming.annotate_norms(_bf16_rec(norm, dtype="fp32"))["norm_verdict"] == oracle.AFFECTED
 
 
 def test_a_whole_step_is_stale_from_just_past_its_limits_and_a_tie_is_the_mean_only_within_them():
     k = 2
     step = {"metrics": {"rel_l2": 1.5e-4, "norm_ratio": 1.0, "cosine": 1.0},  # 1.5x the fp32 limit
             "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
-    assert oracle.part_pattern(step, "fp32", 1, k) == [oracle.PART_STALE]
+    assert parts.part_pattern(step, "fp32", 1, k) == [parts.PART_STALE]
     tie = {"metrics": {"rel_l2": 1.5e-4, "norm_ratio": 1.0, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
-    assert oracle._named(tie, "fp32") == "ambiguous between 'global mean' and 'last / N'"
+    assert naming._named(tie, "fp32") == "ambiguous between 'global mean' and 'last / N'"
 
 
 def test_the_reference_takes_token_targets_as_they_are():
@@ -450,7 +450,7 @@ def test_the_reference_takes_token_targets_as_they_are():
 def test_a_group_whose_right_update_is_tiny_against_the_whole_step_has_none():
     basis = torch.eye(2, dtype=torch.float64)
     target = torch.tensor([100.0, 1e-8], dtype=torch.float64)  # 1e-10 of the whole step's norm
-    g = oracle.judge_groups(target, basis, torch.ones(2, dtype=torch.float64), target,
+    g = parts.judge_groups(target, basis, torch.ones(2, dtype=torch.float64), target,
                             {"big": torch.tensor([0]), "tiny": torch.tensor([1])}, 1, 2)
     assert g["tiny"]["expected_zero"] and not g["big"]["expected_zero"]
 
@@ -458,12 +458,12 @@ def test_a_group_whose_right_update_is_tiny_against_the_whole_step_has_none():
 def test_a_previous_steps_micro_batch_is_never_lost_and_a_uses_weight_is_never_minus_zero():
     basis = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)  # row 1: the previous step's (k = 1)
     eff = basis[0] - 0.1 * basis[1]
-    g = oracle.judge_groups(eff, basis, torch.tensor([1.0, 0.0], dtype=torch.float64), basis[0],
+    g = parts.judge_groups(eff, basis, torch.tensor([1.0, 0.0], dtype=torch.float64), basis[0],
                             {"all": torch.tensor([0, 1])}, 1, 1)
     assert g["all"]["lost"] is None
     uses = {"all": {"first": torch.tensor([1.0, 0.0], dtype=torch.float64),
                     "second": torch.tensor([0.0, 1.0], dtype=torch.float64)}}
-    g = oracle.judge_groups(torch.tensor([1.0, -0.001], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+    g = parts.judge_groups(torch.tensor([1.0, -0.001], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
                             torch.ones(2, dtype=torch.float64) / 2, torch.tensor([1.0, 1.0], dtype=torch.float64),
                             {"all": torch.tensor([0, 1])}, 1, 2, uses)
     assert g["all"]["uses"]["shape"] == "first x1, second x0"
@@ -472,29 +472,29 @@ def test_a_previous_steps_micro_batch_is_never_lost_and_a_uses_weight_is_never_m
 def test_a_stepless_record_is_named_at_its_own_dtypes_limits():
     rec = {"dtype": "bf16", "metrics": {"rel_l2": 0.01, "norm_ratio": 1.01, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
-    assert oracle.annotate_steps(rec)["matches"] == "global mean"
+    assert naming.annotate_steps(rec)["matches"] == "global mean"
     assert rec["ties"] == ["global mean", "last / N"]  # what it could not tell apart, kept
-    assert oracle.annotate_steps({"dtype": "fp32", "metrics": rec["metrics"]})["ties"] == []
+    assert naming.annotate_steps({"dtype": "fp32", "metrics": rec["metrics"]})["ties"] == []
 
 
 def test_a_groups_previous_step_weight_of_exactly_half_a_share_is_not_stale():
     k = 2
     g = _group(rel_err=0.5)
     g["attribution"].update(rows=[0, k], weights=[0.25, 0.5 / k])
-    assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == []
+    assert parts.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == []
     g["attribution"]["weights"] = [0.25, 0.26]
-    assert oracle.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == [oracle.PART_STALE]
+    assert parts.part_pattern({"groups": {"g": g}}, "fp32", 1, k) == [parts.PART_STALE]
 
 
 def test_two_micro_batches_off_alike_are_said_together_in_the_plural():
     w = [0.0, 0.0, 0.2, 0.2, 0.2]
-    assert oracle.describe_weights(w, [0.2] * 5, 1, 5) == "micro-batches 1,2 x0, the others x1"
-    assert oracle.describe_weights([0.0, 0.2, 0.2], [0.2] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
+    assert naming.describe_weights(w, [0.2] * 5, 1, 5) == "micro-batches 1,2 x0, the others x1"
+    assert naming.describe_weights([0.0, 0.2, 0.2], [0.2] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
 
 
 def test_a_micro_batch_reaches_a_group_only_above_a_billionth_of_the_largest():
     basis = torch.tensor([[1.0, 0.0], [1e-9, 0.0], [0.0, 1.0]], dtype=torch.float64)  # row 1: exactly 1e-9 of row 0
-    g = oracle.judge_groups(torch.tensor([1.0, 1.0], dtype=torch.float64), basis, torch.ones(3, dtype=torch.float64),
+    g = parts.judge_groups(torch.tensor([1.0, 1.0], dtype=torch.float64), basis, torch.ones(3, dtype=torch.float64),
                             torch.tensor([1.0, 1.0], dtype=torch.float64), {"first": torch.tensor([0])}, 1, 3)
     assert g["first"]["reached"] == [0]
 
@@ -503,66 +503,66 @@ def test_a_group_the_whole_steps_fit_explains_to_a_tenth_of_its_right_weight_is_
     whole = {"attribution": {"weights": [0.5], "residual": 0.0}}
     g = _group(rel_err=0.5)
     g["attribution"].update(rows=[0], weights=[0.75], expected_weights=[2.5])  # 0.25 off: exactly a tenth of 2.5
-    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == []
+    assert parts.groups_off({**whole, "groups": {"g": g}}, "fp32") == []
     g["attribution"]["weights"] = [0.76]
-    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
+    assert parts.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
 
 
 def test_a_tiny_negative_share_is_zero_and_exactly_at_a_limit_is_within_it():
     third = 1 / 3
-    assert oracle._group_shape([0, 1, 2], [-0.001, third, third], [third] * 3, 1, 3) == \
+    assert parts._group_shape([0, 1, 2], [-0.001, third, third], [third] * 3, 1, 3) == \
         "rank 0 micro-batch 1 x0, the others reaching it x1"
     at = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0},  # severity exactly 1: within
           "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
-    assert oracle.part_pattern(at, "fp32", 1, 2) == []
-    assert oracle.groups_off({"groups": {"g": _group(rel_err=1e-4)}}, "fp32") == []
+    assert parts.part_pattern(at, "fp32", 1, 2) == []
+    assert parts.groups_off({"groups": {"g": _group(rel_err=1e-4)}}, "fp32") == []
     tie = {"metrics": {"rel_l2": 1e-4, "norm_ratio": 1.0, "cosine": 1.0},
            "hypotheses": {"best": "global mean", "best_matches": True, "ambiguous": ["global mean", "last / N"]}}
-    assert oracle._named(tie, "fp32") == "global mean"
+    assert naming._named(tie, "fp32") == "global mean"
 
 
 def test_a_micro_batch_at_exactly_half_its_right_weight_is_not_lost_and_no_share_reads_minus_zero():
-    g = oracle.judge_groups(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+    g = parts.judge_groups(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
                             torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64),
                             {"all": torch.tensor([0, 1])}, 1, 2)
     assert g["all"]["lost"] is None
-    g = oracle.judge_groups(torch.tensor([0.2, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
+    g = parts.judge_groups(torch.tensor([0.2, 0.5], dtype=torch.float64), torch.eye(2, dtype=torch.float64),
                             torch.tensor([0.5, 0.5], dtype=torch.float64), torch.tensor([0.5, 0.5], dtype=torch.float64),
                             {"all": torch.tensor([0, 1])}, 1, 2)
     assert g["all"]["lost"] == "rank 0 micro-batch 1"
-    assert oracle._group_shape([0, 1, 2, 3], [0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0.0, 0.0], 1, 2) == \
+    assert parts._group_shape([0, 1, 2, 3], [0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0.0, 0.0], 1, 2) == \
         "every micro-batch reaching it x1; the previous step's micro-batches x0.4, 0"
     third = 1 / 3
-    assert oracle.describe_weights([-0.001, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
-    assert oracle.describe_weights([third, third, third / 2], [third] * 3, 1, 3) == "micro-batch 3 x0.5, the others x1"
-    assert oracle.describe_weights([0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0, 0], 1, 2) == \
+    assert naming.describe_weights([-0.001, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0, the others x1"
+    assert naming.describe_weights([third, third, third / 2], [third] * 3, 1, 3) == "micro-batch 3 x0.5, the others x1"
+    assert naming.describe_weights([0.5, 0.5, 0.2, -0.001], [0.5, 0.5, 0, 0], 1, 2) == \
         "every micro-batch x1; the previous step's micro-batches 0.4, 0 (x their share)"
 
 
 def test_the_edges_of_a_groups_judgement():
     # a right update exactly a billionth of the whole step's is none
     target = torch.tensor([1.0, 1e-9], dtype=torch.float64)
-    g = oracle.judge_groups(target, torch.eye(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), target,
+    g = parts.judge_groups(target, torch.eye(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), target,
                             {"b": torch.tensor([1])}, 1, 2)
     assert g["b"]["expected_zero"]
     # a misplaced weight exactly at its limit, or a group with no fit at all, is within it
-    tol = oracle.tolerance("fp32")
+    tol = tolerances.tolerance("fp32")
     at = {"rel_err": 0.0, "expected_zero": True, "attribution": {"misplaced_weight": tol.misplaced_weight, "rows": []}}
-    assert oracle.part_pattern({"groups": {"g": at}}, "fp32", 1, 2) == []
+    assert parts.part_pattern({"groups": {"g": at}}, "fp32", 1, 2) == []
     bare = {"rel_err": 0.0, "expected_zero": True}
-    assert oracle.part_pattern({"groups": {"g": bare}}, "fp32", 1, 2) == []
+    assert parts.part_pattern({"groups": {"g": bare}}, "fp32", 1, 2) == []
     # a whole step within its limits is never stale, whatever its fit says
     within = {"metrics": {"rel_l2": 0.5e-4, "norm_ratio": 1.0, "cosine": 1.0},
               "attribution": {"weights": [0.5, 0.5, 0.3, 0.0], "misplaced_weight": 0.0}}
-    assert oracle.part_pattern(within, "fp32", 1, 2) == []
+    assert parts.part_pattern(within, "fp32", 1, 2) == []
     # a whole-step fit with a residual of exactly 0.05 does not explain a group
     whole = {"attribution": {"weights": [0.75], "residual": 0.05}}
     g = _group(rel_err=0.5)
     g["attribution"].update(rows=[0], weights=[0.75], expected_weights=[2.5])
-    assert oracle.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
+    assert parts.groups_off({**whole, "groups": {"g": g}}, "fp32") == ["g: s (rel. error 0.5)"]
     # shares to a tenth, never a hundredth
     third = 1 / 3
-    assert oracle._group_shape([0, 1, 2], [0.33 * third, third, third], [third] * 3, 1, 3) == \
+    assert parts._group_shape([0, 1, 2], [0.33 * third, third, third], [third] * 3, 1, 3) == \
         "rank 0 micro-batch 1 x0.3, the others reaching it x1"
-    assert oracle.describe_weights([0.33 * third, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0.3, the others x1"
-    assert oracle.describe_weights([0.11, third, third], [0.0, third, third], 1, 3) == "micro-batch 1 x0.3, the others x1"
+    assert naming.describe_weights([0.33 * third, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0.3, the others x1"
+    assert naming.describe_weights([0.11, third, third], [0.0, third, third], 1, 3) == "micro-batch 1 x0.3, the others x1"

@@ -1,5 +1,5 @@
 """Tests that fail when the instrument is wrong: each asserts one behaviour of the judging code (issue 27), with
-numbers the README states and records made by hand, so that a planted defect in kit/ fails here with its name."""
+numbers docs/judge.md states and records made by hand, so that a planted defect in kit/ fails here with its name."""
 import pytest
 
 from kit import launch
@@ -8,8 +8,8 @@ from kit.commands.sweep import grouping
 from kit.judge import oracle, records
 
 CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
-# The limits the README states (kit/judge/oracle.py's TOLERANCES, set from measured noise): written here, not read from
-# the module, so that a limit changed there fails here.
+# The limits docs/judge.md states (kit/judge/tolerances.py's TOLERANCES, set from measured noise): written here, not
+# read from the module, so that a limit changed there fails here.
 LIMITS = {"fp32": {"rel_l2": 1e-4, "norm_ratio": 1e-4, "misplaced_weight": 1e-4, "rank_spread": 1e-6},
           "bf16": {"rel_l2": 3e-2, "norm_ratio": 3e-2, "misplaced_weight": 5e-3, "rank_spread": 1e-6},
           "fp16": {"rel_l2": 5e-3, "norm_ratio": 5e-3, "misplaced_weight": 1.5e-3, "rank_spread": 1e-6}}

@@ -7,14 +7,15 @@ import pytest
 import torch
 
 from kit import config, launch
-from kit.commands import check, repro, sweep
+from kit.commands import check, repro
 from kit.commands.sweep import grouping
 from kit.notebooks import sweep as sweep_notebook
 from kit.commands.sweep import run as sweep_run
 from kit.commands.sweep import spec as sweep_spec
-from kit.judge import oracle, records
+from kit.judge import naming, oracle, records
 from kit.probes import runner
 from kit.probes import ds_config
+from kit.probes.ranks import ds_config as ds_ranks
 
 
 def _basis(k, size=300, seed=0):
@@ -26,12 +27,12 @@ def _basis(k, size=300, seed=0):
 
 def test_at_ga_2_last_micro_batch_and_all_but_the_first_tie_and_no_bug_is_named():
     w, n = 2, 2
-    hyp = ds_config.hypothesis_weights(w, n)
+    hyp = ds_ranks.hypothesis_weights(w, n)
     basis = _basis(w * n)
     step = torch.tensor(hyp["last micro-batch / N"], dtype=torch.float64) @ basis
-    h = oracle.explain(step, basis, hyp, "fp32")
+    h = naming.explain(step, basis, hyp, "fp32")
     assert h["ambiguous"] == ["all but the first micro-batch", "last micro-batch / N"]
-    matches = oracle.step_name(h)
+    matches = naming.step_name(h)
     assert matches == "ambiguous between 'all but the first micro-batch' and 'last micro-batch / N'"
     rec = {"config": {"loop": "manual", "ds_config": {}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2,
            "optimizer": "DeepSpeedZeroOptimizer", "ga": n, "matches": matches, "shape": "micro-batch 1 x0, the others x2"}
@@ -39,9 +40,9 @@ def test_at_ga_2_last_micro_batch_and_all_but_the_first_tie_and_no_bug_is_named(
     bug, why = check.explain(rec)
     assert bug is None and "ambiguous between" in why  # ... but its step cannot be told apart: no name
     # at GA 4 the same hypothesis stands alone
-    hyp4 = ds_config.hypothesis_weights(w, 4)
+    hyp4 = ds_ranks.hypothesis_weights(w, 4)
     b4 = _basis(w * 4)
-    h4 = oracle.explain(torch.tensor(hyp4["last micro-batch / N"], dtype=torch.float64) @ b4, b4, hyp4, "fp32")
+    h4 = naming.explain(torch.tensor(hyp4["last micro-batch / N"], dtype=torch.float64) @ b4, b4, hyp4, "fp32")
     assert h4["ambiguous"] == [] and h4["best"] == "last micro-batch / N" and h4["best_matches"]
 
 
@@ -50,10 +51,10 @@ def test_an_unknown_step_is_described_by_its_weights():
     expected = [1 / k] * k
     # micro-batch 2 of every rank lost, the others weighed as they should
     got = [0.0 if i % n == 1 else 1 / k for i in range(k)]
-    assert oracle.describe_weights(got, expected, w, n) == "micro-batch 2 x0, the others x1"
+    assert naming.describe_weights(got, expected, w, n) == "micro-batch 2 x0, the others x1"
     # ranks that differ are named; the previous step's micro-batches are said when they carry weight
     got = [1 / k] * n + [2 / k] * n + [1 / k] * k
-    text = oracle.describe_weights(got, expected + [0.0] * k, w, n)
+    text = naming.describe_weights(got, expected + [0.0] * k, w, n)
     assert text == "rank 0: every micro-batch x1; rank 1: every micro-batch x2; the previous step's micro-batches x1"
 
 
@@ -138,10 +139,10 @@ def test_a_not_affected_below_its_detection_floor_is_inconclusive():
     # bf16 sees a misplaced weight of 5e-3; one lost micro-batch of W = 2, N = 64 weighs 1/256 = 3.9e-3 < 5e-3
     rec = {"verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "dtype": "bf16", "world_size": 2,
            "ga": 64, "metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0}, "attribution": {"misplaced_weight": 0.0}}
-    ds_config._floor(rec)
+    ds_config.judge_floor(rec)
     assert rec["verdict"] == oracle.INCONCLUSIVE and "one lost micro-batch" in rec["reason"] and rec["below_floor"]
     ok = {**rec, "verdict": oracle.NOT_AFFECTED, "reason": "every signal within", "ga": 4}
-    ds_config._floor(ok)
+    ds_config.judge_floor(ok)
     assert ok["verdict"] == oracle.NOT_AFFECTED and ok["detectable_weight"] == pytest.approx(5e-3)
 
 
@@ -224,13 +225,13 @@ def test_a_loop_that_keeps_the_previous_steps_gradient_is_affected_from_step_2_w
     cases = [{"name": "control", "role": "control", "loop": "torch", "ga": 4, "dtype": "fp32", "zero_stage": None,
               "steps": 3, "clip": 0.0},
              {"name": "stale", "role": "measured", "loop": "torch", "ga": 4, "dtype": "fp32", "zero_stage": None,
-              "steps": 3, "clip": 0.0, "ds_config": {ds_config.STALE_FAULT_KEY: True}}]
+              "steps": 3, "clip": 0.0, "ds_config": {ds_ranks.STALE_FAULT_KEY: True}}]
     recs = runner.run(ds_config.CHECK, cases, [{}], (2,))
     rec = records.one(recs, case="stale")
     assert rec["verdict"] == oracle.AFFECTED, rec["reason"]
     s1, s2 = rec["steps"][0], rec["steps"][1]
     assert oracle.severity({**s1, "dtype": "fp32"}) <= 1.0 and s1["matches"] == "global mean"
-    assert oracle.severity({**s2, "dtype": "fp32"}) > 1.0 and s2["matches"] == ds_config.STALE
+    assert oracle.severity({**s2, "dtype": "fp32"}) > 1.0 and s2["matches"] == ds_ranks.STALE
     k = 2 * 4
     prev = s2["attribution"]["weights"][k:]
     assert len(prev) == k and all(abs(x - 1 / k) < 1e-6 for x in prev), prev

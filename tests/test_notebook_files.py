@@ -4,9 +4,9 @@ import ast
 import nbformat
 import pytest
 
-from kit.notebooks import runall
+from kit.notebooks import runall_notebook, runall_params
 
-NOTEBOOKS = sorted(runall.NOTEBOOKS.glob("*.ipynb"))
+NOTEBOOKS = sorted(runall_params.NOTEBOOKS.glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -20,7 +20,7 @@ def test_notebook_is_stored_clean_and_parses(path):
         ast.parse(c.source)  # a SyntaxError names the cell's line
         assert len(c.source.splitlines()) <= 40, f"a {len(c.source.splitlines())}-line cell: move logic into kit/"
     assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
-    assert nb.metadata["kernelspec"]["name"] == runall.KERNEL
+    assert nb.metadata["kernelspec"]["name"] == runall_notebook.KERNEL
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -30,14 +30,14 @@ def test_papermill_sees_every_parameter(path):
     nb = nbformat.read(path, as_version=4)
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     assigned = {m.group(1) for m in re.finditer(r"^([A-Z_][A-Z0-9_]*)\s*=", cell.source, re.M)}
-    assert assigned == set(runall.notebook_parameters(path)), "papermill cannot parse a line (an '=' in a comment?)"
+    assert assigned == set(runall_params.notebook_parameters(path)), "papermill cannot parse a line (an '=' in a comment?)"
 
 
-@pytest.mark.parametrize("params", sorted((runall.REPO / "scripts" / "params").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("params", sorted((runall_params.REPO / "scripts" / "params").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_params_file_fits_every_notebook(params, tmp_path):
-    spec = runall.load_params(params)
+    spec = runall_params.load_params(params)
     assert len(NOTEBOOKS) >= 9 and set(spec["notebooks"]) | set(spec["timeouts"]) <= {p.stem for p in NOTEBOOKS}
-    fitted = [runall.params_for(path, spec, tmp_path) for path in NOTEBOOKS]  # raises on a parameter it lacks
+    fitted = [runall_params.params_for(path, spec, tmp_path) for path in NOTEBOOKS]  # raises on a parameter it lacks
     assert len(fitted) == len(NOTEBOOKS)
 
 
@@ -91,7 +91,7 @@ def test_outputs_jupyterlab_autosaves_never_reach_a_commit(tmp_path):
     git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
                                     capture_output=True, text=True, check=True).stdout
     git("init", "-q")
-    subprocess.run(["bash", str(runall.REPO / "scripts" / "nbstripout_filter.sh"), sys.executable], cwd=tmp_path,
+    subprocess.run(["bash", str(runall_params.REPO / "scripts" / "nbstripout_filter.sh"), sys.executable], cwd=tmp_path,
                    check=True, capture_output=True)
     nb_path = tmp_path / "n.ipynb"
     shutil.copy(NOTEBOOKS[0], nb_path)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kit.judge import oracle
+from kit.judge import naming, oracle, tolerances
 
 
 def basis_and_ref(k=8, n=500, seed=0):
@@ -97,7 +97,7 @@ def test_compare_rejects_shape_mismatch_and_zero_reference():
     with pytest.raises(ValueError):
         oracle.compare(torch.ones(3), torch.zeros(3))
     with pytest.raises(ValueError):
-        oracle.tolerance("fp8")
+        tolerances.tolerance("fp8")
 
 
 def test_reference_is_the_gradient_of_the_global_mean_loss():
@@ -117,11 +117,11 @@ def test_explain_names_the_hypothesis_that_holds():
     last_only = torch.zeros(8, dtype=torch.float64)
     last_only[3], last_only[7] = 1 / 8, 1 / 8  # two ranks of N=4: each rank's last micro-batch, still / N
     candidates = {"global mean": weights, "last micro-batch / N": last_only, "sum of micro-batches": 4 * weights}
-    got = oracle.explain(last_only @ basis, basis, candidates, "fp32", reference=ref)
+    got = naming.explain(last_only @ basis, basis, candidates, "fp32", reference=ref)
     assert got["best"] == "last micro-batch / N" and got["best_matches"]
     assert got["candidates"]["global mean"]["rel_l2"] > 0.1
     assert got["predicted_ratio"]["sum of micro-batches"] == pytest.approx(4.0)
-    noisy = oracle.explain(0.5 * ref, basis, candidates, "fp32")  # half the mean: none of the three
+    noisy = naming.explain(0.5 * ref, basis, candidates, "fp32")  # half the mean: none of the three
     assert not noisy["best_matches"]
 
 
@@ -146,7 +146,7 @@ def b4_leak_at_large_ga(w_ranks=2, ga=64, n=2112, noise=0.003, seed=3):
 def test_a_small_leak_at_large_ga_is_missed_by_rel_error_alone_but_not_by_the_verdict():
     basis, weights, ref, buffers, effective = b4_leak_at_large_ga()
     m = oracle.compare(effective, ref)
-    tol = oracle.tolerance("bf16")
+    tol = tolerances.tolerance("bf16")
     # the old rule (rel. error and norm ratio only) calls this leak correct ...
     assert m["rel_l2"] < tol.rel_l2 and abs(m["norm_ratio"] - 1) < tol.norm_ratio
     assert oracle.verdict(judged(effective, ref, "bf16"), judged(ref, ref))[0] == oracle.NOT_AFFECTED

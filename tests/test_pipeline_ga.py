@@ -4,7 +4,7 @@ import pytest
 from kit import config as kconfig
 from kit.judge import oracle, records
 from kit.probes import pipeline_ga as pg
-from kit.probes.common import STEPS
+from kit.probes.ranks.judging import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -87,17 +87,17 @@ def test_a_record_takes_the_verdict_of_its_worst_stage_not_of_the_whole_model():
     rec = {"dtype": "bf16", "role": "measured", "verdict": oracle.NOT_AFFECTED, "reason": "whole model ok",
            "metrics": {"norm_ratio": whole, "cosine": 0.9999, "rel_l2": 0.075 * 0.1}, "stages": stages}
     control = {"dtype": "bf16", "role": "control", "stages": [_stage(0, 1.0, 0.01), _stage(1, 1.0, 0.99)]}
-    out = pg._annotate(rec, control)
+    out = pg.annotate_record(rec, control)
     assert out["verdict"] == oracle.AFFECTED and out["affected_stages"] == [0], out["reason"]
     assert out["reason"].startswith("stage 0:")
     assert out["whole_model_verdict"] == oracle.NOT_AFFECTED  # kept, as information
     # an off control stage makes the record inconclusive, whatever the whole model says
-    bad = pg._annotate({**rec, "stages": [_stage(0, 1.0, 0.01), _stage(1, 1.0, 0.99)]},
-                       {**control, "stages": [_stage(0, 0.5, 0.01), _stage(1, 1.0, 0.99)]})
+    bad = pg.annotate_record({**rec, "stages": [_stage(0, 1.0, 0.01), _stage(1, 1.0, 0.99)]},
+                             {**control, "stages": [_stage(0, 0.5, 0.01), _stage(1, 1.0, 0.99)]})
     assert bad["verdict"] == oracle.INCONCLUSIVE
     # replicas that disagree are judged too
     split = [_stage(0, 1.0, 0.01), {**_stage(1, 1.0, 0.99), "rank_spread": {"data-parallel replicas": 1e-3}}]
-    assert pg._annotate({**rec, "stages": split}, control)["verdict"] == oracle.AFFECTED
+    assert pg.annotate_record({**rec, "stages": split}, control)["verdict"] == oracle.AFFECTED
 
 
 @pytest.mark.world

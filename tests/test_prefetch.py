@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kit import launch
-from kit.notebooks import runall
+from kit.notebooks import runall_params
 from kit.probes import runner
 from kit.stacks import prefetch
 from kit.stacks import versions as kversions
@@ -26,12 +26,13 @@ pytestmark = pytest.mark.world
 
 def _needs(params_file: str) -> list[prefetch.Need]:
     """What run-all with this parameters file would prefetch, from the notebooks' own ``check_notebook``."""
-    spec = runall.load_params(params_file)
+    spec = runall_params.load_params(params_file)
     pairs = []
-    for path in sorted(runall.NOTEBOOKS.glob("*.ipynb")):
-        known = runall.notebook_parameters(path)
-        params = runall.params_for(path, spec, runall.REPO / "runs" / "x", runall.REPO / "runs" / "x", known)
-        pairs += runall.check_notebook_values(path, params, known)
+    for path in sorted(runall_params.NOTEBOOKS.glob("*.ipynb")):
+        known = runall_params.notebook_parameters(path)
+        folder = runall_params.REPO / "runs" / "x"
+        params = runall_params.params_for(path, spec, folder, folder, known)
+        pairs += runall_params.check_notebook_values(path, params, known)
     return prefetch.needs_of(pairs)
 
 
@@ -50,8 +51,8 @@ def test_the_prefetch_names_every_stack_the_notebooks_will_run(repo):
     want |= {(v, "deepspeed") for v in story["STORY_RELEASES"] + [v for vs in story["KNOWN_RELEASES"].values() for v in vs]}
     assert got == want, f"prefetch would prepare {sorted(got)}, the notebooks run {sorted(want)}"
     # the overview reads run-all's records (LOAD_RESULTS): it adds nothing; run alone it needs its own stacks
-    over = runall.NOTEBOOKS / "00_overview.ipynb"
-    pairs = runall.check_notebook_values(over, {"LOAD_RESULTS": "", "VERSIONS": ["0.18.9", "installed"]})
+    over = runall_params.NOTEBOOKS / "00_overview.ipynb"
+    pairs = runall_params.check_notebook_values(over, {"LOAD_RESULTS": "", "VERSIONS": ["0.18.9", "installed"]})
     assert {(p.id, runner.stack_label(s)) for p, s in pairs} >= {("B3", "0.18.9"), ("B3", "installed"), ("DDP", "installed")}
     assert ("DDP", "0.18.9") not in {(p.id, runner.stack_label(s)) for p, s in pairs}  # no DeepSpeed in its stack
 
@@ -125,5 +126,6 @@ def test_a_release_the_index_does_not_have_is_refused_before_any_notebook(tmp_pa
 
 
 def test_a_check_probe_names_its_stacks_too():
-    pairs = runall.check_notebook_values(runall.NOTEBOOKS / "06_sweep.ipynb", {"STACKS": [{}, {"deepspeed": "0.18.9"}]})
+    sweep_nb = runall_params.NOTEBOOKS / "06_sweep.ipynb"
+    pairs = runall_params.check_notebook_values(sweep_nb, {"STACKS": [{}, {"deepspeed": "0.18.9"}]})
     assert [(p, s) for p, s in pairs] == [(ds_config.CHECK, {}), (ds_config.CHECK, {"deepspeed": "0.18.9"})]

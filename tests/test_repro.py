@@ -9,7 +9,7 @@ import pytest
 
 from kit import shapes
 from kit.commands import repro
-from kit.judge import oracle
+from kit.judge import tolerances
 
 
 def _rec(dtype="fp32", judge=None, steps=None, model="mlp", loop="manual", ga=3, mb=2, w=2):
@@ -45,9 +45,9 @@ def test_the_script_runs_the_records_point_with_its_dtypes_limits(tmp_path, dtyp
     text = path.read_text()
     compile(text, str(path), "exec")  # a script that runs
     k = _constants(path)
-    limits = oracle.tolerance(judge or dtype)
+    limits = tolerances.tolerance(judge or dtype)
     assert (k["LOOP"], k["N"], k["MB"], k["STEPS"]) == ("manual", 3, 2, 3)
-    assert (k["TOL"], k["MISPLACED"], k["ROUND"]) == (limits.rel_l2, limits.misplaced_weight, oracle.ROUNDING[dtype])
+    assert (k["TOL"], k["MISPLACED"], k["ROUND"]) == (limits.rel_l2, limits.misplaced_weight, tolerances.ROUNDING[dtype])
     assert text.startswith('"""a title\n') and "--nproc_per_node=2 repro_x.py" in text and "(0.18.6 here)" in text
     assert shapes.get("mlp").source() in text and "ROUTED = False" in text
     assert "needs only torch and deepspeed (0.18.6 here).\n" in text

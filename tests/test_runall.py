@@ -5,14 +5,14 @@ import nbformat
 import pytest
 
 from kit import config
-from kit.notebooks import runall
+from kit.notebooks import runall, runall_notebook, site
 
 pytestmark = pytest.mark.world
 
 
 def _notebook(path, *cells):
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": runall.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": runall_notebook.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
     params = nbformat.v4.new_code_cell("X = 1")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params] + [nbformat.v4.new_code_cell(c) for c in cells]
@@ -51,7 +51,10 @@ def test_runner_keeps_going_past_a_failing_notebook(mixed_run):
     assert "assert y == 3" in md and "[a_fails.ipynb](a_fails.ipynb)" in md
     page = (out / "site" / "a_fails.html").read_text()  # the site shows a failed notebook, saying so first
     assert "This notebook did not finish (failed)" in page and "deliberate failure: y is 2" in page
-    assert 'href="a_fails.html"' in (out / "site" / "index.html").read_text()
+    index = (out / "site" / "index.html").read_text()
+    assert 'href="a_fails.html"' in index
+    for doc in site.doc_pages():  # the docs pages beside the notebooks, each a page of the same site
+        assert f'href="{doc.stem}.html"' in index and (out / "site" / f"{doc.stem}.html").is_file(), doc.name
 
 
 def test_runner_stops_a_notebook_at_its_own_limit(mixed_run):
@@ -115,7 +118,7 @@ def test_a_folder_in_use_by_another_run_all_is_refused(tmp_path):
 def _b4_notebook(path, verdict_of_x):
     """A stand-in for 04_bf16_leak that writes one B4 record of this run: verdict from its parameter X."""
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": runall.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": runall_notebook.KERNEL, "display_name": "Python (gradkit)", "language": "python"}
     params = nbformat.v4.new_code_cell('X = 1\nRESULTS_DIR = "."')
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(

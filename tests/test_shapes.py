@@ -9,9 +9,10 @@ import torch
 
 from kit import shapes
 from kit.commands import check
-from kit.judge import oracle, records
+from kit.judge import oracle, parts, records
 from kit.probes import runner
 from kit.probes import ds_config
+from kit.probes.ranks import ds_config as ds_ranks
 from kit.shapes import hf
 
 pytestmark = pytest.mark.usefixtures("warm_module")
@@ -20,7 +21,7 @@ SHAPES = ("mlp", "frozen", "tied", "conditional", "no_grad_step")
 
 
 def _case(name, model, loop="torch", fault=None, stale=False, **extra):
-    cfg = {**({ds_config.LOOP_FAULT_KEY: fault} if fault else {}), **({ds_config.STALE_FAULT_KEY: True} if stale else {})}
+    cfg = {**({ds_ranks.LOOP_FAULT_KEY: fault} if fault else {}), **({ds_ranks.STALE_FAULT_KEY: True} if stale else {})}
     return {"name": name, "role": "control" if name.startswith("control") else "measured", "loop": loop, "ga": 4,
             "dtype": "fp32", "zero_stage": None, "steps": 3, "clip": 0.0, "model": model, "ds_config": cfg, **extra}
 
@@ -99,7 +100,7 @@ def test_a_parameter_with_no_gradient_in_a_step_keeps_its_weights(broken, engine
         assert not head[1]["expected_zero"]
         assert head[2]["expected_zero"] and head[2]["rel_err"] > 0.5, head[2]
         assert "expert every_other_step: updated by" in r["steps"][2]["shape"]
-        assert r["steps"][2]["parts"] == [oracle.PART_STALE]
+        assert r["steps"][2]["parts"] == [parts.PART_STALE]
     assert check.explain(records.one(engines, case="no_grad_step ZeRO-3"))[0] == "B6"
     assert check.explain(records.one(broken, case="stale"))[0] is None  # no DeepSpeed there: no DeepSpeed bug named
 
@@ -114,7 +115,7 @@ def test_optimizer_offload_loses_what_the_boundary_micro_batch_does_not_reach(en
     assert g["expert skip_last"]["rel_err"] == pytest.approx(1.0, abs=1e-6)  # nothing of it arrived
     assert g["expert only_first"]["rel_err"] == pytest.approx(1.0, abs=1e-6)
     assert g["expert skip_first"]["rel_err"] < 1e-5  # step 1: the part the boundary reaches is right
-    assert oracle.PART_LOST in r["parts"] and check.explain(r)[0] == "B7"
+    assert parts.PART_LOST in r["parts"] and check.explain(r)[0] == "B7"
 
 
 def test_group_judgement_finds_a_lost_micro_batch_and_a_move_where_none_belongs():
@@ -128,7 +129,7 @@ def test_group_judgement_finds_a_lost_micro_batch_and_a_move_where_none_belongs(
     step = torch.cat([step, torch.tensor([0.5], dtype=torch.float64)])  # a frozen weight moved
     full = torch.cat([basis, torch.zeros(4, 1, dtype=torch.float64)], dim=1)
     groups = {"a": torch.arange(0, 3), "b": torch.arange(3, 6), "frozen": torch.tensor([6])}
-    g = oracle.judge_groups(step, full, w, torch.cat([target, torch.zeros(1, dtype=torch.float64)]), groups, 1, 4)
+    g = parts.judge_groups(step, full, w, torch.cat([target, torch.zeros(1, dtype=torch.float64)]), groups, 1, 4)
     assert g["a"]["lost"] == "rank 0 micro-batch 3" and g["a"]["rel_err"] > 0.1
     assert g["b"]["reached"] == [0, 2, 3] and g["b"]["rel_err"] < 1e-12 and not g["b"].get("lost")
     assert g["frozen"]["expected_zero"] and g["frozen"]["rel_err"] == pytest.approx(0.5 / target.norm().item())

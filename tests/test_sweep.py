@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kit import config, launch, shapes
-from kit.commands import repro, sweep
+from kit.commands import repro
 from kit.commands.sweep import grouping
 from kit.commands.sweep import run as sweep_run
 from kit.commands.sweep import spec as sweep_spec

@@ -472,7 +472,7 @@ def test_main_sweeps_summarises_prints_and_fills_the_readme(tmp_path, monkeypatc
                 for st in spec["stacks"]]
 
     monkeypatch.setattr(sweep_run, "run", run)
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "sweep.md"  # the page of the sweep table, docs/sweep.md
     readme.write_text("x\n<!-- gradkit:table SWEEP -->\nold\n<!-- /gradkit:table -->\n")
     out = tmp_path / "out"
     out.mkdir()
@@ -835,7 +835,7 @@ def test_main_from_the_command_line_names_its_own_command_and_its_wall_time(tmp_
     spec_file = tmp_path / "s.yaml"
     spec_file.write_text("axes:\n  ga: [2]\nbase:\n  train_micro_batch_size_per_gpu: 4\n")
     monkeypatch.setattr(sweep_run, "run", lambda spec, out, **k: (tmp_path / "o").mkdir() or [])
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "sweep.md"  # the page of the sweep table, docs/sweep.md
     readme.write_text("<!-- gradkit:table SWEEP -->\n<!-- /gradkit:table -->\n")
     monkeypatch.setattr(sys, "argv", ["sweep.py", str(spec_file), "--out", str(tmp_path / "o"), "--readme", str(readme),
                                       "--no-progress"])

@@ -1,11 +1,11 @@
-"""B1 on real Trainer steps (tiny Qwen3, W = 2 as the README's main command runs it): which path does GAS change,
+"""B1 on real Trainer steps (tiny Qwen3, W = 2 as scripts/run_all.sh runs it): which path does GAS change,
 does any match the reference, on the report's versions and the installed ones."""
 import pytest
 
 from kit import config as kconfig
 from kit.judge import expectations, oracle, records
 from kit.probes import trainer_ga as tg
-from kit.probes.common import STEPS
+from kit.probes.ranks.judging import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 

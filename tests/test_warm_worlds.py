@@ -9,7 +9,7 @@ import pytest
 from kit import launch, probes
 from kit.notebooks import explore
 from kit.probes import runner
-from kit.probes import bf16_leak, zero_boundary as zb
+from kit.probes import zero_boundary as zb
 
 pytestmark = pytest.mark.world
 

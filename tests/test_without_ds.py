@@ -1,6 +1,6 @@
 """Notebook 07's logic on hand-made records: the matrix, the fixes, the overview's column, the upstream rules."""
 from kit.judge import expectations, oracle
-from kit.notebooks import overview, without_ds
+from kit.notebooks import overview, runall_params, without_ds
 from kit.judge.records import NO_DEEPSPEED
 
 
@@ -65,9 +65,7 @@ def test_a_mechanism_is_shown_for_the_cells_it_explains_only():
 
 
 def _params(**kw):
-    from kit.notebooks import runall
-
-    return {**runall.notebook_defaults(runall.NOTEBOOKS / "07_without_deepspeed.ipynb"), **kw}
+    return {**runall_params.notebook_defaults(runall_params.NOTEBOOKS / "07_without_deepspeed.ipynb"), **kw}
 
 
 def test_notebook_07s_parameters_are_checked_and_name_every_stack_its_worlds_run():

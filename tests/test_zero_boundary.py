@@ -4,6 +4,7 @@ import pytest
 from kit import config as kconfig
 from kit.judge import oracle, records
 from kit.probes import zero_boundary as zb
+from kit.probes.ranks import zero_boundary as zb_ranks
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -75,7 +76,7 @@ def test_fixes_work_on_every_stage(recs, fix):
 
 
 def test_hypotheses_are_distinct_weightings():
-    h = zb.hypothesis_weights(2, 4)
+    h = zb_ranks.hypothesis_weights(2, 4)
     assert sum(h["global mean"]) == pytest.approx(1.0)
     assert sum(h["last micro-batch / N"]) == pytest.approx(0.25)
     assert sum(h["sum of micro-batches"]) == pytest.approx(4.0)

@@ -24,31 +24,7 @@ from kit.judge import expectations, oracle, records
 from kit.judge import verdict as kverdict
 from kit.probes import ds_config
 from kit.shapes import hf
-
-# What each known bug looks like in a check, and its fix (the case that re-runs it): (pattern, hypothesis, fix text)
-EXPLAINS = {
-    "B3": ("ZeRO-1/2 with config GA = 1 and several backward() per step(): every backward is a boundary, the "
-           "accumulator is reset", "last micro-batch / N",
-           "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward (or put N in "
-           "gradient_accumulation_steps; from 0.19.4 \"managed_gradient_accumulation\": false)"),
-    "B4": ("BF16_Optimizer averages its fp32 accumulator before the boundary micro-batch is added",
-           "own rank's boundary micro-batch",
-           "set \"bf16\": {\"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0"),
-    "B5": ("ZeRO-1/2 with offload_optimizer copies a micro-step's gradient to the CPU buffer only on the first "
-           "micro-step; the ones between it and the boundary are lost", "first and last micro-batch",
-           "upgrade to DeepSpeed >= 0.19.0, or keep GA <= 2 with optimizer offload"),
-    "B6": ("ZeRO-3 never zeroes its reduced-gradient partitions (grad_partitions_flat_buffer): a parameter no "
-           "micro-batch of a step reached is stepped with its last gradient, one first reached after micro-batch 1 "
-           "adds onto the previous window's", (oracle.PART_STALE,),
-           "no release fixes it: give every parameter a gradient in every micro-batch (e.g. multiply an unused "
-           "module's output by 0 and add it), or zero optimizer.grad_partitions_flat_buffer after each step"),
-    "B7": ("offload_optimizer cpu writes the fp32 gradient only for the parameters the boundary micro-batch reaches "
-           "and never clears it: a part the boundary misses loses its window's gradient and keeps its last one",
-           (oracle.PART_STALE, oracle.PART_LOST, f"{oracle.PART_STALE} and {oracle.PART_LOST}",
-            f"{oracle.PART_LOST} and {oracle.PART_STALE}"),
-           "no release fixes it: give every parameter a gradient in every micro-batch (an unused module's output x 0 "
-           "added), or train without optimizer offload"),
-}
+from kit.stacks.versions import version_key
 
 
 def _expected_here(bug: str, versions: dict, **config) -> bool:
@@ -60,7 +36,7 @@ def _expected_here(bug: str, versions: dict, **config) -> bool:
     k = expectations.KNOWN[bug]
     v = (versions or {}).get(k.package)
     return bool(v) and k.fixed_in is None and \
-        expectations.version_key(v) > expectations.version_key(k.newest_pinned)
+        version_key(v) > version_key(k.newest_pinned)
 
 
 def ruled_out(rec: dict) -> dict:
@@ -69,7 +45,7 @@ def ruled_out(rec: dict) -> dict:
     version = (rec.get("versions") or {}).get("deepspeed")
     out = {}
     if ds.get("managed_gradient_accumulation") is False and version and \
-            expectations.version_key(version) >= expectations.version_key(expectations.UNMANAGED_SINCE):
+            version_key(version) >= version_key(expectations.UNMANAGED_SINCE):
         out["B3"] = f"\"managed_gradient_accumulation\": false (honoured from {expectations.UNMANAGED_SINCE})"
     if (ds.get("bf16") or {}).get("immediate_grad_update"):
         out["B4"] = "\"bf16.immediate_grad_update\": true"
@@ -105,7 +81,7 @@ def explain(rec: dict) -> tuple[str | None, str]:
     found = candidates(rec)
     said = f" (the step is: {shape})" if shape else ""
     for bug in found:
-        pattern, hypothesis, _ = EXPLAINS[bug]
+        pattern, hypothesis, _ = expectations.KNOWN[bug].explains
         if matches == hypothesis or isinstance(hypothesis, tuple) and matches in hypothesis:
             k = expectations.KNOWN[bug]
             return bug, f"{bug} ({k.report}): {pattern}; the step is '{matches}'"
@@ -181,7 +157,7 @@ def summarise(recs: list[dict]) -> dict:
                         and f["config"]["fix"] == f"fix:{row['explained_by']}"), None)
             if row["explained_by"]:
                 fm = (fix or {}).get("metrics") or {}
-                row["fix"] = {"what": EXPLAINS[row["explained_by"]][2],
+                row["fix"] = {"what": expectations.KNOWN[row["explained_by"]].explains[2],
                               "verdict": fix["verdict"] if fix else "not re-run here (the fix is another release: "
                                                                      "run this check with --deepspeed)",
                               "ratio": fm.get("norm_ratio")}

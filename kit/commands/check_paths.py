@@ -23,9 +23,9 @@ from kit import config as kconfig
 from kit import shapes
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
-from kit.judge.expectations import version_key
 from kit.notebooks import without_ds
 from kit.probes import accelerate_ga, fsdp2, runner, trainer_ddp, trainer_ga
+from kit.stacks.versions import version_key
 
 PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused

@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from kit import config as kconfig
-from kit.commands import bisect, repro
+from kit.commands import repro
+from kit.commands.bisect import diff, search
 from kit.commands.sweep.grouping import when_text
 from kit.judge import oracle, records
 
@@ -54,13 +55,13 @@ def bisect_section(doc: dict | None, command: str) -> list[str]:
         return ["Not bisected yet; to find the releases:", "", f"    {command}", ""]
     out = [f"`gradkit bisect` over {len(doc['order'])} releases ({doc['order'][0]} .. {doc['order'][-1]}, from "
            f"{doc.get('releases_from', '?')}; every {doc['stride']}th first, then a binary search, each change "
-           "confirmed by a second run on both sides):", "", bisect.table(doc), ""]
+           "confirmed by a second run on both sides):", "", search.table(doc), ""]
     if not doc["changes"]:
         out.append("No change among the releases that ran.")
     for ch in doc["changes"]:
-        out += [f"- **{bisect.describe(ch)}**"]
+        out += [f"- **{search.describe(ch)}**"]
         if ch.get("diff"):
-            out += ["", "```diff", bisect.diff_text(ch["diff"]), "```", ""]
+            out += ["", "```diff", diff.diff_text(ch["diff"]), "```", ""]
     if doc["skipped"]:
         out.append("Skipped (cannot run on this torch / machine, never counted as good): "
                    + "; ".join(f"{s['release']} ({(s.get('reason') or s['verdict'])[:120]})" for s in doc["skipped"]))

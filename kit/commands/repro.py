@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit import launch, shapes
-from kit.judge import oracle
-from kit.probes import ds_config
+from kit.judge import tolerances
+from kit.probes.ranks import ds_config
 from kit.stacks import versions as kversions
 
 TEMPLATE = '''"""{title}
@@ -141,9 +141,9 @@ def write(rec: dict, path, title: str) -> Path:
         routed=bool(shape.route_names), hidden=ds_config.HIDDEN, depth=ds_config.DEPTH,
         world_size=rec["world_size"], name=path.name, config=json.dumps(cfg, sort_keys=True),
         loop=case["loop"], n=case["ga"], mb=cfg["train_micro_batch_size_per_gpu"], steps=case.get("steps", 1),
-        tol=oracle.tolerance(case.get("judge_dtype", case["dtype"])).rel_l2,
-        mis=oracle.tolerance(case.get("judge_dtype", case["dtype"])).misplaced_weight,
-        rounding=oracle.ROUNDING[case["dtype"]]))
+        tol=tolerances.tolerance(case.get("judge_dtype", case["dtype"])).rel_l2,
+        mis=tolerances.tolerance(case.get("judge_dtype", case["dtype"])).misplaced_weight,
+        rounding=tolerances.ROUNDING[case["dtype"]]))
     return path
 
 

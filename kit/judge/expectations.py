@@ -76,19 +76,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kit.judge import oracle
+from kit.judge.parts import PART_LOST, PART_STALE
+from kit.stacks.versions import version_key
 
 AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
-
-
-def version_key(v: str) -> tuple:
-    """'0.19.3' -> (0, 19, 3); a local tag or suffix ('0.19.8+cpu', '1.2rc1') does not count."""
-    import re
-
-    out = []
-    for part in v.split("+")[0].split("."):
-        digits = re.match(r"\d+", part)  # the leading number: '2rc1' is 2, not 21
-        out.append(int(digits.group(0)) if digits else 0)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -110,6 +101,9 @@ class Known:
     # [, the smallest GA it holds at: a loop bug that sums micro-batches has nothing to sum at GA 1]).
     # A bug with rules pins only the cases and releases its rules name (up to ``newest_pinned``).
     rules: tuple = ()
+    # what the bug looks like in ``gradkit check`` and its fix there (the case that re-runs it): (what the engine does,
+    # the step it leaves: a named hypothesis or a tuple of the parts' patterns any of which it may be, the fix text)
+    explains: tuple = ()
 
     def rule_for(self, case: str | None, version: str, ga: int | None = None) -> str | None:
         """The verdict a rule gives ``case`` on ``version`` at ``ga`` (None: no rule covers them, or newer than
@@ -151,22 +145,43 @@ KNOWN = {k.bug: k for k in (
           notes=("<= 0.18.2: every stage sums (x GA)", "0.18.3 - 0.19.2: earlier stages divided by GA twice")),
     Known("B3", "deepspeed", "allenai/open-instruct#1498", affected_from="0.18.3", fixed_in=None, last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8184", "#8203", "#8217 (managed_gradient_accumulation, 0.19.4)"),
-          notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop")),
+          notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop"),
+          explains=("ZeRO-1/2 with config GA = 1 and several backward() per step(): every backward is a boundary, the "
+                    "accumulator is reset", "last micro-batch / N",
+                    "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward (or put N in "
+                    "gradient_accumulation_steps; from 0.19.4 \"managed_gradient_accumulation\": false)")),
     Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.6", fixed_in="0.19.0", last_affected=None,
-          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",)),
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",),
+          explains=("BF16_Optimizer averages its fp32 accumulator before the boundary micro-batch is added",
+                    "own rank's boundary micro-batch",
+                    "set \"bf16\": {\"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0")),
     Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from="0.15.2", fixed_in="0.19.0", last_affected="0.18.9",
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#6550 (the regression)", "deepspeedai/DeepSpeed#7967 (the fix)"),
           notes=("ZeRO-1/2 with offload_optimizer only, GA > 2, DeepSpeed's own loop",
                  "introduced in 0.15.2 (gradkit bisect: 0.15.1 exact, 0.15.2 'first and last micro-batch'; the diff is "
                  "#6550's else: copy_gradients_to_cpu() in async_accumulate_grad_in_cpu_via_gpu)"),
-          introduced_in="0.15.2"),
+          introduced_in="0.15.2",
+          explains=("ZeRO-1/2 with offload_optimizer copies a micro-step's gradient to the CPU buffer only on the first "
+                    "micro-step; the ones between it and the boundary are lost", "first and last micro-batch",
+                    "upgrade to DeepSpeed >= 0.19.0, or keep GA <= 2 with optimizer offload")),
     Known("B6", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
-          notes=("ZeRO-3; only a model whose parameters some step or micro-batch does not reach shows it",)),
+          notes=("ZeRO-3; only a model whose parameters some step or micro-batch does not reach shows it",),
+          explains=("ZeRO-3 never zeroes its reduced-gradient partitions (grad_partitions_flat_buffer): a parameter no "
+                    "micro-batch of a step reached is stepped with its last gradient, one first reached after "
+                    "micro-batch 1 adds onto the previous window's", (PART_STALE,),
+                    "no release fixes it: give every parameter a gradient in every micro-batch (e.g. multiply an "
+                    "unused module's output by 0 and add it), or zero optimizer.grad_partitions_flat_buffer after "
+                    "each step")),
     Known("B7", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
-                 "shows it in DeepSpeed's own loop",)),
+                 "shows it in DeepSpeed's own loop",),
+          explains=("offload_optimizer cpu writes the fp32 gradient only for the parameters the boundary micro-batch "
+                    "reaches and never clears it: a part the boundary misses loses its window's gradient and keeps its "
+                    "last one", (PART_STALE, PART_LOST, f"{PART_STALE} and {PART_LOST}", f"{PART_LOST} and {PART_STALE}"),
+                    "no release fixes it: give every parameter a gradient in every micro-batch (an unused module's "
+                    "output x 0 added), or train without optimizer offload")),
     Known("FSDP2", "torch", "pytorch/pytorch#162338 (gloo AVG reduce-scatter summed; open upstream)", affected_from=None,
           fixed_in=None, last_affected=None, newest_pinned="2.13.0",
           rules=(("control", NOT_AFFECTED, None, None),

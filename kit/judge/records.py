@@ -16,8 +16,8 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit.judge import oracle
-from kit.judge.expectations import version_key
 from kit.stacks import versions
+from kit.stacks.versions import version_key
 
 RUN_ID_ENV = "GRADKIT_RUN_ID"
 RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.notebooks.runall: which records are whose

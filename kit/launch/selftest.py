@@ -8,7 +8,8 @@ import os
 import time
 
 from kit.judge import oracle
-from kit.probes import common
+from kit.probes.ranks import common
+from kit.probes.ranks import judging
 
 
 def ping(payload: dict) -> dict:
@@ -62,7 +63,7 @@ def cases_then_desync(payload: dict) -> list:
         dist.all_reduce(t)
         return {"sum": t.item()}
 
-    return common.run_cases(payload, one)
+    return judging.run_cases(payload, one)
 
 
 def abort_after_result(payload: dict) -> dict:
@@ -81,7 +82,7 @@ def abort_after_result(payload: dict) -> dict:
 
 
 def judge_with_rank_offset(payload: dict) -> dict:
-    """Every rank hands ``kit.probes.common.judge`` the reference step of a tiny MLP, rank r's moved by
+    """Every rank hands ``kit.probes.ranks.common.judge`` the reference step of a tiny MLP, rank r's moved by
     ``payload['offset'] * r`` (relative): the rank agreement the oracle reports for ranks that disagree (or not)."""
     import torch
 
@@ -90,5 +91,5 @@ def judge_with_rank_offset(payload: dict) -> dict:
     every = [b for r in range(common.world_size()) for b in common.micro_batches(seed, r, ga, mb, hidden)]
     _, _, reference = oracle.reference_gradients(model, every, common.mse)
     effective = reference * (1.0 + payload["offset"] * common.rank())
-    out, *_ = common.judge(effective, model if common.rank() == 0 else None, seed, ga, mb, hidden)
+    out, *_ = judging.judge(effective, model if common.rank() == 0 else None, seed, ga, mb, hidden)
     return {"rank": common.rank(), "rank_spread": out.get("rank_spread"), "finite": bool(torch.isfinite(effective).all())}

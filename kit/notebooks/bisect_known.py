@@ -17,11 +17,12 @@ where the two are neighbours on the index). A boundary bisect finds that the tab
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.commands import bisect
+from kit.commands.bisect import listing, result, search
 from kit.judge import expectations as ex
 from kit.judge import oracle
-from kit.judge.expectations import UNMANAGED_SINCE, version_key
+from kit.judge.expectations import UNMANAGED_SINCE
 from kit.probes import ds_config, pipeline_ga
+from kit.stacks.versions import version_key
 
 CONFIGS = {
     "B4": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
@@ -42,17 +43,17 @@ BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")
 def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
     """``measure(release)`` for one known bug."""
     if bug == "B2":
-        return bisect.probe_measure(pipeline_ga.PROBE, {**PIPELINE, "world_sizes": (world_size,), "device": device,
+        return result.probe_measure(pipeline_ga.PROBE, {**PIPELINE, "world_sizes": (world_size,), "device": device,
                                                         "timeout_s": timeout_s}, "pipeline")
     user, loop = CONFIGS[bug]
     cfg = ds_config.resolve(user, world_size, user["gradient_accumulation_steps"], ds_config.dtype_of(user))
-    return bisect.measure_with(cfg, loop, world_size, device, timeout_s, steps)
+    return result.measure_with(cfg, loop, world_size, device, timeout_s, steps)
 
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
     """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed."""
-    order, _ = bisect.release_list(None, kconfig.INSTALLED, ",".join(releases))
-    return {"bug": bug, **bisect.search(order, measure(bug, **kw), stride)}
+    order, _ = listing.release_list(None, kconfig.INSTALLED, ",".join(releases))
+    return {"bug": bug, **search.search(order, measure(bug, **kw), stride)}
 
 
 def needs(releases_by_bug: dict) -> list:
@@ -60,13 +61,13 @@ def needs(releases_by_bug: dict) -> list:
     out = []
     for bug, releases in releases_by_bug.items():  # "story": a config through the check's probe
         probe = pipeline_ga.PROBE if bug == "B2" else ds_config.CHECK
-        out += [(probe, {} if r == kconfig.INSTALLED else bisect.stack_of(r)) for r in releases]
+        out += [(probe, {} if r == kconfig.INSTALLED else listing.stack_of(r)) for r in releases]
     return out
 
 
 def _expected(bug: str, release: str) -> str | None:
     if bug == "B3 opt-out":
-        return oracle.NOT_AFFECTED if ex.version_key(release) >= ex.version_key(ex.UNMANAGED_SINCE) else None
+        return oracle.NOT_AFFECTED if version_key(release) >= version_key(ex.UNMANAGED_SINCE) else None
     return ex.KNOWN[bug].expected_for_release(release)
 
 
@@ -89,10 +90,10 @@ def violations(found: dict) -> list[str]:
     """Where a bisect disagrees with the table: a pinned release measured otherwise, a change with no boundary of
     the table inside it, a boundary of the table between two measured releases with no change found there."""
     bug, out = found["bug"], []
-    runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in bisect.SKIPPED]
+    runs = [(rel, r) for rel, r in found["measured"].items() if r["verdict"] not in result.SKIPPED]
     if bug == "B3 opt-out":  # the loop runs exactly from the release that has the key
         for rel, r in found["measured"].items():
-            if (r["verdict"] in bisect.SKIPPED) != (version_key(rel) < version_key(UNMANAGED_SINCE)):
+            if (r["verdict"] in result.SKIPPED) != (version_key(rel) < version_key(UNMANAGED_SINCE)):
                 out.append(f"B3 opt-out on {rel}: {r['verdict']}, but the key arrives in {UNMANAGED_SINCE}")
     for rel, r in runs:
         want = _expected(bug, rel)
@@ -102,7 +103,7 @@ def violations(found: dict) -> list[str]:
     for ch in found["changes"]:
         lo, hi = version_key(ch["before"]), version_key(ch["after"])
         if not any(lo < version_key(b) <= hi for b, _ in bounds):
-            out.append(f"{bug}: a change the table does not have: {bisect.describe(ch)}")
+            out.append(f"{bug}: a change the table does not have: {search.describe(ch)}")
     ran = sorted(version_key(rel) for rel, _ in runs)
     for b, what in bounds:
         below = [v for v in ran if v < version_key(b)]
@@ -119,7 +120,7 @@ def violations(found: dict) -> list[str]:
 def summary_rows(founds: list[dict]) -> list[dict]:
     """One row per known bug: the changes in words, what was skipped, and whether the table agrees."""
     return [{"bug": f["bug"], "releases": f"{f['order'][0]} .. {f['order'][-1]} ({len(f['measured'])} measured)",
-             "changes": "; ".join(bisect.describe(c) for c in f["changes"]) or "none",
+             "changes": "; ".join(search.describe(c) for c in f["changes"]) or "none",
              "skipped": ", ".join(s["release"] for s in f["skipped"]) or "-",
              "agrees with kit/judge/expectations.py": "yes" if not violations(f) else "; ".join(violations(f))}
             for f in founds]
@@ -144,5 +145,5 @@ def check_notebook(p: dict) -> list:
     kconfig.check_positive_int("STEPS", p["STEPS"])
     ds_config.resolve(p["STORY_CONFIG"], p["WORLD_SIZE"], p["STORY_CONFIG"].get("gradient_accumulation_steps", 4),
                       ds_config.dtype_of(p["STORY_CONFIG"]))
-    bisect.release_list(None, kconfig.INSTALLED, ",".join(p["STORY_RELEASES"]))
+    listing.release_list(None, kconfig.INSTALLED, ",".join(p["STORY_RELEASES"]))
     return needs({"story": p["STORY_RELEASES"], **known})

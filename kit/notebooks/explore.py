@@ -1,4 +1,6 @@
-"""Interactive views over records, for JupyterLab (``INTERACTIVE = True``); papermill never calls them."""
+"""The probe explorer of notebook 05: a probe's knobs as widgets, a Run button, a progress bar and the redrawn figure
+(``ProbeExplorer``; headless, e.g. under papermill, ``run()`` draws straight into the cell), and the checks of the
+notebook's parameters. The record browsers of notebooks 01-04 are ``kit.notebooks.browse``."""
 from __future__ import annotations
 
 import contextlib
@@ -6,79 +8,8 @@ import threading
 
 from kit import config as kconfig
 from kit import launch, probes
-from kit.judge import records
 from kit.judge import tables as report
 from kit.probes import pipeline_ga, runner
-
-
-def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict | None = None,
-              missing: str = "no record for that combination"):
-    """Dropdowns that redraw ``figure(found, chosen)`` for the records matching the chosen values.
-
-    ``select`` maps a dropdown's name to the record key it filters on (its choices are the values
-    found in ``grad``); ``options`` are extra dropdowns handed to ``figure`` only.
-    """
-    import ipywidgets as widgets
-    import matplotlib.pyplot as plt
-
-    if not grad:
-        raise ValueError(f"no record with {what} to explore")
-
-    def draw(**chosen):
-        found = records.select(grad, **{key: chosen[name] for name, key in select.items()})
-        if not found:
-            print(missing)
-            return
-        figure(found, chosen)
-        plt.show()
-
-    choices = {name: sorted({r[key] for r in grad}, key=str) for name, key in select.items()}
-    return widgets.interact(draw, **choices, **(options or {}))
-
-
-def accumulator_explorer(recs: list[dict]):
-    """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
-    from kit.notebooks import plots
-
-    return _explorer([r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"], "accumulator norms",
-                     {"version": "version", "case": "case", "ga": "ga"},
-                     lambda found, chosen: plots.accumulator_norms(found[:1]))
-
-
-def attribution_explorer(recs: list[dict]):
-    """Dropdowns over version, case, ZeRO stage, dtype, world size and N that redraw the attribution bars."""
-    from kit.notebooks import plots
-
-    def figure(found, chosen):
-        plots.attribution_bars(found[:1])
-        print(found[0]["reason"])
-
-    return _explorer([r for r in recs if r.get("attribution")], "an attribution",
-                     {"version": "version", "case": "case", "zero_stage": "zero_stage", "dtype": "dtype",
-                      "world_size": "world_size", "n": "ga"}, figure,
-                     missing="no record for that combination (the fixes run only at FIX_N_VALUES)")
-
-
-def pipeline_explorer(recs: list[dict]):
-    """Dropdowns over version, world size, dtype and ZeRO stage that redraw the per-stage ratio figure."""
-    from kit.notebooks import plots
-
-    return _explorer([r for r in recs if r.get("stages")], "per-stage pipeline results",
-                     {k: k for k in ("version", "world_size", "dtype", "zero_stage")},
-                     lambda found, chosen: plots.stage_ratio_vs_ga(found))
-
-
-def path_explorer(recs: list[dict]):
-    """Dropdowns over version stack and case that redraw the effective/reference ratio per training path."""
-    from kit.notebooks import plots
-
-    grad = [r for r in recs if r.get("metrics") and r.get("path")]
-    return _explorer(grad, "Trainer metrics", {"version": "version"},
-                     lambda found, chosen: plots.path_ratio_vs_ga(found, case=chosen["case"]),
-                     options={"case": sorted({r["case"] for r in grad if r["case"] not in ("gas1", "harness")})})
-
-
-# ============================================================================ the probe explorer (Run button)
 
 KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO stage", "dtype": "dtype",
                "version": "version"}
@@ -348,10 +279,10 @@ class ProbeExplorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        from kit.notebooks import plots
+        from kit.notebooks import probe_plots
 
         sel = sel or self.selection()
-        fig = plots.explorer_result(self.rows, title=_title(sel))
+        fig = probe_plots.explorer_result(self.rows, title=_title(sel))
         if self.interactive:  # a PNG appended to the output area: works from a kernel thread and from a test
             import io
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit import probes
-from kit.judge import oracle, records
+from kit.judge import oracle, records, tolerances
 from kit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
 from kit.probes import runner
 from kit.stacks import versions
@@ -191,17 +191,16 @@ def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
     """``verdict_matrix.json`` and ``verdict_matrix.png`` in ``folder``."""
     import matplotlib.pyplot as plt
 
-    from kit.notebooks import (
-        plots,  # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
-    )
+    # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
+    from kit.notebooks import plot_style, verdict_plots
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     js = folder / "verdict_matrix.json"
     js.write_text(json.dumps(cells, indent=1, sort_keys=True))
     png = folder / "verdict_matrix.png"
-    fig = plots.verdict_matrix(cells)
-    plots.save(fig, png)
+    fig = verdict_plots.verdict_matrix(cells)
+    plot_style.save(fig, png)
     plt.close(fig)
     return js, png
 
@@ -270,7 +269,7 @@ def violations(cells: list[dict], bugs=(), versions_run=None) -> list[str]:
     cosine is); a ``not-affected`` cell's number is 1 within the loosest (bf16) tolerance.
     """
     out = []
-    loose = oracle.tolerance("bf16").norm_ratio
+    loose = tolerances.tolerance("bf16").norm_ratio
     if versions_run is not None:
         want = {versions.installed_version("deepspeed") if v == kconfig.INSTALLED else v for v in versions_run}
         have = {(c["bug"], c["deepspeed"]) for c in cells}

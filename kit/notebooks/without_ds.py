@@ -12,10 +12,10 @@ from kit import config as kconfig
 from kit import probes
 from kit.judge import expectations, oracle
 from kit.judge import tables as report
-from kit.judge.expectations import version_key
 from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
 from kit.stacks import source
 from kit.stacks import versions as kversions
+from kit.stacks.versions import version_key
 
 PARAMETERS = ("WORLD_SIZES", "GA_VALUES", "MICRO_BATCH", "HIDDEN", "MODELS", "FSDP2_SETTINGS", "ACCELERATE_VERSIONS",
               "ACCELERATE_MODELS", "TRAINER_STACKS", "TRAINER_GAS", "TRAINER_WORLD_SIZES", "SEED", "DEVICE", "TIMEOUT_S")

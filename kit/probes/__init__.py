@@ -6,6 +6,7 @@
 
 A module is found by being here: adding a probe edits no list. ``register`` adds one from elsewhere
 (a plugin, a test); ``unregister`` takes it back.
+What a probe's ranks run is its module of ``kit.probes.ranks`` (``Probe.target``), which defines no ``PROBE``.
 """
 from __future__ import annotations
 

@@ -30,15 +30,14 @@ control          the bare module: local accumulation, one ``all_reduce`` of ever
 Accelerate was given (``ga + 1``): each judged step is one pass over a dataloader of ``ga`` micro-batches, so the
 expected update is ``ga / (ga + 1)`` of the reference. The releases are overlays of the ``accelerate`` package
 (``stacks=[{"accelerate": "0.30.1"}]``); torch stays the installed one, and every record says which ran.
+
+What its ranks run is ``kit.probes.ranks.accelerate_ga``.
 """
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import shapes
 from kit.judge import oracle
-from kit.probes import common as c
-from kit.probes import ddp_no_sync, fsdp2, runner
-from kit.probes.probe import Probe
+from kit.probes import ddp_no_sync, runner, shared
 
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",
@@ -46,110 +45,7 @@ CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fs
          "sum_not_mean": "comparison", "accumulate_ragged": "comparison", "tokens_global": "measured",
          "tokens_local": "comparison", "control": "control"}
 RAGGED = ("accumulate_ragged", "tokens_global", "tokens_local")  # run on the ``ragged`` shape whatever the models
-DEPTH = 2
 
-
-# ====================================================================== inside a rank
-
-def _fresh_state():
-    """Accelerate keeps its state in process-wide singletons: each case starts from none (the process group, which
-    the world owns, stays)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(False)
-    GradientState._reset_state()
-
-
-def run_case(case: dict) -> dict:
-    import sys
-
-    ga, mb, hidden, seed, name = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
-    shape = shapes.of_case(case)
-    model = shape.build(seed, hidden, DEPTH)
-    if name == "control":
-        opt = c.sgd(model)
-
-        def take(step, batches):
-            for share, (x, y) in zip(c.sample_shares(batches), batches):  # 1 / GA for equal micro-batches
-                (shape.loss_fn(model(x), y) * share).backward()
-            c.average_grads(model)  # plain torch.distributed: what every Accelerate case is judged against
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return None, None
-
-        out = c.judge_steps(case.get("steps", c.STEPS), lambda: c.plain_read(model), take, seed=seed, ga=ga,
-                            micro_batch=mb, hidden=hidden, depth=DEPTH, shape=shape)
-        return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
-
-    from accelerate import Accelerator
-    from accelerate.data_loader import DataLoaderShard
-    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
-
-    _fresh_state()
-    steps_given = case.get("accumulation_steps", ga)
-    plugin = GradientAccumulationPlugin(num_steps=steps_given,
-                                        **({"sync_each_batch": True} if name == "sync_each_batch" else {}))
-    kw = {"kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=shape.unused_parameters)]}
-    if name == "accumulate_fsdp2":
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        kw = {"fsdp_plugin": FullyShardedDataParallelPlugin(fsdp_version=2)}
-    acc = Accelerator(gradient_accumulation_plugin=plugin, cpu=c.device().type == "cpu", **kw)
-    if name == "accumulate_fsdp2" and acc.distributed_type.name != "FSDP":
-        raise RuntimeError(f"Accelerate selects FSDP on a GPU only: on {c.device().type} it gave "
-                           f"{acc.distributed_type} (the model would be wrapped in DDP, not sharded)")
-    opt = c.sgd(model)
-    wrapped, opt = acc.prepare(model, opt) if name != "accumulate_fsdp2" else (acc.prepare(model), None)
-    if opt is None:  # FSDP2 replaces the parameters: the optimizer is built on the sharded ones
-        opt = acc.prepare(c.sgd(wrapped))
-    model = wrapped if name == "accumulate_fsdp2" else model
-    stepped = []
-
-    def take(step, batches):
-        # last_window: the step's micro-batches are the whole dataloader (Accelerate syncs at its end); the others
-        # iterate a plain list (Accelerate syncs by its own count of micro-batches)
-        window = name.startswith("last_window")
-        source = DataLoaderShard(batches, batch_size=None) if window else batches
-        moved = 0
-        if name.startswith("tokens_"):  # the window's items (samples: tokens), on this rank or on every rank
-            import torch
-
-            items = torch.tensor([sum(len(x) for x, _ in batches)], dtype=torch.float64)
-            items = acc.gather(items).sum() if name == "tokens_global" else items.sum()
-            scale = (acc.num_processes if name == "tokens_global" else 1) * steps_given / items
-        for x, y in source:
-            with acc.accumulate(wrapped):
-                pred = wrapped(x)  # one forward: DDP prepares its reduction for the graph backward will walk
-                if name.startswith("tokens_"):  # the summed per-item loss, normalised as Accelerate documents
-                    loss = ((pred.float() - y.float()) ** 2).mean(dim=1).sum() * scale
-                else:
-                    loss = shape.loss_fn(pred, y)
-                if name == "last_window_fixed":  # Accelerate divides by the GA it was given: undo it for this window
-                    loss = loss * steps_given / len(batches)
-                loss.backward() if name == "sum_not_mean" else acc.backward(loss)
-                before = [p.detach().clone() for p in opt.optimizer.param_groups[0]["params"]]
-                opt.step()  # lr = 1: the update is the gradient; a no-op until Accelerate says the window is in sync
-                opt.zero_grad()
-                moved += any(not bool((b == p.detach()).all())
-                             for b, p in zip(before, opt.optimizer.param_groups[0]["params"]))
-        stepped.append(moved)
-        return None, None
-
-    read = (lambda: fsdp2.full_read(model)) if name == "accumulate_fsdp2" else (lambda: c.plain_read(model))
-    try:
-        out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=ga,
-                            micro_batch=mb, hidden=hidden, depth=DEPTH, shape=shape)
-    finally:
-        _fresh_state()
-    return {**out, "optimizer_steps_per_window": stepped, "accumulation_steps": steps_given,
-            "imported_deepspeed": "deepspeed" in sys.modules}
-
-
-def run_rank(payload: dict) -> list[dict]:
-    return c.run_cases(payload, run_case)
-
-
-# ====================================================================== in the caller
 
 def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, models=("mlp",), cases=None) -> list[dict]:
     out = []
@@ -219,22 +115,18 @@ def violations(recs: list[dict]) -> list[str]:
 
 
 def annotate(rec: dict) -> dict:
-    rec["model"] = rec["config"].get("model") or "mlp"
-    rec["setting"] = f"accelerate {(rec.get('versions') or {}).get('accelerate', rec['version'])}"
     extra = max(rec.get("optimizer_steps_per_window") or [1])
     if extra > 1:  # the fitted weights see one step's worth of gradient; the count says how it was applied
         rec["reason"] += (f"; the optimizer stepped {extra} times in one accumulation window of {rec['ga']} "
                           "micro-batches (once per micro-batch), each on a partial gradient")
-    return oracle.annotate_steps(rec) if rec.get("steps") else rec
+    return shared.annotate(rec, setting=f"accelerate {(rec.get('versions') or {}).get('accelerate', rec['version'])}")
 
 
-PROBE = Probe(
+PROBE = shared.torch_path_probe(
     id=BUG, title="Accelerate accumulate() over DDP (no DeepSpeed)", module="accelerate_ga",
-    notebook="07_without_deepspeed.ipynb", measured_case="accumulate",
+    measured_case="accumulate",
     ratio_meaning="effective / reference gradient of the accelerator.accumulate() step",
     advice="the accelerator.accumulate() step is off the reference on this accelerate: compare sync_each_batch and "
            "the control in notebook 07 and report it to huggingface/accelerate with those numbers",
-    run=run,
-    quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)),
-    knobs=ddp_no_sync.KNOBS, explorer_kwargs=ddp_no_sync.explorer_kwargs, init="torch", packages=("torch", "accelerate"), typical_s=10.0, violations=violations, order=12,
-    control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])
+    run=run, quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,)), packages=("torch", "accelerate"),
+    typical_s=10.0, violations=violations, order=12, annotate_record=annotate)

@@ -20,34 +20,23 @@ Each FSDP case runs under ``SETTINGS`` (``setting`` in its record): resharding a
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32 | bf16)``, one FSDP unit per layer (the usual wrap) or
 the whole model as one unit. A failure FSDP raises itself (e.g. "FSDP reduce-scatter expects uniform gradient
 dtype", pytorch/pytorch#196996) is ``cannot-run`` with FSDP's sentence, never a verdict.
+
+What its ranks run is ``kit.probes.ranks.fsdp2``.
 """
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit import shapes
 from kit.judge import oracle
-from kit.probes import common as c
-from kit.probes import ddp_no_sync, runner
-from kit.probes.probe import Probe
+from kit.probes import ddp_no_sync, runner, shared
+from kit.probes.ranks.fsdp2 import SETTINGS
 
 BUG = "FSDP2"
 LOOPS = {"sync_last": "measured", "sync_every": "measured", "sum_not_mean": "comparison",
          "sync_kept_off": "comparison"}
-# setting -> (reshard_after_forward, param dtype, reduce dtype, units); the record's dtype is the param dtype
-SETTINGS = {
-    "fp32": (True, "fp32", "fp32", "layers"),
-    "fp32 no-reshard": (False, "fp32", "fp32", "layers"),
-    "bf16 / fp32 reduce": (True, "bf16", "fp32", "layers"),
-    "bf16 / bf16 reduce": (True, "bf16", "bf16", "layers"),
-    "bf16 / fp32 reduce, one unit": (True, "bf16", "fp32", "one"),
-}
 # which loops run under which settings: the correct loops under every one, the loop bugs under plain fp32
 LOOP_SETTINGS = {"sync_last": tuple(SETTINGS), "sync_every": ("fp32", "bf16 / fp32 reduce"),
                  "sum_not_mean": ("fp32",), "sync_kept_off": ("fp32",)}
-DEPTH = 2
 
-
-# ====================================================================== inside a rank
 
 def setting_name(reshard: bool, param: str, reduce: str, units: str) -> str:
     """The name of a setting: its ``SETTINGS`` key where it has one, else the same words put together."""
@@ -58,76 +47,6 @@ def setting_name(reshard: bool, param: str, reduce: str, units: str) -> str:
     return (f"{param}" + (f" / {reduce} reduce" if param != "fp32" else "") + ("" if reshard else " no-reshard")
             + (", one unit" if units == "one" else ""))
 
-
-def shard(model, spec):
-    """``model`` under ``fully_shard`` with ``spec`` = (reshard_after_forward, param dtype, reduce dtype, units):
-    every submodule that holds parameters of its own (none shared with another module: a tied weight stays with the
-    root) as one unit, then the root -- or the root alone (``units == "one"``)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    reshard, param, reduce, units = spec
-    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    mp = MixedPrecisionPolicy(param_dtype=dt[param], reduce_dtype=dt[reduce]) if param != "fp32" else MixedPrecisionPolicy()
-    kw = {"reshard_after_forward": reshard, "mp_policy": mp}
-    if units == "layers":
-        owners: dict = {}
-        for name, module in model.named_modules():
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), []).append(name)
-        for name, module in model.named_modules():
-            mine = list(module.parameters(recurse=False))
-            if name and mine and all(len(owners[id(p)]) == 1 for p in mine):
-                fully_shard(module, **kw)
-    fully_shard(model, **kw)
-    return model
-
-
-def full_read(model) -> dict:
-    """Every parameter whole (a collective: each sharded one is gathered with ``full_tensor``), flat, module order,
-    float64: the fp32 parameters FSDP keeps (under mixed precision the model computes with their bf16 casts)."""
-    import torch
-
-    parts = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().reshape(-1).cpu()
-             for p in model.parameters()]
-    flat = torch.cat(parts)
-    return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
-
-
-def run_case(case: dict) -> dict:
-    import sys
-
-    ga, mb, hidden, seed, loop = case["ga"], case["micro_batch"], case["hidden"], case["seed"], case["name"]
-    shape = shapes.of_case(case)
-    model = shape.build(seed, hidden, DEPTH)
-    if loop != "control":
-        shard(model, case.get("fsdp") or SETTINGS[case["setting"]])
-    opt = c.sgd(model)
-    div = 1 if loop == "sum_not_mean" else ga
-
-    def take(step, batches):
-        for i, (x, y) in enumerate(batches):
-            if loop != "control":
-                last = i == ga - 1
-                model.set_requires_gradient_sync(loop == "sync_every" or (last and loop != "sync_kept_off"))
-            (shape.loss_fn(model(x), y) / div).backward()
-        if loop == "control":  # plain torch.distributed: what every FSDP case is judged against
-            c.average_grads(model)
-        opt.step()  # lr = 1: the update is the gradient
-        opt.zero_grad(set_to_none=True)
-        return None, None
-
-    read = (lambda: c.plain_read(model)) if loop == "control" else (lambda: full_read(model))
-    out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=ga, micro_batch=mb, hidden=hidden,
-                        depth=DEPTH, dtype=case["dtype"], shape=shape)
-    return {**out, "imported_deepspeed": "deepspeed" in sys.modules}
-
-
-def run_rank(payload: dict) -> list[dict]:
-    return c.run_cases(payload, run_case)
-
-
-# ====================================================================== in the caller
 
 def plan(ga_values, micro_batch: int = 4, hidden: int = 32, seed: int = 0, models=("mlp",), settings=None,
          loops=None) -> list[dict]:
@@ -188,21 +107,17 @@ def violations(recs: list[dict]) -> list[str]:
 
 def annotate(rec: dict) -> dict:
     """Its shape and setting at the top of the record (the notebook's rows), each step named."""
-    rec["model"] = rec["config"].get("model") or "mlp"
-    rec["setting"] = rec["config"].get("setting")
-    return oracle.annotate_steps(rec) if rec.get("steps") else rec
+    return shared.annotate(rec, setting=rec["config"].get("setting"))
 
 
-PROBE = Probe(
+PROBE = shared.torch_path_probe(
     id=BUG, title="torch FSDP2 (fully_shard), gradient-sync-off accumulation (no DeepSpeed)", module="fsdp2",
-    notebook="07_without_deepspeed.ipynb", measured_case="sync_last",
+    measured_case="sync_last",
     ratio_meaning="effective / reference gradient of the set_requires_gradient_sync(False) step",
     advice="the FSDP2 step is off the reference on this torch: compare its settings in notebook 07 (sync every "
            "micro-batch, fp32 vs bf16, one unit) and report it to PyTorch with those numbers",
     run=run,
     quick_plan=lambda w: dict(world_sizes=(w,), ga_values=(4,), settings=("fp32", "bf16 / fp32 reduce")),
-    knobs=ddp_no_sync.KNOBS,
-    explorer_kwargs=lambda sel, device, timeout_s: {**ddp_no_sync.explorer_kwargs(sel, device, timeout_s),
+    explorer_kwargs=lambda sel, device, timeout_s: {**shared.explorer_kwargs(sel, device, timeout_s),
                                                     "settings": ("fp32",)},
-    init="torch", packages=("torch",), typical_s=15.0, violations=violations, order=11,
-    control_key=lambda r: (r["ga"], r["config"].get("model")), annotate=lambda recs: [annotate(r) for r in recs])
+    packages=("torch",), typical_s=15.0, violations=violations, order=11, annotate_record=annotate)

@@ -20,232 +20,25 @@ pipeline           the split's micro-batch x GA (GA > 1), the engine as configur
 loss_div_ga        the same, the loss function divided by GA (a user workaround)  workaround
 control            the same dtype and ZeRO stage with GA=1 (one micro-batch)     control
 =================  ===========================================================  ==========
+
+What its ranks run is ``kit.probes.ranks.pipeline_ga``.
 """
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.judge import oracle, records
-from kit.probes import common as c
-from kit.probes import runner
+from kit.judge import oracle, records, tolerances
+from kit.probes import runner, shared
 from kit.probes.probe import Probe
+from kit.probes.ranks.pipeline_ga import STAGES, STALE
 
 BUG = "B2"
-STAGES = 2
-DEPTH = 4  # Linear layers; GELU between them; split over the stages by layer count
 CASES = {
     "pipeline": {"role": "measured", "loss_div_ga": False},
     "loss_div_ga": {"role": "workaround", "loss_div_ga": True},
     "control": {"role": "control", "loss_div_ga": False},
 }
-HYPOTHESES = ("mean", "sum (x GA)", "mean / GA")
 PIPE_ZERO_STAGES = (0, 1)  # the pipeline engine refuses ZeRO-2/3
-PARTITIONED = ("DeepSpeedZeroOptimizer", "BF16_Optimizer")  # optimizers that split the fp32 master over replicas
 
-
-STALE = ", and the previous step's again"  # a hypothesis of state carried across steps: its name ends so
-
-
-def hypothesis_weights(dp: int, ga: int, previous: bool = False) -> dict:
-    """Weights over the basis (replica d, micro-batch i -> index d*ga + i; with ``previous``, the previous step's
-    micro-batches after them) for each hypothesis; with ``previous`` each also "..., and the previous step's again"
-    (a gradient not cleared after the step, applied once more)."""
-    k = dp * ga
-    out = {"mean": [1.0 / k] * k, "sum (x GA)": [1.0 / dp] * k, "mean / GA": [1.0 / (k * ga)] * k}
-    if previous:
-        out.update({name + STALE: w + w for name, w in list(out.items())})
-    return out
-
-
-# ====================================================================== inside a rank
-
-def ds_config(case: dict, dp: int) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": case["micro_batch"],
-        "gradient_accumulation_steps": case["ga"],
-        "train_batch_size": case["micro_batch"] * case["ga"] * dp,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": case["zero_stage"]},
-    }
-    if case["dtype"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-        cfg["communication_data_type"] = "fp32"
-    return cfg
-
-
-class LoggingSGD:
-    """Factory of a plain SGD that records the norm of the gradients it is handed, as a user's optimizer would."""
-
-    @staticmethod
-    def make(params, lr: float = 1.0):
-        import torch
-
-        class GradNormSGD(torch.optim.SGD):
-            last_sq_norm = 0.0
-
-            @torch.no_grad()
-            def step(self, closure=None):
-                sq = 0.0
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            sq += p.grad.detach().double().pow(2).sum().item()
-                self.last_sq_norm = sq
-                return super().step(closure)
-
-        return GradNormSGD(params, lr=lr, momentum=0.0, weight_decay=0.0)
-
-
-def full_model(hidden: int, seed: int):
-    return c.tiny_mlp(hidden, seed, depth=DEPTH)
-
-
-def run_case(case: dict) -> dict:
-    """``case["steps"]`` (``common.STEPS`` by default) ``train_batch`` steps on fresh micro-batches, each judged per
-    stage against the reference from that step's own starting weights (rank 0)."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.pipe import PipelineModule
-
-    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
-    dtype = c.DTYPE[case["dtype"]]
-    div = ga if case["loss_div_ga"] else 1
-
-    def loss_fn(out, y):
-        return c.mse(out, y) / div
-
-    full = full_model(hidden, seed).to(dtype)  # same weights on every rank; bf16 rounded once
-    module = PipelineModule(layers=list(full), num_stages=STAGES, loss_fn=loss_fn, partition_method="uniform")
-    opt = LoggingSGD.make([p for p in module.parameters() if p.requires_grad])
-    engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=ds_config(case, c.world_size() // STAGES))
-    stage, dp_rank, dp = engine.stage_id, engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
-    names = [n for n, _ in engine.module.named_parameters()]
-    dev = c.device()
-    steps, prev, first, judged = case.get("steps", c.STEPS), None, None, []
-    before = c.read_weights(engine.module, engine.optimizer, case["dtype"])
-    for s in range(steps):
-        start = c.flat_params(engine.module)  # the weights this stage computes with (bf16: rounded)
-        batches = [(x.to(dev, dtype), y.to(dev)) for x, y in c.micro_batches(seed, dp_rank, ga, mb, hidden, s)]
-        loss = engine.train_batch(data_iter=iter(batches))
-        after = c.read_weights(engine.module, engine.optimizer, case["dtype"])
-        # lr = 1; from the fp32 masters where they agree with the weights the model uses, else from those weights
-        # (known to within their rounding: read_floor), as every probe of common.judge_steps reads a step
-        effective, agree = c.applied(before, after)
-        floor = 0.0 if agree else c.rounding_floor(after["module"], case["dtype"], effective.norm().item())
-        before = after
-        reported = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-        mine = {"stage": stage, "dp_rank": dp_rank, "names": names, "effective": effective.tolist(),
-                "masters_agree": agree, "read_floor": floor,
-                "start": start.tolist(), "end": c.flat_params(engine.module).tolist(),
-                "logged_sq_norm": _logged_sq_norm(engine.optimizer), "optimizer": type(engine.optimizer).__name__,
-                "reported_grad_norm": None if reported is None else float(reported),
-                "loss": None if loss is None else float(loss)}
-        every = [None] * c.world_size()
-        dist.all_gather_object(every, mine)
-        if c.rank() == 0:
-            begin = _assemble(every, hidden, seed, "start")
-            first = begin if first is None else first
-            one, basis = _judge(every, begin, case, dp, s, prev)
-            judged.append(one)
-            prev = basis
-    out = {"optimizer": type(engine.optimizer).__name__, "dp": dp}
-    if c.rank() == 0:
-        last = c.flat_params(_assemble(every, hidden, seed, "end"))
-        worst = max(range(len(judged)), key=lambda q: max(oracle.severity({**x, "dtype": case["dtype"]})
-                                                            for x in [judged[q], *judged[q]["stages"]]))
-        out.update(judged[worst], steps=judged, worst_step=worst,
-                   trajectory=c.trajectory(c.flat_params(first), last, seed, ga, mb, hidden, DEPTH, steps, 0.0, 1.0,
-                                           dp))
-    c.release(engine)
-    return out
-
-
-def _assemble(every: list[dict], hidden: int, seed: int, key: str):
-    """The whole model (every stage's parameters as replica 0 of that stage holds them under ``key``), as one
-    plain fp32 module: a step's starting weights, for its reference."""
-    import torch
-
-    model = full_model(hidden, seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for e in every:
-            if e["dp_rank"] != 0:
-                continue
-            flat, k = torch.tensor(e[key], dtype=torch.float64), 0
-            for n in e["names"]:
-                p = params[n]
-                p.copy_(flat[k:k + p.numel()].reshape(p.shape).to(p.dtype))
-                k += p.numel()
-    return model
-
-
-def _logged_sq_norm(optimizer):
-    """The squared norm the user's SGD logged, also when DeepSpeed wraps it (ZeRO-1, BF16_Optimizer)."""
-    for _ in range(3):
-        if optimizer is None or hasattr(optimizer, "last_sq_norm"):
-            break
-        optimizer = getattr(optimizer, "optimizer", None)
-    return getattr(optimizer, "last_sq_norm", None)
-
-
-def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=None) -> tuple[dict, object]:
-    """Rank 0: per stage, one step's effective gradient against the reference of that stage's parameters from the
-    step's own starting weights ``start``; ``prev`` (the previous step's micro-batch gradients) joins the basis with
-    an expected weight of 0. Returns the step's measurement and its basis (the next step's ``prev``)."""
-    import torch
-
-    ga, mb, hidden, seed = case["ga"], case["micro_batch"], case["hidden"], case["seed"]
-    micro = [b for d in range(dp) for b in c.micro_batches(seed, d, ga, mb, hidden, step)]  # replica-major
-    basis, weights, reference = oracle.reference_gradients(start, micro, c.mse)
-    full, expected = basis, weights
-    if prev is not None:
-        full = torch.cat([basis, prev])
-        expected = torch.cat([weights, torch.zeros(len(prev), dtype=torch.float64)])
-    offsets, k = {}, 0
-    for name, p in start.named_parameters():
-        offsets[name] = (k, k + p.numel())
-        k += p.numel()
-    per_stage, full_eff = [], torch.zeros_like(reference)
-    logged_sq = 0.0
-    for s in range(STAGES):
-        replicas = [e for e in every if e["stage"] == s]
-        first = next(e for e in replicas if e["dp_rank"] == 0)
-        idx = torch.cat([torch.arange(*offsets[n]) for n in first["names"]])
-        eff = torch.tensor(first["effective"], dtype=torch.float64)
-        full_eff[idx] = eff
-        sub_basis, sub_ref = basis[:, idx], reference[idx]
-        per_stage.append({
-            "stage": s, "params": first["names"], "metrics": oracle.compare(eff, sub_ref),
-            "read_floor": max(e["read_floor"] for e in replicas), "masters_agree": all(e["masters_agree"] for e in replicas),
-            # fitted over this step's micro-batches (a stage's basis with the previous step's too is ill-conditioned
-            # at bf16: its noise alone passed the misplaced-weight limit); a previous gradient applied again is named
-            # by the hypotheses below, which predict it whole
-            "attribution": oracle.attribute(eff, sub_basis, weights),
-            "hypotheses": oracle.explain(eff, full[:, idx], hypothesis_weights(dp, ga, prev is not None),
-                                         case["dtype"], sub_ref),
-            "rank_spread": {"data-parallel replicas": oracle.spread([e["effective"] for e in replicas])}})
-        # ZeRO-1 and BF16_Optimizer partition the fp32 master over replicas, so every rank logs its own
-        # share; otherwise each replica holds (and logs) the whole stage
-        logged = [e["logged_sq_norm"] for e in (replicas if first["optimizer"] in PARTITIONED else [first])]
-        logged_sq = None if logged_sq is None or None in logged else logged_sq + sum(logged)
-    with torch.no_grad():
-        ref_loss = sum(c.mse(start.float()(x.float()), y.float()).item() for x, y in micro) / len(micro)
-    last = next(e for e in every if e["stage"] == STAGES - 1 and e["dp_rank"] == 0)
-    return {"step": step, "stages": per_stage, "metrics": oracle.compare(full_eff, reference),
-            "attribution": oracle.attribute(full_eff, full, expected),
-            "logged_grad_norm": None if logged_sq is None else logged_sq ** 0.5,
-            "reported_grad_norm": last["reported_grad_norm"], "reference_grad_norm": reference.norm().item(),
-            "logged_norm": last["reported_grad_norm"], "reference_norm": reference.norm().item(),
-            "engine_loss": last["loss"], "reference_loss": ref_loss}, basis
-
-
-def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    return c.run_cases(payload, run_case)
-
-
-# ====================================================================== in the caller
 
 def plan(splits, dtypes=("fp32",), zero_stages=(0,), workaround: bool = True, hidden: int = 16,
          seed: int = 0) -> list[dict]:
@@ -285,11 +78,7 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
         if w % STAGES:
             raise kconfig.ConfigError(f"world size {w} is not a multiple of the {STAGES} pipeline stages")
     for split in splits:
-        if not isinstance(split, (list, tuple)) or len(split) != 2:
-            raise kconfig.ConfigError(f"a split is [micro_batch, GA], got {split!r}")
-        mb, ga = split
-        kconfig.check_ga(ga)
-        kconfig.check_positive_int("micro-batch size", mb)
+        shared.check_split(split)
     for d in dtypes:
         kconfig.check_dtype(d)
     for s in zero_stages:
@@ -312,7 +101,7 @@ def check_notebook(p: dict) -> list:
     return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]
 
 
-def _annotate(rec: dict, control: dict | None) -> dict:
+def annotate_record(rec: dict, control: dict | None) -> dict:
     """Each stage of each step judged on every signal against the control's same stage at the same step; the
     record takes its worst step's stages, and its verdict is the worst stage's there (``step``: which step).
 
@@ -378,15 +167,13 @@ def annotate_world(recs: list[dict]) -> list[dict]:
     controls = {(r["dtype"], r["zero_stage"]): r for r in recs if r["role"] == "control"}
     for r in recs:
         r["data_parallel"] = r["world_size"] // STAGES
-    return [_annotate(r, controls.get((r["dtype"], r["zero_stage"]))) for r in recs]
+    return [annotate_record(r, controls.get((r["dtype"], r["zero_stage"]))) for r in recs]
 
 
 def explorer_kwargs(sel: dict, device: str, timeout_s: float) -> dict:
     return {"world_sizes": [sel["world_size"]], "splits": [[8 // sel["ga"], sel["ga"]]], "dtypes": [sel["dtype"]],
             "zero_stages": [sel["zero_stage"]], "versions": [sel["version"]], "device": device, "timeout_s": timeout_s}
 
-
-# ====================================================================== reading the records
 
 def stage_rows(recs: list[dict], case: str = "pipeline") -> list[dict]:
     """One row per (record, pipeline stage) of ``case``: the numbers of the version table."""
@@ -477,17 +264,17 @@ def violations(recs: list[dict]) -> list[str]:
                         and s["matches"] not in ("sum (x GA)", "mean / GA") and not s["matches"].endswith(STALE)):
                     bad.append(f"{at}: stage {s['stage']} is off the reference but matches no named hypothesis")
                 spread = s["rank_spread"]["data-parallel replicas"]
-                if spread > oracle.tolerance(r["dtype"]).rank_spread:
+                if spread > tolerances.tolerance(r["dtype"]).rank_spread:
                     bad.append(f"{at}: stage {s['stage']}'s data-parallel replicas applied different updates "
                                f"(spread {spread:.2e})")
             logged, applied = st.get("logged_grad_norm"), (st.get("metrics") or {}).get("effective_norm")
-            if logged is not None and applied and abs(logged / applied - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
+            if logged is not None and applied and abs(logged / applied - 1) > tolerances.tolerance(r["dtype"]).norm_ratio:
                 bad.append(f"{at}: logged grad norm {logged:.5g} is not the applied gradient's {applied:.5g}")
         if r["case"] == "loss_div_ga":  # step 1 of both starts from the same weights (later ones need not)
             plain = by_key.get((r["version"], r["world_size"], r["dtype"], r["zero_stage"], r["ga"], "pipeline"))
             for s, p in zip(_first_step(r), _first_step(plain or {})):
                 scaled = s["metrics"]["norm_ratio"] * r["ga"] / p["metrics"]["norm_ratio"]
-                if abs(scaled - 1) > oracle.tolerance(r["dtype"]).norm_ratio:
+                if abs(scaled - 1) > tolerances.tolerance(r["dtype"]).norm_ratio:
                     bad.append(f"{where}: stage {s['stage']}: loss / GA changed the update by {1 / scaled:.4g} / GA, not 1 / GA")
     return bad
 

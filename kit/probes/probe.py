@@ -28,7 +28,7 @@ def _no_annotation(recs: list[dict]) -> list[dict]:
 class Probe:
     id: str
     title: str
-    module: str  # kit.probes.<module>; its ranks run ``run_rank``
+    module: str  # kit.probes.<module>; its ranks run ``kit.probes.ranks.<module>.run_rank``
     notebook: str
     measured_case: str
     ratio_meaning: str
@@ -37,7 +37,7 @@ class Probe:
     quick_plan: Callable[[int], dict]
     knobs: dict
     explorer_kwargs: Callable[[dict, str, float], dict]
-    # None: the notebook's own logic module checks its parameters (``kit.notebooks.runall.TOOL_NOTEBOOKS``), as for
+    # None: the notebook's own logic module checks its parameters (``kit.notebooks.runall_params.TOOL_NOTEBOOKS``), as for
     # notebook 07, which four probes share
     check_notebook: Callable[[dict], list] | None = None
     verdict_key: str = "verdict"
@@ -52,7 +52,7 @@ class Probe:
 
     @property
     def target(self) -> str:
-        return f"kit.probes.{self.module}:run_rank"
+        return f"kit.probes.ranks.{self.module}:run_rank"
 
     def reason_key(self) -> str:
         return self.verdict_key.replace("verdict", "reason")

@@ -19,7 +19,7 @@ import sys
 
 from kit import config as kconfig
 from kit import launch
-from kit.judge import oracle, records
+from kit.judge import naming, oracle, records
 from kit.probes.probe import Probe
 from kit.stacks import versions as kversions
 
@@ -165,7 +165,7 @@ def _run(probe, cases, stacks, world_sizes, device, timeout_s, meta, predicted, 
             for group in groups.values():
                 recs += world_records(probe, group, dict(stack), label(stack), base, w, device, timeout_s,
                                       None if predicted is None else (lambda case, w=w: predicted(case, w)))
-            out += [oracle.annotate_norms(r) for r in probe.annotate(recs)]  # the logged norm, every probe alike
+            out += [naming.annotate_norms(r) for r in probe.annotate(recs)]  # the logged norm, every probe alike
     return out
 
 

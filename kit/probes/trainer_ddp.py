@@ -4,7 +4,8 @@ A real ``transformers.Trainer`` on a tiny ``LlamaForCausalLM`` (built from a con
 the kit runs has) over rows whose label counts differ, so each rank and each micro-batch holds a different number of
 label tokens. The reference is the mean over *every* label token of the global batch (plain fp32 PyTorch, one
 process); the control is ``trainer_ga``'s plain-PyTorch harness on the same rows in the same world. The machinery
-(the Trainer run, its call trace, the token and GAS factors) is ``kit.probes.trainer_ga``'s.
+is B1's: the Trainer run and its call trace (``kit.probes.ranks.trainer_ga``), the token and GAS factors
+(``kit.probes.trainer_ga``).
 
 ==============  =========================================================================  ==========
 case            what                                                                       role
@@ -26,7 +27,7 @@ the first with ``average_tokens_across_devices``, default off), and the installe
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.judge import oracle
+from kit.judge import naming, oracle
 from kit.probes import runner, trainer_ga
 from kit.probes.probe import Probe
 
@@ -88,10 +89,6 @@ def run(stacks=({},), gas_values=(4,), cases=tuple(CASES), world_sizes=(2,), glo
                       device, timeout_s, meta={"seed": seed}, label=trainer_ga.stack_label)
 
 
-def run_rank(payload: dict) -> list[dict]:
-    return trainer_ga.run_rank(payload)
-
-
 def violations(recs: list[dict]) -> list[str]:
     """What the notebook asserts of the Trainer on several ranks: the harness is exact; the loop bug is seen (its
     first step GAS x the same release's first ``trainer`` step); a run that raised is ``cannot-run``."""
@@ -117,7 +114,7 @@ def violations(recs: list[dict]) -> list[str]:
 def annotate_world(recs: list[dict]) -> list[dict]:
     """B1's token and GAS factors and GAS verdict, then each step's fitted weights in words (``shape``: which
     rank's micro-batches weighed what)."""
-    out = [oracle.annotate_steps(r) if r.get("steps") else r for r in trainer_ga.annotate_world(recs)]
+    out = [naming.annotate_steps(r) if r.get("steps") else r for r in trainer_ga.annotate_world(recs)]
     for r in out:
         args = (r.get("config") or {}).get("trainer_args") or {}
         if r["case"] == "trainer" and args:  # a check's own TrainingArguments

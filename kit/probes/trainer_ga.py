@@ -34,24 +34,22 @@ Two named verdicts per step:
 
 The trace records, per micro-batch, what ``compute_loss`` returned and with which ``num_items_in_batch``
 (against the label tokens the loss really sums over: labels are shifted by one inside the model), and
-what ``accelerator.backward`` received, by wrapping the real calls.
+what ``accelerator.backward`` received, by wrapping the real calls. What its ranks run is
+``kit.probes.ranks.trainer_ga`` (the trace: ``kit.probes.ranks.trainer_trace``).
 """
 from __future__ import annotations
 
-import copy
 import math
 
 from kit import config as kconfig
-from kit.judge import oracle
-from kit.probes import common as c
+from kit.judge import oracle, tolerances
 from kit.probes import runner
 from kit.probes.probe import Probe
+from kit.probes.ranks.trainer_ga import PATHS
 from kit.stacks import versions
 from kit.stacks.versions import PACKAGES
 
 BUG = "B1"
-VOCAB, SEQ = 64, 12
-PATHS = {"no_ds": None, "ds_zero0": 0, "ds_zero2": 2, "ds_zero3": 3}
 CASES = {
     "trainer": {"role": "measured"},
     "accepts_false": {"role": "workaround"},
@@ -62,329 +60,6 @@ CASES = {
 }
 HARNESS_PATH = "harness"  # the plain-PyTorch control runs outside every Trainer path
 
-
-def tiny_qwen3(seed: int, hidden: int = 32):
-    """A 2-layer Qwen3 from a config, same weights on every rank; the Trainer sees model_accepts_loss_kwargs."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
-                      max_position_embeddings=4 * SEQ, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(cfg).float()
-
-
-def tiny_llama(seed: int, hidden: int = 32):
-    """A 2-layer Llama from a config, same weights on every rank: the architecture every transformers release the kit
-    runs has (Qwen3 arrived in 4.51), so the Trainer's accumulation can be judged on both sides of 4.46's fix."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4 * SEQ,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).float()
-
-
-ARCHS = {"qwen3": tiny_qwen3, "llama": tiny_llama}
-
-
-def tiny_model(seed: int, arch: str = "qwen3"):
-    """The case's tiny causal LM (``arch``: a key of ``ARCHS``)."""
-    return ARCHS[arch](seed)
-
-
-def token_rows(seed: int, n: int):
-    """``n`` samples of ``SEQ`` tokens; a random tail of each sample's labels is -100, so label counts differ."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
-        labels = ids.clone()
-        masked = int(torch.randint(0, SEQ // 2, (1,), generator=g))
-        if masked:
-            labels[-masked:] = -100
-        rows.append({"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels})
-    return rows
-
-
-def reference_gradient(model, rows):
-    """fp32, one process: the gradient of (sum of token losses) / (number of label tokens) over all ``rows``."""
-    import torch
-    import torch.nn.functional as F
-
-    ref = copy.deepcopy(model).float()
-    ids = torch.stack([r["input_ids"] for r in rows])
-    labels = torch.stack([r["labels"] for r in rows])
-    logits = ref(input_ids=ids).logits[:, :-1].float()
-    target = labels[:, 1:]
-    tokens = int((target != -100).sum())
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                           reduction="sum") / tokens
-    grads = torch.autograd.grad(loss, [p for p in ref.parameters()])
-    return torch.cat([g.reshape(-1) for g in grads]).double(), tokens, loss.item()
-
-
-def ds_config(zero_stage: int) -> dict:
-    """The Trainer fills the "auto" values from its own arguments, as users' configs do."""
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": zero_stage}}
-
-
-def run_case(case: dict) -> dict:
-    """``case["steps"]`` (``common.STEPS`` by default) Trainer steps of ``case`` (path, micro_batch, gas), each judged
-    against the reference of the rows it really took (read from what ``compute_loss`` was handed), from that step's
-    own starting weights; the logged norm and the trace per step."""
-    import tempfile
-
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    mb, gas, path, seed, steps = case["micro_batch"], case["ga"], case["path"], case["seed"], case.get("steps", c.STEPS)
-    arch = case.get("arch", "qwen3")
-    model = tiny_model(seed, arch)
-    rows = token_rows(seed, mb * gas * c.world_size() * steps)
-    zero, reads = PATHS[path], []
-    with tempfile.TemporaryDirectory(prefix="gradkit-trainer-") as out_dir:
-        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=mb, gradient_accumulation_steps=gas,
-                                 learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1e9,
-                                 optim="sgd", max_steps=steps, logging_steps=1, report_to=[], save_strategy="no",
-                                 remove_unused_columns=False, seed=seed, use_cpu=c.device().type == "cpu",
-                                 deepspeed=None if zero is None else ds_config(zero), **case.get("trainer_args", {}))
-        trainer = probe_trainer_class(Trainer)(model=model, args=args, train_dataset=rows,
-                                               fix=case.get("fix") or (case["name"] if case["name"].startswith("fix_")
-                                                                       else None))
-        trainer.gradkit_rows = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
-        if case["name"] == "accepts_false":
-            trainer.model_accepts_loss_kwargs = False  # the seed's workaround
-
-        def read():  # a collective under ZeRO: every rank's callbacks run it at the same point
-            if zero is None:
-                return c.plain_read(trainer.model)
-            engine = trainer.model_wrapped
-            return c.read_weights(engine.module, engine.optimizer, "fp32")
-
-        class Reads(TrainerCallback):
-            def on_train_begin(self, *a, **k):
-                reads.append(read())
-
-            def on_step_end(self, *a, **k):
-                reads.append(read())
-
-        trainer.add_callback(Reads())
-        trace = trainer.gradkit_trace
-        trainer.train()
-        engine = trainer.model_wrapped if zero is not None else None
-        logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-        accel_gas = getattr(trainer.accelerator, "gradient_accumulation_steps", None)
-        engine_gas = engine.gradient_accumulation_steps() if engine is not None else None
-    effective = [c.applied(reads[s], reads[s + 1])[0] for s in range(len(reads) - 1)]
-    per_rank = [c.all_gather_flat(e) for e in effective]  # every rank must have applied the same update
-    rank_traces = [None] * c.world_size()  # the token count is a matter of every rank's micro-batches
-    if c.world_size() > 1:
-        import torch.distributed as dist
-        dist.all_gather_object(rank_traces, trace)
-    else:
-        rank_traces = [trace]
-    out = {"model_accepts_loss_kwargs": bool(getattr(trainer, "model_accepts_loss_kwargs", False)),
-           "accelerator_gas": accel_gas,
-           "engine_gas": engine_gas}
-    if c.rank() == 0:
-        judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed,
-                              logged[s] if s < len(logged) else None, arch, case.get("attribute", False))
-                  for s in range(len(effective))]
-        out.update(_worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed, arch))
-    if engine is not None:
-        c.release(engine)
-    return out
-
-
-def _judge_step(step: int, before: dict, effective, per_rank, rows, rank_traces, seed: int, logged,
-                arch: str = "qwen3", attribute: bool = False) -> dict:
-    """Rank 0: one step against the reference of the rows every rank's ``compute_loss`` was handed in that step,
-    from the step's own starting weights. ``attribute``: also fit the step over the micro-batches (rank-major, in
-    the order each rank's ``compute_loss`` saw them), each basis vector the gradient of that micro-batch's summed
-    token loss over the global batch's label tokens (weight 1 each is the reference): a micro-batch weighted by
-    its own or its rank's token count shows as such."""
-    import torch
-
-    traces = [[t for t in tr or [] if t.get("step") == step] for tr in rank_traces]
-    taken = sorted({i for tr in traces for t in tr if t["call"] == "compute_loss" for i in t.get("rows") or []})
-    start = tiny_model(seed, arch)
-    torch.nn.utils.vector_to_parameters(before["module"].float(), start.parameters())
-    reference, tokens, ref_loss = reference_gradient(start, [rows[i] for i in taken])
-    out = {}
-    if attribute:
-        basis = []
-        for trace in traces:
-            for t in trace:
-                if t["call"] == "compute_loss":
-                    g, n, _ = reference_gradient(start, [rows[i] for i in t["rows"]])
-                    basis.append(g * n / tokens)
-        out["attribution"] = oracle.attribute(effective, torch.stack(basis), torch.ones(len(basis), dtype=torch.float64))
-    return {**out, "step": step, "rows": taken, "metrics": oracle.compare(effective, reference), "label_tokens": tokens,
-            "reference_loss": ref_loss, "logged_grad_norm": logged, "logged_norm": logged,
-            "reference_norm": reference.norm().item(), "trace": traces[0], "rank_traces": traces,
-            "rank_spread": {"effective gradients": oracle.spread(per_rank)}}
-
-
-def _worst(judged: list[dict], first, last, rows, rank_traces, seed: int, arch: str = "qwen3") -> dict:
-    """The record: its worst step's measurement, every step in ``steps``, and the trajectory (the weights after every
-    step against the reference's own steps, on the same rows, from the same start)."""
-    import torch
-
-    worst = max(range(len(judged)), key=lambda q: oracle.severity({**judged[q], "dtype": "fp32"}))
-    ref = first.clone()
-    for st in judged:
-        model = tiny_model(seed, arch)
-        torch.nn.utils.vector_to_parameters(ref.float(), model.parameters())
-        ref = ref - reference_gradient(model, [rows[i] for i in st["rows"]])[0]
-    return {**judged[worst], "steps": judged, "worst_step": worst,
-            "trajectory": {"steps": len(judged), **oracle.compare(first - last, first - ref)}}
-
-
-def run_harness(case: dict) -> dict:
-    """The control: the same model and rows, a plain PyTorch accumulation loop, no Trainer / Accelerate / DeepSpeed.
-
-    Rank r takes its own block of rows in GAS micro-batches; each micro-batch's summed token loss is divided by
-    the label tokens of the whole global batch (counted after the shift), gradients are summed over ranks with
-    ``torch.distributed.all_reduce`` and plain SGD (lr = 1) steps: exactly the reference's update. Each of
-    ``case["steps"]`` steps takes the next global batch of rows and is judged as the Trainer's steps are.
-    """
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    mb, gas, seed, w, r = case["micro_batch"], case["ga"], case["seed"], c.world_size(), c.rank()
-    steps, dev, per_step = case.get("steps", c.STEPS), c.device(), mb * gas * w
-    arch = case.get("arch", "qwen3")
-    model = tiny_model(seed, arch).to(dev)
-    rows = token_rows(seed, per_step * steps)
-    reads, traces = [c.plain_read(model)], []
-    for s in range(steps):
-        block = rows[s * per_step:(s + 1) * per_step]
-        tokens = sum(int((row["labels"][1:] != -100).sum()) for row in block)
-        mine = block[r * mb * gas:(r + 1) * mb * gas]
-        for i in range(gas):
-            chunk = mine[i * mb:(i + 1) * mb]
-            ids = torch.stack([x["input_ids"] for x in chunk]).to(dev)
-            target = torch.stack([x["labels"] for x in chunk])[:, 1:].to(dev)
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                                   reduction="sum") / tokens
-            loss.backward()
-            first = s * per_step + r * mb * gas + i * mb
-            traces.append({"call": "compute_loss", "step": s, "rows": list(range(first, first + mb))})
-        if w > 1:
-            for p in model.parameters():
-                dist.all_reduce(p.grad)  # the sum over ranks: every label token of the global batch once
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= p.grad  # SGD, lr = 1
-                p.grad = None
-        reads.append(c.plain_read(model))
-    effective = [c.applied(reads[s], reads[s + 1])[0] for s in range(steps)]
-    per_rank = [c.all_gather_flat(e) for e in effective]
-    rank_traces = [None] * w
-    if w > 1:
-        dist.all_gather_object(rank_traces, traces)
-    else:
-        rank_traces = [traces]
-    if c.rank() != 0:
-        return {}
-    judged = [_judge_step(s, reads[s], effective[s], per_rank[s], rows, rank_traces, seed, None, arch,
-                          case.get("attribute", False)) for s in range(steps)]
-    for st in judged:  # the harness has no Trainer calls to show
-        st["trace"], st["rank_traces"] = [], []
-    return _worst(judged, reads[0]["module"], reads[-1]["module"], rows, rank_traces, seed, arch)
-
-
-def probe_trainer_class(trainer_cls):
-    """A subclass of the Trainer under test that records its calls and, if asked, applies one of the seed's fixes."""
-
-    class ProbeTrainer(trainer_cls):
-        def __init__(self, *args, fix: str | None = None, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.gradkit_trace = _observe(self, fix)
-
-    return ProbeTrainer
-
-
-def _observe(trainer, fix: str | None = None) -> list[dict]:
-    """Wrap the real calls (not re-implement them): what compute_loss got, what accelerator.backward got.
-
-    ``fix`` applies one of the seed's proposed fixes at the same place its patch would act, the call
-    into ``accelerator.backward`` (the Trainer's own division has happened by then):
-    ``fix_scale_gas`` lets DeepSpeed divide when the Trainer did not; ``fix_always_divide`` divides by
-    GAS whenever the Trainer did not and keeps DeepSpeed's scaling off. ``fault_undivided`` is a loop bug, not a fix:
-    the loss reaches backward multiplied by GAS (a custom ``compute_loss`` that forgot to divide).
-    """
-    trace: list[dict] = []
-    compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
-
-    def seen_compute_loss(model, inputs, *a, num_items_in_batch=None, **kw):
-        if num_items_in_batch is not None:
-            kw["num_items_in_batch"] = num_items_in_batch  # a Trainer before 4.46 neither passes nor takes it
-        out = compute_loss(model, inputs, *a, **kw)
-        loss = out[0] if isinstance(out, tuple) else out
-        labels = inputs["labels"]
-        ids = getattr(trainer, "gradkit_rows", {})
-        trace.append({"call": "compute_loss", "loss": float(loss.detach()), "step": trainer.state.global_step,
-                      "rows": [ids.get(tuple(x.tolist()), -1) for x in inputs["input_ids"].cpu()],
-                      "num_items_in_batch": None if num_items_in_batch is None else int(num_items_in_batch),
-                      "label_tokens_unshifted": int((labels != -100).sum()),
-                      "label_tokens_shifted": int((labels[:, 1:] != -100).sum())})
-        return out
-
-    def seen_backward(loss, **kw):
-        last = next((t for t in reversed(trace) if t["call"] == "compute_loss"), {})
-        trainer_divided = not (getattr(trainer, "model_accepts_loss_kwargs", False)
-                               and last.get("num_items_in_batch") is not None)
-        gas = trainer.args.gradient_accumulation_steps
-        if fix == "fix_scale_gas" and "scale_wrt_gas" in kw:
-            kw["scale_wrt_gas"] = not trainer_divided
-        elif fix == "fault_undivided":
-            loss = loss * gas
-        elif fix == "fix_always_divide" and not trainer_divided:
-            loss = loss / gas
-            if "scale_wrt_gas" in kw:
-                kw["scale_wrt_gas"] = False
-        import torch
-
-        backpropagated: list[float] = []
-        tensor_backward = torch.Tensor.backward
-
-        def seen_tensor_backward(self, *a, **k):  # the scalar autograd really starts from, after Accelerate/DS
-            if self.dim() == 0:
-                backpropagated.append(float(self.detach()))
-            return tensor_backward(self, *a, **k)
-
-        torch.Tensor.backward = seen_tensor_backward
-        try:
-            result = backward(loss, **kw)
-        finally:
-            torch.Tensor.backward = tensor_backward
-        trace.append({"call": "accelerator.backward", "step": trainer.state.global_step,
-                      "loss": float(loss.detach()), "trainer_divided": trainer_divided,
-                      "kwargs": {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))},
-                      "backpropagated": backpropagated[-1] if backpropagated else None})
-        return result
-
-    trainer.compute_loss, trainer.accelerator.backward = seen_compute_loss, seen_backward
-    return trace
-
-
-def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    return c.run_cases(payload, lambda case: run_harness(case) if case["name"] == "harness" else run_case(case))
-
-
-# ====================================================================== in the caller
 
 def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global_batch: int = 8,
          seed: int = 0) -> list[dict]:
@@ -462,7 +137,7 @@ def violations(recs: list[dict]) -> list[str]:
         if r["verdict"] == oracle.CANNOT_RUN or not r.get("metrics"):
             continue
         where = f"{r['version']} {r['path']} GAS={r['ga']} {r['case']}"
-        tol = oracle.tolerance(r["dtype"]).norm_ratio
+        tol = tolerances.tolerance(r["dtype"]).norm_ratio
         if r["role"] == "control" and r["verdict"] != oracle.NOT_AFFECTED:
             bad.append(f"{where}: the plain-PyTorch harness is off the reference: {r['reason']}")
             continue
@@ -570,7 +245,7 @@ def _gas_verdict(rec: dict, part: dict, base: dict) -> str:
         return oracle.CANNOT_RUN if not part.get("metrics") else oracle.INCONCLUSIVE
     vs = part["metrics"]["norm_ratio"] / base["metrics"]["norm_ratio"]
     part["ratio_vs_control"] = vs
-    ok = abs(vs - 1) <= oracle.tolerance(rec["dtype"]).norm_ratio and part["metrics"]["cosine"] > 0.9999
+    ok = abs(vs - 1) <= tolerances.tolerance(rec["dtype"]).norm_ratio and part["metrics"]["cosine"] > 0.9999
     return oracle.NOT_AFFECTED if ok else oracle.AFFECTED
 
 

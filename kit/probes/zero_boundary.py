@@ -23,13 +23,13 @@ Per case, ``steps`` optimizer steps (``common.STEPS`` by default); for each, ran
 gradient (SGD, lr=1, from the fp32 masters, cross-checked against the module's weights) with the oracle's reference
 on the whole global batch from that step's starting weights, attributes it to the individual micro-batches (this
 step's and the previous one's), and tests the named hypotheses ``HYPOTHESES`` ("global mean", "last micro-batch /
-N", "sum of micro-batches"). The record is the worst step's, with every step in ``steps``.
+N", "sum of micro-batches"). The record is the worst step's, with every step in ``steps``. What its ranks run is
+``kit.probes.ranks.zero_boundary`` (where ``HYPOTHESES`` are).
 """
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.judge import oracle, records
-from kit.probes import common as c
+from kit.judge import naming, oracle, records, tolerances
 from kit.probes import runner
 from kit.probes.probe import Probe
 
@@ -44,109 +44,7 @@ CASES = {
 }
 FIXES = ("fix_boundary", "fix_config_ga", "fix_unmanaged")
 UNMANAGED_SINCE = "0.19.4"  # first DeepSpeed release with ``managed_gradient_accumulation``
-HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches")
 
-
-def hypothesis_weights(world_size: int, n: int) -> dict:
-    """Weights over the rank-major basis (rank r, micro-batch i -> index r*n + i) for each hypothesis.
-
-    - global mean: every micro-batch of every rank, 1/(W*N) each (what a correct engine applies);
-    - last micro-batch / N: only each rank's last micro-batch, still divided by N (the reset);
-    - sum of micro-batches: every micro-batch at 1/W, i.e. N times the mean (a missing 1/N).
-    """
-    k = world_size * n
-    mean = [1.0 / k] * k
-    last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
-    total = [1.0 / world_size] * k
-    return dict(zip(HYPOTHESES, (mean, last, total)))
-
-
-# ====================================================================== inside a rank
-
-def ds_config(case: dict, world_size: int) -> dict:
-    ga = case["n"] if case["config_ga"] == "N" else 1
-    cfg = {
-        "train_micro_batch_size_per_gpu": case["micro_batch"],
-        "gradient_accumulation_steps": ga,
-        "train_batch_size": case["micro_batch"] * ga * world_size,
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
-        "zero_allow_untested_optimizer": True,  # torch.optim.SGD: the applied update is exactly the gradient
-        "zero_optimization": {"stage": case["zero_stage"]},
-    }
-    if case["dtype"] == "bf16":
-        cfg["bf16"] = {"enabled": True}
-        cfg["communication_data_type"] = "fp32"  # keep bf16 rounding out of the reductions
-    if not case["managed"]:
-        cfg["managed_gradient_accumulation"] = False
-    return cfg
-
-
-def manual_accumulation_step(engine, micro_batches, loss_fn):
-    """The pattern of the seed: N backward() calls, then one step(). Config says GA=1."""
-    n = len(micro_batches)
-    for x, y in micro_batches:
-        loss = loss_fn(engine(x), y) / n  # a manual loop averages over its own micro-batches
-        engine.backward(loss)
-    engine.step()
-
-
-def boundary_marked_step(engine, micro_batches, loss_fn):
-    """The seed's fix: tell the engine which backward is the accumulation boundary."""
-    n = len(micro_batches)
-    for i, (x, y) in enumerate(micro_batches):
-        engine.set_gradient_accumulation_boundary(is_boundary=(i == n - 1))
-        loss = loss_fn(engine(x), y) / n
-        engine.backward(loss)
-    engine.step()
-
-
-def engine_ga_step(engine, micro_batches, loss_fn):
-    """DeepSpeed's own loop: config GA=N, the engine divides by GA and steps on its boundary."""
-    for x, y in micro_batches:
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-
-
-LOOPS = {"manual": manual_accumulation_step, "boundary": boundary_marked_step, "engine_ga": engine_ga_step}
-
-
-def run_case(case: dict) -> dict:
-    import deepspeed
-
-    w = c.world_size()
-    n, mb, hidden, seed = case["n"], case["micro_batch"], case["hidden"], case["seed"]
-    dtype = c.DTYPE[case["dtype"]]
-    model = c.tiny_mlp(hidden, seed).to(dtype)  # bf16 weights rounded once; the reference starts from them
-    with c.phase("initialize"):
-        engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds_config(case, w))
-    dev = c.device()
-    knows_unmanaged = hasattr(engine, "managed_gradient_accumulation")
-
-    def read():
-        with c.phase("read weights and masters"):
-            return c.read_weights(engine.module, engine.optimizer, case["dtype"])
-
-    def take(step, batches):
-        with c.phase("forward, backward, step"):
-            LOOPS[case["loop"]](engine, [(x.to(dev, dtype), y.to(dev)) for x, y in batches], c.mse)
-        return c.engine_norm(engine), None
-
-    out = c.judge_steps(case.get("steps", c.STEPS), read, take, seed=seed, ga=n, micro_batch=mb, hidden=hidden,
-                        dtype=case["dtype"], hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns))
-    out.update(optimizer=type(engine.optimizer).__name__, knows_unmanaged=knows_unmanaged,
-               engine_ga=engine.gradient_accumulation_steps())
-    with c.phase("release"):
-        c.release(engine)
-    return out
-
-
-def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
-    return c.run_cases(payload, run_case)
-
-
-# ====================================================================== in the caller
 
 def plan(n_values, stages=(0, 1, 2, 3), dtypes=("fp32", "bf16"), fixes=FIXES, fix_n_values=None,
          micro_batch: int = 4, hidden: int = 32, seed: int = 0) -> list[dict]:
@@ -210,7 +108,7 @@ def check_notebook(p: dict) -> list:
 def _annotate(rec: dict) -> dict:
     """Name the hypothesis each step matches (the record's: its worst step's), and say when a fix was not really
     available."""
-    oracle.annotate_steps(rec)
+    naming.annotate_steps(rec)
     if rec["case"] == "fix_unmanaged" and rec.get("knows_unmanaged") is False:
         rec["reason"] += (f"; this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE}) "
                           "and silently ignores the key")
@@ -287,7 +185,7 @@ def violations(recs: list[dict]) -> list[str]:
         if not own or own[0]["verdict"] == oracle.CANNOT_RUN:
             continue
         a, b = r["metrics"], own[0]["metrics"]
-        if r["verdict"] != own[0]["verdict"] or abs(a["norm_ratio"] - b["norm_ratio"]) > oracle.tolerance(r["dtype"]).norm_ratio:
+        if r["verdict"] != own[0]["verdict"] or abs(a["norm_ratio"] - b["norm_ratio"]) > tolerances.tolerance(r["dtype"]).norm_ratio:
             bad.append(f"{where}: {r['verdict']} (ratio {a['norm_ratio']:.4f}) but DeepSpeed's own GA loop gives "
                        f"{own[0]['verdict']} (ratio {b['norm_ratio']:.4f})")
     return bad

@@ -9,6 +9,8 @@ JIT-built at run time into a per-version extensions cache).
 Outcomes, and what they mean for a verdict:
 - the release does not exist on the index -> ``UnknownVersion`` (bad input, raised before any launch);
 - it exists but does not install or build here -> ``CannotRun`` (verdict ``cannot-run``, never ``not-affected``).
+
+Releases are ordered by ``version_key`` ('0.19.10' after '0.19.9'), wherever the kit sorts or compares them.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +48,15 @@ class CannotRun(RuntimeError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+def version_key(v: str) -> tuple:
+    """'0.19.3' -> (0, 19, 3); a local tag or suffix ('0.19.8+cpu', '1.2rc1') does not count."""
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)  # the leading number: '2rc1' is 2, not 21
+        out.append(int(digits.group(0)) if digits else 0)
+    return tuple(out)
 
 
 def installed_version(package: str) -> str:

@@ -67,8 +67,8 @@ def model_table(spec: dict, recs: list[dict]) -> str:
 
 
 def table(summary: dict, command: str) -> str:
-    """The README's sweep table: per stack, its counts; per known bug one row (its largest group's conditions, how
-    many more groups it has: notebook 06 lists each); then every unknown group, one row each."""
+    """The sweep table of docs/sweep.md (``--readme``): per stack, its counts; per known bug one row (its largest
+    group's conditions, how many more groups it has: notebook 06 lists each); then every unknown group, one row each."""
     def short(a):
         return a.split(".")[-1] if not a.endswith("device") else "offload"
 

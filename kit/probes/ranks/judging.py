@@ -1,8 +1,7 @@
-"""Pieces every probe shares, run inside a rank: the tiny model, the data, the engine, the measurements.
-
-The data (``kit.shapes.data``) is a deterministic function of (seed, rank, step), so any rank (and the oracle) can
-rebuild every other rank's micro-batches without communication.
-"""
+"""What a rank does with its steps, every probe alike: judge each optimizer step against the reference of that step's
+starting weights (``judge``, ``judge_steps``, with the references and model skeletons rank 0 keeps between steps), and
+run a world's cases one after another, every rank in step with the others (``run_cases``, the phases each case's time
+goes to). The basics they read weights and talk to the other ranks with are ``kit.probes.ranks.common``."""
 from __future__ import annotations
 
 import contextlib
@@ -14,184 +13,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kit import shapes
-from kit.judge import oracle
+from kit.judge import naming, oracle
+from kit.judge import parts as kparts
 from kit.launch import worker
-from kit.shapes.data import micro_batches, mse, rank_samples  # noqa: F401 - the data every probe shares
-from kit.shapes.mlp import tiny_mlp  # noqa: F401 - the probes' model, defined once with its shape
-
-DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def device() -> torch.device:
-    if os.environ.get("DS_ACCELERATOR") == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def to_device(x: torch.Tensor, dev, dtype) -> torch.Tensor:
-    """A micro-batch's input on ``dev``: features in the model's ``dtype``, token ids (integers) as they are."""
-    return x.to(dev, dtype) if x.is_floating_point() else x.to(dev)
-
-
-def sgd(model: nn.Module, lr: float = 1.0) -> torch.optim.SGD:
-    """Plain SGD over the trainable parameters (as a LoRA fine-tune hands its optimizer only the adapters): the
-    applied update is exactly lr * gradient (no momentum, no weight decay)."""
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.0, weight_decay=0.0)
-
-
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """Every parameter of a plain (non-DeepSpeed) module, flat, in module order, as float64."""
-    return torch.cat([p.detach().double().reshape(-1).clone() for p in model.parameters()])
-
-
-def average_grads(model: nn.Module) -> None:
-    """Every gradient averaged over the ranks with plain ``torch.distributed``: a control's step, no library. A
-    trainable parameter no micro-batch of this rank reached has a gradient of 0 here (another rank's may not be)."""
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad /= world_size()
-
-
-def sample_shares(batches) -> list[float]:
-    """What each of this rank's micro-batches' *mean* loss is multiplied by so that the ranks' gradients, averaged,
-    are the gradient of the mean over every sample of the global batch: ``n_k * W / N`` (N counted over every rank
-    with plain ``torch.distributed``; a collective). For equal micro-batches it is ``1 / GA``."""
-    n = [len(x) for x, _ in batches]
-    total = torch.tensor([float(sum(n))], dtype=torch.float64)
-    if dist.is_initialized() and world_size() > 1:
-        dist.all_reduce(total)
-    return [k * world_size() / total.item() for k in n]
-
-
-def full_fp32_params(module: nn.Module, optimizer=None, fallback: list | None = None) -> torch.Tensor:
-    """Every parameter as the optimizer holds it (fp32 master where there is one), flat, in module order.
-
-    ZeRO and BF16_Optimizer expose their masters through ``safe_get_full_fp32_param``; the
-    unfused fp16/bf16 optimizer of ZeRO-0 keeps them in ``fp32_groups`` (pass ``optimizer``),
-    otherwise a bf16 model's own rounded weights would hide the update's low bits.
-    A collective under ZeRO: every rank must call it. A parameter with no master (frozen: the optimizer does not
-    hold it) is read as the model holds it: ``fallback[i]`` (``module_weights``' part, full under ZeRO-3, where
-    ``p.data`` is an empty partition), else ``p`` itself.
-    """
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    masters = {}
-    for lows, highs in zip(getattr(optimizer, "fp16_groups", []) or [], getattr(optimizer, "fp32_groups", []) or []):
-        if isinstance(lows, (list, tuple)) and isinstance(highs, (list, tuple)):
-            masters.update({id(lo): hi for lo, hi in zip(lows, highs)})
-    parts = []
-    for i, p in enumerate(module.parameters()):
-        full = safe_get_full_fp32_param(p)
-        if full is None:
-            full = masters.get(id(p), fallback[i] if fallback is not None else p.detach())
-        parts.append(full.detach().float().reshape(-1).cpu().clone())
-    return torch.cat(parts).double()
-
-
-def all_gather_flat(t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of an equally-sized tensor (gloo and nccl both do all_gather)."""
-    t = t.contiguous().to(device())
-    out = [torch.empty_like(t) for _ in range(world_size())]
-    dist.all_gather(out, t)
-    return [o.cpu() for o in out]
-
-
-def engine_norm(engine) -> float | None:
-    """The gradient norm a DeepSpeed engine reports for its last step (what a user's grad-norm curve shows), or
-    None where it keeps none (e.g. ZeRO-0 with a plain torch optimizer)."""
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-    return None if norm is None else float(norm)
-
-
-def all_finite(t: torch.Tensor) -> bool:
-    """Is ``t`` finite on every rank? (A collective: every rank gets the same answer, so all stop together.)"""
-    bad = torch.tensor([0.0 if bool(torch.isfinite(t).all()) else 1.0], dtype=torch.float64, device=device())
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    return bad.item() == 0.0
-
-
-def all_gather_floats(values: list[float]) -> list[list[float]]:
-    t = torch.tensor(values, dtype=torch.float64)
-    return [o.tolist() for o in all_gather_flat(t)]
-
-
-def versions() -> dict:
-    """The releases this rank runs: torch, and every stack package it imported (``kit.launch.worker.check_stack``
-    imports what the world's stack names; a plain-torch probe's ranks never import DeepSpeed)."""
-    import sys
-
-    out = {"torch": torch.__version__}
-    for name in ("deepspeed", "transformers", "accelerate"):
-        if name in sys.modules:
-            out[name] = getattr(sys.modules[name], "__version__", "?")
-    return out
-
-
-def module_weights(module: nn.Module) -> torch.Tensor:
-    """Every parameter as the model will compute with it (its own, possibly low-precision, weights), flat, in module
-    order, as float64. Under ZeRO-3 each rank holds a partition of each parameter (``ds_tensor``, what DeepSpeed
-    gathers for the forward): the partitions are gathered with plain ``torch.distributed`` (a collective: every rank
-    must call it), never through DeepSpeed's own gathering, which would touch the engine's parameter state (its
-    prefetch and release bookkeeping) between steps. A persistent parameter is read from its partitions too: its
-    full ``p.data`` exists before its first fetch but is not filled yet (0.18.6 showed values of 1e38 there)."""
-    return torch.cat(module_parts(module))
-
-
-def module_parts(module: nn.Module) -> list:
-    """``module_weights``, one float64 tensor per parameter (a collective under ZeRO-3)."""
-    params = list(module.parameters())
-    if not (params and hasattr(params[0], "ds_id")):
-        return [p.detach().double().reshape(-1).cpu().clone() for p in params]
-    parts = []
-    for p in params:
-        shards = all_gather_flat(p.ds_tensor.detach().reshape(-1))
-        parts.append(torch.cat(shards)[:p.ds_numel].double())
-    return parts
-
-
-def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
-    """What the model will use and what the optimizer holds, read both ways (collectives under ZeRO):
-    ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the
-    module dtype's rounding; where they disagree the master read (``safe_get_full_fp32_param``) misreports, and
-    the step must be judged from the weights the model really uses."""
-    parts = module_parts(module)
-    mod, mast = torch.cat(parts), full_fp32_params(module, optimizer, parts)
-    diff = (mod - mast).abs()
-    limit = oracle.ROUNDING[dtype] * mast.abs() + 1e-30
-    return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
-
-
-def applied(before: dict, after: dict):
-    """One step's update (lr = 1) between two ``read_weights`` reads: ``(effective, agree)``, from the fp32 masters
-    where both reads agree with the module's weights, else from the weights the model uses."""
-    agree = before["agree"] and after["agree"]
-    return (before["masters"] - after["masters"] if agree else before["module"] - after["module"]), agree
-
-
-def rounding_floor(weights: torch.Tensor, dtype: str, step_norm: float) -> float:
-    """The relative size of rounding ``weights`` to ``dtype`` against a step of norm ``step_norm``: how precisely
-    a step read from those rounded weights is known (0 for fp32 weights, read exactly)."""
-    if dtype == "fp32" or step_norm <= 0:
-        return 0.0
-    return (weights.abs() * oracle.ROUNDING[dtype] / 2).norm().item() / step_norm
-
-
-def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
-    """``module`` with its parameters set from ``flat`` (module order): a step's starting weights, for its reference."""
-    torch.nn.utils.vector_to_parameters(flat.to(next(module.parameters()).dtype), module.parameters())
-    return module
+from kit.probes.ranks import common as c
 
 
 def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int,
@@ -206,13 +31,13 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
     ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way). ``shape``
     (``kit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
-    groups each is judged on its own too (``groups``: ``oracle.judge_groups``).
+    groups each is judged on its own too (``groups``: ``kparts.judge_groups``).
     """
     shape = shape or _mlp()
-    per_rank = all_gather_flat(effective)
-    if rank() != 0:
+    per_rank = c.all_gather_flat(effective)
+    if c.rank() != 0:
         return {}, None, None, None
-    every = [b for rr in range(world_size()) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
+    every = [b for rr in range(c.world_size()) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
     basis, weights, reference = reference_at(start, every, shape, loss_scale, (seed, ga, micro_batch, hidden, step))
     coef = oracle.clipped(reference, clip).norm().item() / reference.norm().item()
     full, expected = basis, weights * coef
@@ -227,7 +52,7 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     groups = group_index(start, shape)
     if len(groups) > 1:
         uses = shape.uses(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale) if shape.uses else {}
-        out["groups"] = oracle.judge_groups(effective, full, expected, reference * coef, groups, world_size(), ga,
+        out["groups"] = kparts.judge_groups(effective, full, expected, reference * coef, groups, c.world_size(), ga,
                                             {g: {u: v * coef for u, v in by.items()} for g, by in uses.items()})
     return out, full, weights, reference
 
@@ -247,7 +72,7 @@ def skeleton(shape, seed: int, hidden: int, depth: int, flat: torch.Tensor) -> n
         while len(_SKELETONS) >= 8:  # a world of user models (check --model) builds one shape per case
             del _SKELETONS[next(iter(_SKELETONS))]
         _SKELETONS[key] = (shape, shape.build(seed, hidden, depth))  # the shape is kept alive: its id stays its own
-    return load_flat(_SKELETONS[key][1], flat)
+    return c.load_flat(_SKELETONS[key][1], flat)
 
 
 def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_key: tuple):
@@ -257,7 +82,7 @@ def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_k
     precision, not once per point. The same weights, data and loss give the same numbers: nothing is approximated."""
     import hashlib
 
-    flat = flat_params(start)
+    flat = c.flat_params(start)
     key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(flat.numpy().tobytes()).hexdigest())
     hit = _REFERENCES.pop(key, None)
     if hit is None:  # the shape is kept with its numbers: its id stays its own while the key lives
@@ -287,7 +112,7 @@ STEPS = 2  # optimizer steps a probe case takes by default, each judged (a bug t
 
 def plain_read(model: nn.Module) -> dict:
     """``read_weights`` of a module without masters (a plain torch loop): the module is its own master."""
-    flat = flat_params(model)
+    flat = c.flat_params(model)
     return {"module": flat, "masters": flat, "agree": True, "max_diff": 0.0}
 
 
@@ -302,27 +127,27 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     this rank's micro-batches of that step. Each step is read from the fp32 masters where they agree with the
     module's weights, else from the module's weights (known to within their rounding: ``read_floor``); its basis
     holds the previous step's micro-batch gradients too (expected weight 0), so a gradient applied again is fitted.
-    ``hypotheses(W, N, previous)`` -> ``{name: weights}`` explains each step (``oracle.explain``); ``extra(judged,
+    ``hypotheses(W, N, previous)`` -> ``{name: weights}`` explains each step (``naming.explain``); ``extra(judged,
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
     and data (``kit.shapes.shape.Shape``; the MLP by default).
     """
     shape = shape or _mlp()
-    r, w, k = rank(), world_size(), world_size() * ga
+    r, w, k = c.rank(), c.world_size(), c.world_size() * ga
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
     after = None
     for s in range(steps):
         with phase("read weights"):
             before = read() if after is None else after  # nothing moves the weights between a step's end and the next
-            if s and not all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
+            if s and not c.all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
                 break
         with phase("steps"):
             logged, gathered = take_step(s, shape.micro_batches(seed, r, ga, micro_batch, hidden, s))
         with phase("read weights"):
             after, taken = read(), s + 1
         first, last = (before["module"] if first is None else first), after["module"]
-        effective, agree = applied(before, after)
+        effective, agree = c.applied(before, after)
         try:  # rank 0 alone judges; if that fails it still takes the next steps' collectives with the others
             with phase("judge"):
                 start = skeleton(shape, seed, hidden, depth, before["module"]) if r == 0 else None
@@ -356,9 +181,9 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
                   read={"judged_from": "fp32 masters" if agree else "module weights", "masters_agree": agree,
                         "max_diff": max(before["max_diff"], after["max_diff"])})
     if not agree:  # the master read misreports: the step the model really took, known to within its rounding
-        judged["read_floor"] = rounding_floor(after["module"], dtype, target.norm().item())
+        judged["read_floor"] = c.rounding_floor(after["module"], dtype, target.norm().item())
     if hypotheses is not None:
-        judged["hypotheses"] = oracle.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
+        judged["hypotheses"] = naming.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
                                               clip=clip)
     if extra is not None:
         extra(judged, s, gathered, basis[:w * ga], weights, reference)
@@ -373,7 +198,7 @@ def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, d
     shape = shape or _mlp()
     ref = first.clone()
     for s in range(steps):
-        every = [b for rr in range(replicas or world_size())
+        every = [b for rr in range(replicas or c.world_size())
                  for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, s)]
         model = skeleton(shape, seed, hidden, depth, ref)
         _, _, reference = reference_at(model, every, shape, loss_scale, (seed, ga, micro_batch, hidden, s, replicas))
@@ -413,7 +238,7 @@ def run_cases(payload: dict, run_one) -> list[dict]:
 
     wait_s = float(os.environ.get(SYNC_TIMEOUT_ENV, "120"))
     sync = None
-    if dist.is_initialized() and world_size() > 1:  # its own timeout also bounds the non-zero ranks' wait
+    if dist.is_initialized() and c.world_size() > 1:  # its own timeout also bounds the non-zero ranks' wait
         sync = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
     import gc
 
@@ -430,7 +255,7 @@ def run_cases(payload: dict, run_one) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - see the docstring
             import traceback
             res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=versions())
+        res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
         if _PHASES:
             res["phases"] = {k: round(v, 4) for k, v in _PHASES.items()}
             res["phases"]["other"] = round(max(0.0, res["wall_s"] - sum(_PHASES.values())), 4)
@@ -440,7 +265,7 @@ def run_cases(payload: dict, run_one) -> list[dict]:
                                        wait_all_ranks=True)
             except RuntimeError as e:
                 raise WorldDesynchronised(
-                    f"case {case['name']!r} (GA={case['ga']}) ended on rank {rank()} "
+                    f"case {case['name']!r} (GA={case['ga']}) ended on rank {c.rank()} "
                     f"({'error: ' + res['error'] if 'error' in res else 'ok'}) but not on every rank within "
                     f"{wait_s:g} s: {str(e).splitlines()[0][:300]}") from e
         worker.report_partial(res)

@@ -1,0 +1,144 @@
+"""Fitting and naming a step: which named hypothesis the effective gradient is (``explain``: each candidate's
+weights over the per-micro-batch basis, compared with the step; ``step_name``, its answer in words), the fitted
+weights in words (``describe_weights``: each micro-batch position's weight as a multiple of its right one), and
+what a record's judged steps are called, written onto the record (``annotate_steps``: per step the name, the
+hypotheses it cannot tell apart, the step in words and what its parts did; ``annotate_norms``: the logged grad
+norm's verdict), the record's own being its worst step's."""
+from __future__ import annotations
+
+import math
+
+from kit.judge.oracle import AFFECTED, clipped, compare, matches_reference, norm_verdict, severity
+from kit.judge.parts import groups_off, multiple, part_pattern
+from kit.judge.tolerances import TOLERANCES
+
+
+def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0) -> dict:
+    """Which hypothesis is the effective gradient? Compare it with ``sum_k w_k * basis_k`` for each candidate.
+
+    ``candidates`` maps a name ("global mean", "last micro-batch / N", ...) to its weights over
+    the basis (a candidate shorter than the basis weighs the rest 0). Returns ``{"candidates": {name:
+    compare(...)}, "best": name, "best_matches": bool, "ambiguous": [names]}``: the candidate with the smallest
+    relative error, whether it is within the dtype's tolerance, and -- where two or more candidates match (they
+    predict the same step, e.g. at N = 2) -- every matching name: the measurement cannot tell them apart, so no
+    one of them may be claimed. ``clip``: the engine clips whatever it accumulated at this norm, so each
+    candidate is clipped as it would be. With ``reference``, also ``predicted_ratio``: each candidate's norm over
+    the reference's, i.e. the effective/reference ratio a user would measure if that hypothesis were true.
+    """
+    import torch
+
+    b = torch.as_tensor(basis, dtype=torch.float64)
+    vectors = {}
+    for name, w in candidates.items():
+        w = torch.as_tensor(w, dtype=torch.float64)
+        if len(w) < len(b):
+            w = torch.cat([w, torch.zeros(len(b) - len(w), dtype=torch.float64)])
+        vectors[name] = clipped(w @ b, clip)
+    vectors = {name: v for name, v in vectors.items() if v.norm() > 0}  # "all but the first" of one: no prediction
+    out = {name: compare(effective, v) for name, v in vectors.items()}
+    best = min(out, key=lambda n: out[n]["rel_l2"])
+    matching = sorted(n for n in out if matches_reference(out[n], dtype))
+    res = {"candidates": out, "best": best, "best_matches": best in matching,
+           "ambiguous": matching if len(matching) > 1 else []}
+    if reference is not None:
+        rn = torch.as_tensor(reference, dtype=torch.float64).norm().item()
+        res["predicted_ratio"] = {name: v.norm().item() / rn for name, v in vectors.items()}
+    return res
+
+
+def describe_weights(weights, expected, ranks: int, n: int) -> str:
+    """The step in words, from its fitted weights over a rank-major basis (rank r, micro-batch i -> r*n + i; a
+    longer vector continues with the previous step's micro-batches): each micro-batch position's weight as a
+    multiple of its right weight, e.g. "micro-batch 1 x0, the others x1". Ranks are named where they differ."""
+    k = ranks * n
+    if not all(math.isfinite(w) for w in weights[:k]):
+        return "not finite: the applied step holds NaN or inf"
+    # to a tenth: what tells one pattern from another; finer digits are the dtype's noise (bf16: ~1e-2)
+    rel = [round(w / e, 1) + 0.0 if e else round(w * k, 1) + 0.0 for w, e in zip(weights[:k], expected[:k])]
+    prev = [round(w * k, 1) + 0.0 for w in weights[k:2 * k]]
+
+    def positions(vals):
+        groups: dict = {}
+        for i, v in enumerate(vals):
+            groups.setdefault(v, []).append(i + 1)
+        if len(groups) == 1:
+            return f"every micro-batch x{multiple(next(iter(groups)))}"
+        main = max(groups, key=lambda v: len(groups[v]))
+        parts = [f"micro-batch{'es' if len(ix) > 1 else ''} {','.join(map(str, ix))} x{multiple(v)}"
+                 for v, ix in groups.items() if v != main]
+        return ", ".join(parts) + f", the others x{multiple(main)}"
+
+    per_rank = [tuple(rel[r * n:(r + 1) * n]) for r in range(ranks)]
+    text = positions(list(per_rank[0])) if len(set(per_rank)) == 1 else \
+        "; ".join(f"rank {r}: {positions(list(v))}" for r, v in enumerate(per_rank))
+    if prev and any(abs(v) > 0.05 for v in prev):
+        same = len(set(prev)) == 1
+        text += f"; the previous step's micro-batches x{multiple(prev[0])}" if same else \
+            f"; the previous step's micro-batches {', '.join(multiple(v) for v in prev)} (x their share)"
+    return text
+
+
+def step_name(h: dict | None) -> str | None:
+    """The named hypothesis a step is (``explain``'s answer): its name; "ambiguous between 'A' and 'B'" where the
+    measurement cannot tell two apart; "none" where no name fits; None where nothing was explained."""
+    if not h:
+        return None
+    if h.get("ambiguous"):
+        return "ambiguous between " + " and ".join(f"'{n}'" for n in h["ambiguous"])
+    return h["best"] if h["best_matches"] else "none"
+
+
+def annotate_steps(rec: dict) -> dict:
+    """Per judged step of a record: ``matches`` (``step_name``), ``ties`` (the named hypotheses it cannot tell apart,
+    [] where it can) and ``shape`` (``describe_weights``); the record's own are its worst step's (a one-step
+    record: its own)."""
+    dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
+    for s in rec.get("steps") or []:
+        s["matches"] = _named(s, dtype)
+        s["ties"] = list((s.get("hypotheses") or {}).get("ambiguous") or [])
+        s["parts"] = part_pattern(s, dtype, rec.get("world_size") or 1, rec.get("ga") or 1)
+        if s["matches"] in (None, "none") and s["parts"]:  # a whole-step name fits nothing: say what the parts did
+            s["matches"] = " and ".join(s["parts"])
+        a = s.get("attribution")
+        if a and rec.get("world_size") and rec.get("ga"):
+            s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
+        off = groups_off(s, rec.get("judge_dtype") or rec.get("dtype") or "fp32")
+        if off:
+            s["shape"] = "; ".join([*([s["shape"]] if s.get("shape") else []), *off])
+    if rec.get("steps"):
+        worst = rec["steps"][rec.get("worst_step", 0)]
+        rec["matches"], rec["shape"], rec["ties"] = worst["matches"], worst.get("shape"), worst["ties"]
+        rec["parts"] = sorted({p for s in rec["steps"] for p in s["parts"]})
+    else:
+        rec["matches"] = _named(rec, rec.get("judge_dtype") or rec.get("dtype"))
+        rec["ties"] = list((rec.get("hypotheses") or {}).get("ambiguous") or [])
+    return annotate_norms(rec)
+
+
+def annotate_norms(rec: dict) -> dict:
+    """The logged grad norm of every judged step (``logged_norm``: what the engine reports) against the reference's
+    (``reference_norm``): ``norm_verdict`` per step, and the record's (its first off step's, else its first step's)
+    with ``norm_reason``; "n/a" where the engine reports none."""
+    dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
+    norms = []
+    for s in rec.get("steps") or []:
+        if s.get("reference_norm"):
+            word, why = norm_verdict(s.get("logged_norm"), s["reference_norm"], dtype)
+            s["norm_verdict"] = word
+            norms.append((s.get("step", 0), word, why))
+    if not rec.get("steps"):
+        return rec
+    off = [x for x in norms if x[1] == AFFECTED]
+    step, word, why = (off or norms or [(0, "n/a", "no step ran")])[0]
+    rec["norm_verdict"], rec["norm_reason"] = word, f"step {step + 1}: {why}" if norms else why
+    return rec
+
+
+def _named(step: dict, dtype: str | None) -> str | None:
+    """``step_name``, except that a step on every signal the reference's is "global mean": a tie there is only with
+    hypotheses that coincide with the reference at this N (at N = 1 "last micro-batch / N" is the mean)."""
+    name = step_name(step.get("hypotheses"))
+    if "'global mean'" in str(name) and step.get("metrics") and dtype in TOLERANCES \
+            and severity({**step, "dtype": dtype}) <= 1.0:
+        return "global mean"
+    return name

@@ -1,0 +1,175 @@
+"""The check of a user's DeepSpeed config inside a rank (``kit.probes.ds_config``): the engine in each loop style on a
+shape's tiny model (or the plain-torch control loop), every step judged (``common.judge_steps``) and explained by the
+named hypotheses ``HYPOTHESES``, each rank's BF16_Optimizer accumulator read where there is one."""
+from __future__ import annotations
+
+from kit import shapes
+from kit.judge import naming, oracle
+from kit.probes.ranks import common as c
+from kit.probes.ranks import judging
+from kit.probes.ranks.bf16_leak import bf16_accumulator
+
+UNMANAGED_SINCE = "0.19.4"
+HIDDEN, DEPTH, MICRO_BATCH, SEED = 32, 2, 4, 0
+HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches", "mean / N", "own rank's boundary micro-batch",
+              "all but the first micro-batch", "first and last micro-batch")
+STALE = "the previous step's gradient applied again"
+FAULT_KEY = "gradkit_fault_kill_rank"  # a config key the kit reads, never DeepSpeed: that rank kills itself (tests)
+STALE_FAULT_KEY = "gradkit_fault_keep_grads"  # tests: the plain-torch loop forgets zero_grad (a stale-state bug)
+# tests: the plain-torch loop breaks a shape's parameters on purpose: "drop:<group>:<i>" (micro-batch i's gradient
+# of that group lost), "train_frozen" (frozen weights trained), "untie" (the tied weight's head use not summed)
+LOOP_FAULT_KEY = "gradkit_fault_loop"
+
+
+def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False) -> dict:
+    """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``;
+    ``previous``: the basis goes on with the previous step's micro-batches (weight 0 unless a hypothesis says)."""
+    k = w * n
+    last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
+    own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
+    first_lost = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
+    ends = [1.0 / k if i % n in (0, n - 1) else 0.0 for i in range(k)] if n > 2 else [0.0] * k  # n <= 2: the mean
+    out = dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost,
+                                ends)))
+    if previous:
+        out[STALE] = [1.0 / k] * (2 * k)
+    return out
+
+
+def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
+    """One optimizer step in the loop style ``loop``; ``before_step()`` runs just before the step that applies."""
+    n = len(batches)
+    for i, (x, y) in enumerate(batches):
+        if loop == "engine":
+            engine.backward(loss_fn(engine(x), y))
+            if i == n - 1:
+                before_step()
+            engine.step()
+            continue
+        if loop in ("boundary", "fix:B3"):
+            engine.set_gradient_accumulation_boundary(is_boundary=(i == n - 1))
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss if loop == "boundary" else loss / n)
+    if loop != "engine":
+        before_step()
+        engine.step()
+
+
+def loss_scale(w: int, n: int, clip: float, shape=None) -> float:
+    """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
+    the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
+    gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
+    if not clip:
+        return 1.0
+    shape = shape or shapes.get(shapes.DEFAULT)
+    every = [b for rr in range(w) for b in shape.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, 0)]
+    _, _, reference = oracle.reference_gradients(shape.build(SEED, HIDDEN, DEPTH), every, shape.loss_fn)
+    return 2.0 * clip / reference.norm().item()
+
+
+class _TorchLoop:
+    """The control's loop (and the tests' deliberately broken ones): the bare fp32 module, local accumulation, one
+    ``torch.distributed.all_reduce`` per gradient, torch's own clipping; no DeepSpeed anywhere in the step."""
+
+    def __init__(self, model, clip: float, keep_grads: bool, fault: str | None = None, shape=None):
+        self.fault, self.shape = fault or "", shape
+        if self.fault == "train_frozen":  # tests: the frozen weights handed to the optimizer and trained
+            for p in model.parameters():
+                p.requires_grad_(True)
+        if self.fault == "untie":  # tests: the tied weight gets its embedding use's gradient only
+            model.untie_fault = True
+        self.model, self.opt, self.clip, self.keep = model, c.sgd(model), clip, keep_grads
+
+    def read(self):
+        return judging.plain_read(self.model)
+
+    def step(self, batches, loss_fn) -> float:
+        import torch
+
+        n = len(batches)
+        drop = self.fault.split(":") if self.fault.startswith("drop:") else None  # "drop:<group>:<micro-batch>"
+        for i, (x, y) in enumerate(batches):
+            kept = None
+            if drop and i == int(drop[2]):  # tests: this micro-batch's gradient of one group is lost
+                names = set(self.shape.groups(self.model)[drop[1]])
+                kept = {n_: (p.grad.clone() if p.grad is not None else None)
+                        for n_, p in self.model.named_parameters() if n_ in names}
+            (loss_fn(self.model(x), y) / n).backward()
+            for n_, p in self.model.named_parameters():
+                if kept is not None and n_ in kept:
+                    p.grad = kept[n_]
+        c.average_grads(self.model)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip if self.clip else float("inf"))
+        self.opt.step()
+        if not self.keep:
+            self.opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+
+    r, w, n = c.rank(), c.world_size(), case["ga"]
+    steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
+    shape = shapes.of_case(case)
+    scale = loss_scale(w, n, clip, shape)
+
+    def loss_fn(out, y):
+        return shape.loss_fn(out, y) * scale
+
+    model = shape.build(SEED, HIDDEN, DEPTH)
+    cfg = case.get("ds_config") or {}
+    engine, dtype = None, c.DTYPE.get(case["dtype"]) or __import__("torch").float16
+    if case["loop"] == "torch":  # the control: plain torch.distributed, no DeepSpeed in the step
+        loop = _TorchLoop(model, clip, bool(cfg.get(STALE_FAULT_KEY)), cfg.get(LOOP_FAULT_KEY), shape)
+    else:
+        if cfg.get(FAULT_KEY) == r:  # fault injection (the sweep's crash-survival test): die like a segfault
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        model = model.to(dtype)
+        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY)}
+        with judging.phase("initialize"):
+            engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
+        if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
+            judging.release(engine)
+            raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
+    dev = c.device()
+    held, state = {}, {"skipped": 0}  # held: BF16_Optimizer's own fp32 accumulator on this rank, going into the step
+
+    def take(s, batches):
+        if engine is None:
+            return loop.step(batches, loss_fn), None
+        held.clear()
+        _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
+              [(c.to_device(x, dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
+              before_step=lambda: held.update(buffer=bf16_accumulator(engine, engine.module)))
+        state["skipped"] = int(getattr(engine, "skipped_steps", 0) or 0)
+        # a leak is per rank: every rank's accumulator (a collective), attributed on rank 0
+        return c.engine_norm(engine), (c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None)
+
+    def accumulators(judged, s, buffers, basis, weights, reference):
+        if buffers is not None:  # each rank's accumulator, attributed and explained from that rank's view
+            judged["rank_buffers"] = [{"metrics": oracle.compare(b, reference),
+                                       "attribution": oracle.attribute(b, basis, weights),
+                                       "hypotheses": naming.explain(b, basis, hypothesis_weights(w, n, own=q),
+                                                                    case["dtype"], reference)}
+                                      for q, b in enumerate(buffers)]
+            judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
+
+    read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer, case["dtype"])
+    out = judging.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
+                        dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
+                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape)
+    engine_ga = n if engine is None else engine.gradient_accumulation_steps()
+    optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
+    if engine is not None:
+        with judging.phase("release"):
+            judging.release(engine)
+    if state["skipped"]:
+        raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
+    return {**out, "optimizer": optimizer, "engine_ga": engine_ga} if r == 0 else {}
+
+
+def run_rank(payload: dict) -> list[dict]:
+    return judging.run_cases(payload, run_case)
