@@ -5,10 +5,10 @@
     .venv/bin/python scripts/bench.py --noise      # the noise the oracle's tolerances are set against
     .venv/bin/python scripts/bench.py --sweep      # gradkit check and the default sweep (runs/bench_sweep.json)
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
-    .venv/bin/python scripts/bench.py --suite      # the README's test command, timed (runs/bench_suite.json)
+    .venv/bin/python scripts/bench.py --suite      # the test command (bash scripts/test.sh), timed (runs/bench_suite.json)
     python3 scripts/bench.py --suite --repeat 5    # in a fresh clone: five runs in a row, each timed
     .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
-    .venv/bin/python scripts/bench.py --readme README.md   # the README's performance table from those files
+    .venv/bin/python scripts/bench.py --readme docs/speed.md   # the performance table of docs/speed.md from those files
 
 Measures, side by side in one run, on this machine:
 - cold launch: a 2-rank DeepSpeed world with an empty extensions cache (DeepSpeed JIT-builds its CPU comm op);
@@ -49,7 +49,7 @@ def timed(fn):
 
 
 def noise(json_path: str) -> int:
-    """The noise of correct engines, every signal the oracle judges: what kit/judge/oracle.py's tolerances are set against.
+    """The noise of correct engines, every signal the oracle judges: what kit/judge/tolerances.py's tolerances are set against.
 
     The installed DeepSpeed (B4's fix is in): the B4 probe's bf16 cases with an fp32 and a bf16 accumulator at
     GA 8 / 32 / 64 (W = 2), and the B3 probe's stages that keep every micro-batch (ZeRO-0 and ZeRO-3, fp32 and
@@ -96,13 +96,15 @@ def fp16_noise() -> list[dict]:
     import torch
 
     from kit.judge import oracle
-    from kit.probes import common as c, ds_config as dc
+    from kit.probes import ds_config as dc
+    from kit.probes.ranks import common as c, ds_config as rank_dc
 
     out = []
     for accum in ("fp16", "fp32"):
         for ga in (8, 32, 64):
-            every = [b for r in range(2) for b in c.micro_batches(dc.SEED, r, ga, dc.MICRO_BATCH, dc.HIDDEN, 0)]
-            model = c.tiny_mlp(dc.HIDDEN, dc.SEED, dc.DEPTH)
+            every = [b for r in range(2)
+                     for b in c.micro_batches(rank_dc.SEED, r, ga, rank_dc.MICRO_BATCH, rank_dc.HIDDEN, 0)]
+            model = c.tiny_mlp(rank_dc.HIDDEN, rank_dc.SEED, rank_dc.DEPTH)
             basis, weights, ref = oracle.reference_gradients(model, every, c.mse)
             half, scale, total = copy.deepcopy(model).half(), 2.0 ** 8, 0.0
             for r in range(2):
@@ -138,7 +140,7 @@ def fp16_noise() -> list[dict]:
 
 def profile(json_path: str) -> int:
     """Where the explorer's warm B3 Run goes: the caller, each rank's start-up (interpreter and ``import kit``,
-    the imports of the stack, ``init_distributed``), and per configuration (``kit.probes.common.phase``)."""
+    the imports of the stack, ``init_distributed``), and per configuration (``kit.probes.ranks.common.phase``)."""
     import matplotlib
     matplotlib.use("Agg")
 
@@ -190,7 +192,7 @@ def profile(json_path: str) -> int:
 
 SWEEP_TARGETS = {"check_warm_s": 15.0, "sweep_configs_min": 200, "sweep_s": 300.0, "speedup_min": 20.0,
                  "configs_per_min_min": 1000.0}
-SWEEP_RELEASES = ("0.18.6", "installed")  # the README's sweep table
+SWEEP_RELEASES = ("0.18.6", "installed")  # the sweep table of docs/sweep.md
 
 
 def sweep_bench(json_path: str) -> int:
@@ -199,15 +201,16 @@ def sweep_bench(json_path: str) -> int:
     - check: ``python -m kit check`` of a B3-pattern config (ZeRO-2, config GA = 1, N = 4), every loop style, as a
       user runs it (a fresh process), after one warm-up run;
     - sweep: the default spec (``scripts/sweeps/default.yaml``: every model shape, 3 judged steps a point) on the
-      README's releases (``SWEEP_RELEASES``) into an empty folder, ``sweep.JOBS`` worlds at a time, the points
-      alone (the reproductions of unknown groups are not timed), in configurations per minute;
+      sweep table's releases (docs/sweep.md, ``SWEEP_RELEASES``) into an empty folder, ``kit.commands.sweep.run.JOBS`` worlds at a
+      time, the points alone (the reproductions of unknown groups are not timed), in configurations per minute;
     - side by side: a sample of the same points, one launch per point (each with its control), in configs/min.
     """
     import random
     import subprocess
 
     from kit import launch
-    from kit.commands import sweep
+    from kit.commands.sweep import run as sweep_run
+    from kit.commands.sweep import spec as sweep_spec
     from kit.probes import runner
     from kit.probes import ds_config
 
@@ -220,21 +223,21 @@ def sweep_bench(json_path: str) -> int:
         subprocess.run(cmd, capture_output=True, cwd=REPO)  # warm-up: overlays, comm op, page cache
         res["check_warm_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
         res["check_exit"] = out.returncode
-        spec = sweep.load_spec("scripts/sweeps/default.yaml")
-        spec = sweep.check_spec({**spec, "stacks": runner.stacks_of(list(SWEEP_RELEASES))})
-        res["sweep_configs"] = len(sweep.points(spec)) * len(spec["stacks"])
+        spec = sweep_spec.load_spec("scripts/sweeps/default.yaml")
+        spec = sweep_spec.check_spec({**spec, "stacks": runner.stacks_of(list(SWEEP_RELEASES))})
+        res["sweep_configs"] = len(sweep_spec.points(spec)) * len(spec["stacks"])
         res["sweep_models"] = len(spec["axes"].get("model", ["mlp"]))
         res["sweep_steps"] = spec["steps"]
-        res["sweep_s"], recs = timed(lambda: sweep.run(spec, Path(tmp) / "sweep", progress=False))
+        res["sweep_s"], recs = timed(lambda: sweep_run.run(spec, Path(tmp) / "sweep", progress=False))
         res["sweep_configs_per_min_one_world"] = 60 * len(recs) / res["sweep_s"]
         res["sweep_configs_per_min"] = res["sweep_configs_per_min_one_world"]
-        sample = random.Random(0).sample(sweep.points(spec), 8)
+        sample = random.Random(0).sample(sweep_spec.points(spec), 8)
         world = launch.World(world_size=spec["world_size"], timeout_s=600)
 
         def one_launch_each():
             for point in sample:
-                case = sweep.point_case(spec, point)
-                launch.run_world(ds_config.CHECK.target, {"cases": sweep._controls([case]) + [case]}, world)
+                case = sweep_spec.point_case(spec, point)
+                launch.run_world(ds_config.CHECK.target, {"cases": sweep_run._controls([case]) + [case]}, world)
 
         res["one_launch_per_config_s"], _ = timed(one_launch_each)
         res["one_launch_per_config_configs"] = len(sample)
@@ -252,7 +255,7 @@ def sweep_bench(json_path: str) -> int:
     return 0
 
 
-# (file, key, what, target, unit): the README's performance table, in this order; a number not measured yet says
+# (file, key, what, target, unit): the performance table (PERF_PAGE), in this order; a number not measured yet says
 # which command measures it
 PERF_ROWS = [
     ("profile.json", "explorer_run_warm_s", "explorer Run (B3, {configs} configurations), warm world", "≤ 5 s", "s"),
@@ -393,7 +396,7 @@ def paths_bench(json_path: str) -> int:
 
 
 def suite_bench(json_path: str, repeat: int = 1) -> int:
-    """The README's test command, as CI runs it (a clean environment), timed from outside; ``repeat`` times in a row
+    """The test command (``bash scripts/test.sh``), as CI runs it (a clean environment), timed from outside; ``repeat`` times in a row
     (run from a fresh clone, the first run also builds the venv, the overlays and the comm ops). The row of the
     table is the last run; every run's wall time, count and exit status are kept."""
     import re
@@ -424,8 +427,11 @@ def suite_bench(json_path: str, repeat: int = 1) -> int:
     return 0 if res["passed_runs"] == repeat else 1
 
 
+PERF_PAGE = "docs/speed.md"  # the page whose <!-- gradkit:table PERF --> block --readme writes (without a file)
+
+
 def _rows_by_command(table: str) -> dict[str, list[str]]:
-    """The rows of a performance table already in the README, by the command in their last column, in order."""
+    """The rows of a performance table already on its page, by the command in their last column, in order."""
     out: dict[str, list[str]] = {}
     for line in table.splitlines():
         if line.startswith("| ") and line.rstrip().endswith("` |") and "scripts/bench.py" in line:
@@ -433,9 +439,9 @@ def _rows_by_command(table: str) -> dict[str, list[str]]:
     return out
 
 
-def perf_table(folder: Path, old: str = "") -> str:
-    """The README's performance table from the JSON files bench.py wrote into ``folder`` (runs/); a row whose file
-    is not there keeps its row in ``old`` (the table as the README has it: measured earlier by the same command)."""
+def perf_table(folder: Path, old: str = "", page: str = PERF_PAGE) -> str:
+    """The performance table of ``page`` from the JSON files bench.py wrote into ``folder`` (runs/); a row whose file
+    is not there keeps its row in ``old`` (the table as the page has it: measured earlier by the same command)."""
     kept = _rows_by_command(old)
     data = {}
     for name in PERF_COMMANDS:
@@ -449,7 +455,7 @@ def perf_table(folder: Path, old: str = "") -> str:
         b["b4_speedup"] = b["configs_per_min_one_world"] / b["configs_per_min_one_launch_per_config"]
     if b.get("configs_per_min_warm_world") and b.get("configs_per_min_one_launch_per_config"):
         b["b4_speedup_warm"] = b["configs_per_min_warm_world"] / b["configs_per_min_one_launch_per_config"]
-    lines = [f"<sub>generated by `python scripts/bench.py --readme README.md` from runs/{{{','.join(PERF_COMMANDS)}}} "
+    lines = [f"<sub>generated by `python scripts/bench.py --readme {page}` from runs/{{{','.join(PERF_COMMANDS)}}} "
              f"(a row whose file is not there keeps its last measurement); measured on "
              f"{' / '.join(map(str, cpus)) or '?'} CPU cores</sub>", "",
              "| what | measured | target | measured by |", "|---|---|---|---|"]
@@ -468,13 +474,16 @@ def perf_table(folder: Path, old: str = "") -> str:
 
 
 def write_readme(readme: str) -> int:
+    """Write the performance table into the PERF block of ``readme`` (a path, relative ones against the working
+    directory; ``PERF_PAGE`` by default)."""
     sys.path.insert(0, str(REPO))
     from kit.notebooks import readme_tables as tables
 
-    path = Path(readme)
+    path = Path(readme).resolve()
     before = path.read_text()
     start, end = before.find("<!-- gradkit:table PERF -->"), before.find("<!-- /gradkit:table -->", before.find("<!-- gradkit:table PERF -->"))
-    text, done = tables.fill(before, {"PERF": perf_table(REPO / "runs", before[start:end] if start >= 0 else "")})
+    page = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+    text, done = tables.fill(before, {"PERF": perf_table(REPO / "runs", before[start:end] if start >= 0 else "", page)})
     path.write_text(text)
     print(f"{path}: {'replaced the performance table' if done else 'has no <!-- gradkit:table PERF --> block'}")
     return 0
@@ -489,12 +498,13 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
     ap.add_argument("--sweep", action="store_true", help="only measure gradkit check and the sweep")
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
-    ap.add_argument("--suite", action="store_true", help="only time the README's test command (runs/bench_suite.json)")
+    ap.add_argument("--suite", action="store_true", help="only time the test command, bash scripts/test.sh (runs/bench_suite.json)")
     ap.add_argument("--repeat", type=int, default=1, help="with --suite: run it this many times in a row")
     ap.add_argument("--bisect", action="store_true", help="only time gradkit bisect of B5's config (runs/bench_bisect.json)")
     ap.add_argument("--paths", action="store_true",
                     help="only time gradkit check --path fsdp2|accelerate|trainer (runs/bench_paths.json)")
-    ap.add_argument("--readme", help="write the performance table of this file from the JSON files in runs/")
+    ap.add_argument("--readme", nargs="?", const=str(REPO / PERF_PAGE), metavar="FILE",
+                    help=f"write the performance table of FILE (default {PERF_PAGE}) from the JSON files in runs/")
     a = ap.parse_args()
     if a.paths:
         return paths_bench(a.json or str(REPO / "runs" / "bench_paths.json"))
@@ -538,15 +548,15 @@ def main() -> int:
 
     cases = bf16_leak.plan((1, 2), cases=tuple(bf16_leak.CASES))
     world = launch.World(world_size=2, timeout_s=600)
-    t_one, _ = timed(lambda: launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": cases}, world))
-    t_each, _ = timed(lambda: [launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": [c]}, world) for c in cases])
+    t_one, _ = timed(lambda: launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
+    t_each, _ = timed(lambda: [launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": [c]}, world) for c in cases])
     res["configs"] = len(cases)
     res["one_world_s"], res["one_launch_per_config_s"] = t_one, t_each
     res["configs_per_min_one_world"] = 60 * len(cases) / t_one
     res["configs_per_min_one_launch_per_config"] = 60 * len(cases) / t_each
     with launch.warm_worlds():  # the same configurations as a job of a warm world (its start-up paid by a first job)
-        launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": cases[:1]}, world)
-        t_warm, _ = timed(lambda: launch.run_world("kit.probes.bf16_leak:run_rank", {"cases": cases}, world))
+        launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases[:1]}, world)
+        t_warm, _ = timed(lambda: launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
     launch.stop_warm_worlds()
     res["warm_world_s"] = t_warm
     res["configs_per_min_warm_world"] = 60 * len(cases) / t_warm

@@ -4,8 +4,8 @@
 # __pycache__. Not part of the test command: its result is a benchmark (score, survivors, wall time).
 #   bash scripts/mutation.sh                       # every module of scripts/mutation/targets.yaml
 #   bash scripts/mutation.sh kit/judge/oracle.py         # one module (a session resumes where it stopped)
-#   bash scripts/mutation.sh --fast --again kit/commands/sweep.py   # its survivors again, against the tests as they are now
-#   bash scripts/mutation.sh --readme README.md    # runs/mutation/summary.json as the README's table
+#   bash scripts/mutation.sh --fast --again kit/commands/sweep/grouping.py   # its survivors again, against the tests as they are now
+#   bash scripts/mutation.sh --readme [docs/tests.md]    # runs/mutation/summary.json as that page's table
 # Writes runs/mutation/<module>.sqlite (the session) and runs/mutation/summary.json (score and survivors).
 set -euo pipefail
 cd "$(dirname "$0")/.."

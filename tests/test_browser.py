@@ -2,7 +2,8 @@
 
 The explorer opened as a user opens it (``INTERACTIVE = "auto"``, nothing edited), Run All, Run, a changed
 selection and its redrawn figure, a run stopped by the kernel's Interrupt and one by Stop (their ranks gone),
-then the static site of a run-all: its index and a notebook page, with their figures loaded.
+then the static site of a run-all: its index and a notebook page, with their figures loaded, and a docs page of
+the same site: its contents link landing on its heading, its link to another docs page followed.
 ``SCREENSHOTS_DIR=folder`` keeps the screenshots and the timings (``browser.json``).
 """
 import json
@@ -34,6 +35,9 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
+LANDED = ("const h = location.hash.slice(1);"  # as the HTML spec finds it: raw, then decoded
+          "const e = document.getElementById(h) || document.getElementById(decodeURIComponent(h));"
+          "return e ? e.getBoundingClientRect().top : null")
 KERNEL_STATUS = ("const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
                  "const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
                  "return k ? [k.status, w.sessionContext.kernelDisplayName] : null")
@@ -74,7 +78,7 @@ def lab(tmp_path_factory):
            "--LabApp.expose_app_in_browser=True", f"--LabApp.user_settings_dir={home / 'settings'}",
            f"--LabApp.workspaces_dir={home / 'workspaces'}"]
     log = open(home / "lab.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=launch._session_dying_with_parent)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=launch.session_dying_with_parent)
     import urllib.request
 
     t0 = time.time()
@@ -233,10 +237,20 @@ def test_the_site_of_a_run_opens_with_its_figures(browser, shots, tmp_path):
     toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")
     target = next(a for a in toc if a.text.startswith("The matrix"))
     target.click()
-    top = browser.execute_script("const h = location.hash.slice(1);"  # as the HTML spec finds it: raw, then decoded
-                                 "const e = document.getElementById(h) || document.getElementById(decodeURIComponent(h));"
-                                 "return e ? e.getBoundingClientRect().top : null")
+    top = browser.execute_script(LANDED)
     assert top is not None and abs(top) < 50, top  # the contents link landed on its heading
     browser.save_screenshot(str(folder / "6-site-notebook-page.png"))
     back = browser.find_element(By.CSS_SELECTOR, "a[href='index.html']")
     assert back.is_displayed()
+    back.click()  # the docs pages are pages of the same site, listed on its index beside the notebooks
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("index.html"))
+    browser.find_element(By.CSS_SELECTOR, "a[href='judge.html']").click()
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("judge.html"))
+    toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")
+    next(a for a in toc if a.text.startswith("Tolerances by dtype")).click()
+    top = browser.execute_script(LANDED)
+    assert top is not None and abs(top) < 50, top
+    browser.save_screenshot(str(folder / "7-site-docs-page.png"))
+    browser.find_element(By.CSS_SELECTOR, "a[href='tests.html']").click()  # written as tests.md for GitHub
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("tests.html"))
+    assert browser.find_elements(By.CSS_SELECTOR, "a[href='judge.html#Tolerances-by-dtype']")

@@ -1,5 +1,6 @@
-"""The README's result tables come from a run's records: generated blocks, replaced in place, one run's records only."""
+"""The docs' result tables (docs/bugs.md) come from a run's records: generated blocks, replaced in place, one run's records only."""
 import json
+from pathlib import Path
 
 from kit.judge import records
 from kit.notebooks import readme_tables as tables
@@ -44,3 +45,14 @@ def test_every_bug_has_a_table_from_its_records():
            "gas_verdict": gv, "token_factor": 0.9, "versions": {"transformers": "5.3.0", "deepspeed": "0.18.9"},
            "metrics": {"norm_ratio": x}} for c, g, gv, x in (("gas1", 1, "n/a", 0.9), ("trainer", 8, "affected", 0.1125))]
     assert "| 5.3.0 / 0.18.9 | no_ds | 0.900 -> 0.113 | 0.9000 | **no** | **no** |" in tables.b1(b1)
+
+
+def test_the_bugs_page_holds_a_block_per_table_and_fill_replaces_them_there_only():
+    """The tables moved from the README to readme_tables.PAGE (docs/bugs.md): each bug's block is there, and the
+    command's fill rewrites exactly those blocks of the page, nothing around them."""
+    page = Path(__file__).resolve().parents[1] / tables.PAGE
+    text = page.read_text()
+    made = {bug: f"<sub>generated</sub>\n\n{bug} new\n" for bug in tables.TABLES}
+    filled, done = tables.fill(text, made)
+    assert sorted(done) == sorted(tables.TABLES) and all(f"{bug} new" in filled for bug in tables.TABLES)
+    assert tables.BLOCK.sub("", filled) == tables.BLOCK.sub("", text)  # the page's own text untouched

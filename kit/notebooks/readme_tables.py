@@ -1,11 +1,13 @@
-"""The README's result tables, written from a run's records (never typed by hand).
+"""The docs' result tables, written from a run's records (never typed by hand).
 
-    python -m kit.notebooks.readme_tables runs/full                    # print every bug's table (markdown)
-    python -m kit.notebooks.readme_tables runs/full --readme README.md # replace the README's generated blocks in place
+    python -m kit.notebooks.readme_tables runs/full                        # print every bug's table (markdown)
+    python -m kit.notebooks.readme_tables runs/full --readme docs/bugs.md  # replace that page's generated blocks in place
 
-A generated block sits between ``<!-- gradkit:table B4 -->`` and ``<!-- /gradkit:table -->`` in the README;
-its first line names the run it came from (run id, parameters file) so a reader can reproduce it. Releases
-are the ones a run's records really imported; a release the run did not measure is simply not in the table.
+A generated block sits between ``<!-- gradkit:table B4 -->`` and ``<!-- /gradkit:table -->`` on a page (the bugs'
+tables on ``PAGE``, docs/bugs.md, the default of ``--readme`` without a file; the sweep's, the performance and the
+mutation tables on their own pages, written by their own commands with ``fill``); its first line names the run
+it came from (run id, parameters file) so a reader can reproduce it. Releases are the ones a run's records
+really imported; a release the run did not measure is simply not in the table.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from pathlib import Path
 
 from kit import config as kconfig
 from kit.judge import oracle, records
-from kit.judge.expectations import version_key
-from kit.judge.tables import fmt, markdown_table
+from kit.judge.tables import markdown_table
+from kit.stacks.versions import version_key
 
 
 def _ds(r: dict) -> str:
@@ -128,6 +130,7 @@ def b1(recs: list[dict]) -> str:
     return f"one real `Trainer` step, tiny Qwen3, W = {w}:\n\n" + markdown_table(rows, list(rows[0]))
 
 
+PAGE = "docs/bugs.md"  # the page of the bugs' tables: "What the notebooks measured"
 TABLES = {"B1": ("01_trainer_loss_kwargs", b1), "B2": ("02_pipeline_ga", b2), "B3": ("03_zero_boundary", b3),
           "B4": ("04_bf16_leak", b4)}
 BLOCK = re.compile(r"(<!-- gradkit:table (B\d|SWEEP|PERF|MUTATION) -->\n)(.*?)(<!-- /gradkit:table -->)", re.S)
@@ -170,9 +173,10 @@ def fill(text: str, tables: dict[str, str]) -> tuple[str, list[str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Write the README's result tables from a run-all folder's records.")
+    ap = argparse.ArgumentParser(description="Write the bugs' result tables (docs/bugs.md) from a run-all folder's records.")
     ap.add_argument("folder", help="a run-all output folder (e.g. runs/full)")
-    ap.add_argument("--readme", help="replace the generated blocks of this file in place")
+    ap.add_argument("--readme", nargs="?", const=PAGE, metavar="FILE",
+                    help=f"replace the generated blocks of FILE (default {PAGE}) in place")
     a = ap.parse_args(argv)
     folder = kconfig.repo_path(a.folder)
     if not (folder / records.RUN_FILE).exists():

@@ -1,0 +1,298 @@
+"""The README and the pages of docs/: a short README, every relative link landing (in the repository as GitHub reads
+it, and in a run's static site), every path and module the pages name existing, every docs page a page of the site."""
+import importlib
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote
+
+import nbformat
+import pytest
+
+from kit.judge import tolerances
+from kit.notebooks import readme_tables, site
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+LINK = re.compile(r"\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """``text`` without code: fenced and indented blocks, inline code spans (a link written there is no link)."""
+    out, fence = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if not fence and not line.startswith("    "):
+            out.append(re.sub(r"`[^`]*`", "``", line))
+    return "\n".join(out)
+
+
+def _links(path: Path) -> list[str]:
+    return [target for _, target in LINK.findall(_prose(path.read_text()))]
+
+
+def _relative(target: str) -> bool:
+    return not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) and not target.startswith("//")
+
+
+def _github_anchors(path: Path) -> set[str]:
+    return set(site.slugs(site.doc_notebook(path)))
+
+
+def test_the_readme_stays_short():
+    lines = README.read_text().splitlines()
+    assert len(lines) < 180, f"README.md has {len(lines)} lines: move the detail to a page of docs/"
+
+
+def test_there_are_docs_pages_and_the_readme_links_every_one():
+    assert len(DOCS) >= 8
+    linked = {(README.parent / t.partition("#")[0]).resolve() for t in _links(README) if _relative(t)}
+    assert not [p.name for p in DOCS if p.resolve() not in linked], "a docs page the README does not link"
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_resolves_to_a_file_of_the_repo_or_a_page_of_the_site(page):
+    site_pages = {"index.html"} | {f"{p.stem}.html" for p in DOCS} | {f"{p.stem}.html" for p in NOTEBOOKS}
+    links = [t for t in _links(page) if _relative(t)]
+    assert links, f"{page.name} links nothing"
+    broken = []
+    for target in links:
+        path, _, frag = target.partition("#")
+        if not path:  # an anchor of the page itself, as GitHub spells it
+            if frag not in _github_anchors(page):
+                broken.append(target)
+            continue
+        if path.startswith("/"):
+            broken.append(target)  # an absolute path works on one machine only
+            continue
+        resolved = (page.parent / unquote(path)).resolve()
+        if page == README and path.startswith("runs/latest/site/"):  # a page of the site a run writes
+            if path.removeprefix("runs/latest/site/") not in site_pages:
+                broken.append(target)
+            continue
+        if not resolved.is_relative_to(REPO) or not resolved.exists():
+            broken.append(target)
+        elif frag and resolved.suffix == ".md" and frag not in _github_anchors(resolved):
+            broken.append(target)  # a heading anchor that no heading of that page has
+    assert not broken, f"{page.name}: links that land nowhere: {broken}"
+
+
+# a path of the repository named in backticks: kit/judge/oracle.py, scripts/params/*.yaml, kit/shapes/, ...
+PATH = re.compile(r"`((?:kit|scripts|notebooks|tests|docs)/[\w./*<>-]*)`")
+DOTTED = re.compile(r"`(kit(?:\.\w+)+)`")
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_path_and_module_a_page_names_exists(page):
+    """The layout changes (modules split, folders renamed): a page that names a path or a module that is no longer
+    there fails here, with the names."""
+    text = readme_tables.BLOCK.sub("", page.read_text())  # a generated table names what its command saw then
+    missing = [p for p in set(PATH.findall(text)) if "<" not in p and not list(REPO.glob(p.rstrip("/")))]
+    for name in set(DOTTED.findall(text)):
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr, None)
+            if obj is None:
+                missing.append(name)
+            break
+        else:
+            missing.append(name)
+    assert not missing, f"{page.name} names what the repository does not have: {sorted(missing)}"
+
+
+def test_every_module_the_layout_page_names_in_a_folder_exists():
+    """docs/layout.md's table: a row of folder `kit/X/` names its modules as `name.py` or `sub/name.py`, its
+    sub-packages as `name/`; each must be there (a module split or renamed changes the page)."""
+    missing = []
+    for line in (REPO / "docs" / "layout.md").read_text().splitlines():
+        row = re.match(r"^\| `(kit/\w+/)` \|(.*)\|$", line)
+        if row:
+            names = re.findall(r"`((?:\w+/)*\w+\.py|\w+/)`", row.group(2))
+            assert names, row.group(1)
+            paths = [n if n.startswith("kit/") else row.group(1) + n for n in names]  # a repository path as it is
+            missing += [p for p in paths if not (REPO / p).exists()]
+    assert not missing, missing
+
+
+def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_there():
+    """The blocks the commands rewrite in place moved with their text: the bugs' tables on readme_tables.PAGE, the
+    sweep's, the performance and the mutation tables on theirs, each first line naming its page; none in the README."""
+    blocks = {"B1": readme_tables.PAGE, "B2": readme_tables.PAGE, "B3": readme_tables.PAGE, "B4": readme_tables.PAGE,
+              "SWEEP": "docs/sweep.md", "PERF": "docs/speed.md", "MUTATION": "docs/tests.md"}
+    found = {}
+    for page in [README, *DOCS]:
+        for m in readme_tables.BLOCK.finditer(page.read_text()):
+            found.setdefault(m.group(2), []).append((page.relative_to(REPO).as_posix(), m.group(3)))
+    assert {k: [p for p, _ in v] for k, v in found.items()} == {k: [p] for k, p in blocks.items()}
+    for name in ("SWEEP", "PERF", "MUTATION"):
+        (page, body), = found[name]
+        assert f"--readme {page}`" in body.splitlines()[0], (name, body.splitlines()[0])
+    assert "python -m kit.notebooks.readme_tables" in found["B4"][0][1].splitlines()[0]
+    bugs = (REPO / readme_tables.PAGE).read_text()
+    assert f"readme_tables runs/latest --readme {readme_tables.PAGE}" in bugs  # the page names its own command
+
+
+def test_the_table_commands_write_their_page_by_default(tmp_path, monkeypatch):
+    """`--readme` without a file writes the page the table lives on (never README.md), and names it in the table."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    bench = importlib.import_module("bench")
+    mutation_run = importlib.import_module("mutation_run")
+    assert bench.PERF_PAGE == "docs/speed.md" and mutation_run.PAGE == "docs/tests.md"
+    assert readme_tables.PAGE == "docs/bugs.md"
+    assert "--readme docs/speed.md`" in bench.perf_table(tmp_path).splitlines()[0]
+    summary = {"kit/judge/oracle.py": {"killed": 3, "survived": 0, "equivalent": 0, "score": 1.0, "wall_s": 5}}
+    assert "--readme docs/tests.md`" in mutation_run.table(summary).splitlines()[0]
+    folder = tmp_path / "run"  # readme_tables: `--readme` alone writes readme_tables.PAGE
+    folder.mkdir()
+    (folder / "run.json").write_text(json.dumps({"run_id": "R", "notebooks": {}}))
+    page = tmp_path / "bugs.md"
+    page.write_text("<!-- gradkit:table B4 -->\nold\n<!-- /gradkit:table -->\n")
+    monkeypatch.setattr(readme_tables, "PAGE", str(page))
+    monkeypatch.setattr(readme_tables, "render", lambda folder: {"B4": "new\n"})
+    assert readme_tables.main([str(folder), "--readme"]) == 0
+    assert page.read_text() == "<!-- gradkit:table B4 -->\nnew\n<!-- /gradkit:table -->\n"
+
+
+def test_the_judge_page_states_the_tolerances_of_the_code():
+    """docs/judge.md's table of limits is tolerances.TOLERANCES, number for number (tests/test_instrument.py holds each
+    limit just below and above; this holds the page to the code)."""
+    text = (REPO / "docs" / "judge.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in tolerances.TOLERANCES:
+            rows[cells[0]] = cells
+    assert set(rows) == set(tolerances.TOLERANCES)
+    for dtype, tol in tolerances.TOLERANCES.items():
+        _, rel, ratio, misplaced, spread, why = rows[dtype]
+        assert (float(rel), float(ratio), float(misplaced), float(spread)) == \
+            (tol.rel_l2, tol.norm_ratio, tol.misplaced_weight, tol.rank_spread), dtype
+        assert why == tol.why, dtype
+
+
+class Page(HTMLParser):
+    def __init__(self, text):
+        super().__init__()
+        self.ids, self.hrefs, self.toc, self.title = set(), [], [], ""
+        self._in_toc = self._in_title = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.ids.add(a.get("id"))
+        if tag == "li" and (a.get("class") or "").startswith("toc-"):
+            self._in_toc = True
+        if tag == "title":
+            self._in_title = True
+        if tag == "a" and a.get("href"):
+            self.hrefs.append(a["href"])
+            if self._in_toc:
+                self.toc.append(a["href"])
+                self._in_toc = False
+
+    def handle_endtag(self, tag):
+        self._in_title = self._in_title and tag != "title"
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+
+
+def _lands(page: Page, frag: str) -> bool:
+    return frag in page.ids or unquote(frag) in page.ids  # as a browser looks a fragment up: raw, then decoded
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A run folder with two executed notebooks of the kit's names (their markdown only) and its site."""
+    out = tmp_path_factory.mktemp("run")
+    for name, cells in (("07_without_deepspeed", ["# Without DeepSpeed\n\n## The matrix\n\nsee [B3](03_zero_boundary.ipynb)"
+                                                  " and [the judge](../docs/judge.md#tolerances-by-dtype)",
+                                                  "## Each fix"]),
+                        ("03_zero_boundary", ["# B3\n\n## The report's symptom\n\nback to [07](07_without_deepspeed.ipynb)"
+                                              " and [the explorer](05_explorer.ipynb)", "## The fix"])):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell(c) for c in cells]
+        nbformat.write(nb, str(out / f"{name}.ipynb"))
+    index = site.build(out)
+    return out, index.parent
+
+
+def test_every_docs_page_is_a_page_of_the_site_listed_on_its_index(built):
+    _, root = built
+    index = Page((root / "index.html").read_text())
+    pages = {f"{p.stem}.html" for p in DOCS}
+    assert pages <= set(index.hrefs), f"docs pages missing from the index: {sorted(pages - set(index.hrefs))}"
+    assert {"03_zero_boundary.html", "07_without_deepspeed.html"} <= set(index.hrefs)  # beside the notebooks
+    assert [h for h in index.hrefs if h in pages] == [f"{p.stem}.html" for p in site.doc_pages()]  # in order, once
+    for doc in DOCS:
+        assert (root / f"{doc.stem}.html").is_file(), doc.name
+        nb = site.doc_notebook(doc)
+        page = Page((root / f"{doc.stem}.html").read_text())
+        assert page.title.strip() == site.plain(site.title(nb, doc.stem)), doc.name
+        heads = site.headings(nb, 6)  # every heading of the page rendered, with the id its contents link to
+        assert heads and all(a in page.ids for _, _, a in heads), doc.name
+
+
+def test_every_docs_pages_contents_links_land_on_its_headings(built):
+    _, root = built
+    for doc in DOCS:
+        page = Page((root / f"{doc.stem}.html").read_text())
+        sections = [a for level, _, a in site.headings(site.doc_notebook(doc)) if level == 2]
+        assert len(sections) >= 2, f"{doc.name}: a page of one section has no contents"
+        assert [h[1:] for h in page.toc] == sections, doc.name
+        lost = [h for h in page.toc if not _lands(page, h[1:])]
+        assert not lost, (doc.name, lost)
+        assert "index.html" in page.hrefs, doc.name  # the way back
+
+
+def test_every_link_of_the_site_lands_on_a_page_or_a_file(built):
+    """Links between pages are the site's (a docs page's .html, a notebook's executed page, a heading's id there);
+    a link to any other file of the repository reaches that file from the site's folder."""
+    out, root = built
+    broken = []
+    for html_file in sorted(root.glob("*.html")):
+        page = Page(html_file.read_text())
+        for href in page.hrefs:
+            if not _relative(href):
+                continue
+            path, _, frag = href.partition("#")
+            if not path:
+                if frag and not _lands(page, frag):
+                    broken.append((html_file.name, href))
+                continue
+            target = (root / unquote(path)).resolve()
+            if not target.exists():
+                broken.append((html_file.name, href))
+            elif frag and target.parent == root.resolve() and not _lands(Page(target.read_text()), frag):
+                broken.append((html_file.name, href))
+            elif target.suffix == ".md" and target.parent == (REPO / "docs"):
+                broken.append((html_file.name, href))  # a docs page as a file, not as its page
+    assert not broken, broken
+    bugs = Page((root / "bugs.html").read_text()).hrefs
+    assert "07_without_deepspeed.html" in bugs  # a notebook the run has: its executed page
+    assert any(h.endswith("notebooks/04_bf16_leak.ipynb") for h in bugs)  # one it has not: the repository's file
+    tests = Page((root / "tests.html").read_text()).hrefs
+    assert "judge.html#Tolerances-by-dtype" in tests  # GitHub's anchor for the heading, as the site's id
+    b3 = Page((root / "03_zero_boundary.html").read_text()).hrefs
+    assert "07_without_deepspeed.html" in b3 and any(h.endswith("notebooks/05_explorer.ipynb") for h in b3)
+    seven = Page((root / "07_without_deepspeed.html").read_text()).hrefs
+    assert "judge.html#Tolerances-by-dtype" in seven  # a notebook's link to a docs page
+
+
+def test_a_docs_page_named_as_a_notebook_page_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(), str(out / "judge.ipynb"))
+    with pytest.raises(ValueError, match="share a name"):
+        site.build(out)
