@@ -70,12 +70,14 @@ def abort_after_result(payload: dict) -> dict:
     """Rank ``payload['rank']`` answers, then aborts (SIGABRT) in tear-down: its ``destroy_process_group``, which the
     worker calls once the result is on disk, is replaced by an abort (``payload['before']``: it aborts before
     answering). No timing is involved: a thread that watched for the result file lost the race to a normal exit
-    under load."""
+    under load; the barrier first makes sure both ranks are through joining the group."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if rank == payload["rank"] and payload.get("before"):
         os.abort()
+    dist.barrier()  # gloo may be through one rank's side of its connection mesh before the other's: an abort then
+    # fails the other rank in joining the group, not in tear-down (seen once, rank 1: "connectFullMesh failed")
     if rank == payload["rank"]:
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()
     return {"rank": rank}
