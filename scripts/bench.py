@@ -477,13 +477,13 @@ def write_readme(readme: str) -> int:
     """Write the performance table into the PERF block of ``readme`` (a path, relative ones against the working
     directory; ``PERF_PAGE`` by default)."""
     sys.path.insert(0, str(REPO))
-    from kit.notebooks import readme_tables as tables
+    from kit.notebooks import readme_tables
 
     path = Path(readme).resolve()
     before = path.read_text()
     start, end = before.find("<!-- gradkit:table PERF -->"), before.find("<!-- /gradkit:table -->", before.find("<!-- gradkit:table PERF -->"))
     page = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
-    text, done = tables.fill(before, {"PERF": perf_table(REPO / "runs", before[start:end] if start >= 0 else "", page)})
+    text, done = readme_tables.fill(before, {"PERF": perf_table(REPO / "runs", before[start:end] if start >= 0 else "", page)})
     path.write_text(text)
     print(f"{path}: {'replaced the performance table' if done else 'has no <!-- gradkit:table PERF --> block'}")
     return 0

@@ -153,12 +153,12 @@ def fill_readme(path: str = PAGE) -> int:
     """Write the mutation table into the MUTATION block of ``path`` (relative to the repository: mutation.sh runs
     from its root)."""
     sys.path.insert(0, str(REPO))
-    from kit.notebooks import readme_tables as tables
+    from kit.notebooks import readme_tables
 
     summary = json.loads((OUT / "summary.json").read_text())
     readme = (REPO / path).resolve()
     page = readme.relative_to(REPO).as_posix() if readme.is_relative_to(REPO) else str(readme)
-    text, done = tables.fill(readme.read_text(), {"MUTATION": table(summary, page)})
+    text, done = readme_tables.fill(readme.read_text(), {"MUTATION": table(summary, page)})
     readme.write_text(text)
     print(f"{readme}: {'replaced the mutation table' if done else 'has no <!-- gradkit:table MUTATION --> block'}")
     return 0

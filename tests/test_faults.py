@@ -185,14 +185,14 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
 
 
 def test_a_lost_rank_is_said_plainly_with_the_cases_it_cost():
-    from kit.judge import tables as report
+    from kit.judge import tables
 
     recs = [{"verdict": "cannot-run", "case": c, "ga": 4, "reason": "could not run: not run: the world stopped after case 3 "
              "of 9: rank 1 died: killed by signal 9 (SIGKILL), without a Python traceback"} for c in ("manual", "control")]
-    text = report.cannot_run_summary(recs + [{"verdict": "affected", "case": "x", "ga": 1, "reason": ""}])
+    text = tables.cannot_run_summary(recs + [{"verdict": "affected", "case": "x", "ga": 1, "reason": ""}])
     assert text.startswith("The world LOST A RANK: 2 case(s) are cannot-run (control (GA 4), manual (GA 4))")
     assert "rank 1 died: killed by signal 9" in text
-    assert report.cannot_run_summary(recs[:0]) == "every one of the 0 cases ran"
+    assert tables.cannot_run_summary(recs[:0]) == "every one of the 0 cases ran"
 
 
 @pytest.mark.parametrize("name", ["accumulator_norms", "attribution_bars", "stage_ratio_vs_ga", "path_ratio_vs_ga"])

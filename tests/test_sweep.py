@@ -114,7 +114,7 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
     """The sweep writes, for a group no known bug explains, the config a user would bisect, the reproduction it ran
     and a report that holds both; ``gradkit report`` rebuilds it from the folder (here B3's group, its name taken
     away, stands for an unknown one)."""
-    from kit.commands import report as upstream
+    from kit.commands import report
 
     spec, out, recs = swept
     (group,) = grouping.groups(recs, spec["axes"])
@@ -125,7 +125,7 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
     assert user["gradient_accumulation_steps"] == 4 and user["zero_optimization"]["stage"] == 2
     (tmp_path / "summary.json").write_text(json.dumps({"stacks": [{"stack": {}, "groups": [group]}]}, default=str))
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in recs))
-    assert upstream.main([str(tmp_path), "--group", "repro_installed_1", "--out", str(tmp_path / "again.md")]) == 0
+    assert report.main([str(tmp_path), "--group", "repro_installed_1", "--out", str(tmp_path / "again.md")]) == 0
     for name in (group["report"], "again.md"):
         text = (tmp_path / name).read_text()
         assert text.startswith("# [DeepSpeed ") and "ZeRO-2 fp32, GA 4, manual loop" in text.splitlines()[0]
@@ -136,4 +136,4 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
         assert f"gradkit bisect {tmp_path / group['config']} --loop manual" in text
         assert "REPRODUCED" in text and "engine, *_ = deepspeed.initialize(" in text  # the script inline, with what it printed
     with pytest.raises(config.ConfigError, match="no unknown group with the reproduction repro_x.py"):
-        upstream.main([str(tmp_path), "--group", "repro_x"])
+        report.main([str(tmp_path), "--group", "repro_x"])

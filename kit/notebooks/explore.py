@@ -8,7 +8,7 @@ import threading
 
 from kit import config as kconfig
 from kit import launch, probes
-from kit.judge import tables as report
+from kit.judge import tables
 from kit.probes import pipeline_ga, runner
 
 KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO stage", "dtype": "dtype",
@@ -67,7 +67,7 @@ def result_rows(recs: list[dict], sel: dict) -> list[dict]:
         verdict = (r.get(bug.verdict_key) or r["verdict"]) if r["case"] == bug.measured_case else r["verdict"]
         parts = [(f" · stage {s['stage'] if 'stage' in s else i}", s.get("metrics") or {}, s.get("verdict", verdict),
                   pipeline_ga.stage_steps(r, s.get("stage", i))) for i, s in enumerate(r["stages"])] if r.get("stages") else \
-            [("", r.get("metrics") or {}, verdict, report.per_step(r) if r.get("metrics") else "-")]
+            [("", r.get("metrics") or {}, verdict, tables.per_step(r) if r.get("metrics") else "-")]
         for suffix, m, v, steps in parts:
             rows.append({"label": f"{r['case']} ({r['role']}, GA {r['ga']}){suffix}", "case": r["case"],
                          "role": r["role"], "ratio": m.get("norm_ratio"), "cosine": m.get("cosine"), "verdict": v,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kit import probes
 from kit.judge import records
-from kit.judge import tables as report
+from kit.judge import tables
 from kit.notebooks import overview
 
 
@@ -73,7 +73,7 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
         changed = overview.differences(keep(previous), keep(cells))
     if cells:
         overview.save_matrix(cells, out)
-    summary = {"notebooks": [{**e, "verdicts": report.verdict_rows(by_nb[e["notebook"]])} for e in entries],
+    summary = {"notebooks": [{**e, "verdicts": tables.verdict_rows(by_nb[e["notebook"]])} for e in entries],
                "matrix": cells, "changed_since_previous": changed, "run_id": run_id, "params_file": params_file,
                "stopped": stopped, "prefetch": prefetch}
     js.write_text(json.dumps(summary, indent=1, default=str))
@@ -107,7 +107,7 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
                 lines += [f"Cell {cell['index']}:", "", "```python", cell["source"], "```", ""]
             continue
         if by_nb[e["notebook"]]:
-            lines += ["", report.verdict_table(by_nb[e["notebook"]]), ""]
+            lines += ["", tables.verdict_table(by_nb[e["notebook"]]), ""]
     md = out / "summary.md"
     md.write_text("\n".join(lines) + "\n")
     return md, js

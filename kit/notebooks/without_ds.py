@@ -11,7 +11,7 @@ from __future__ import annotations
 from kit import config as kconfig
 from kit import probes
 from kit.judge import expectations, oracle
-from kit.judge import tables as report
+from kit.judge import tables
 from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
 from kit.stacks import source
 from kit.stacks import versions as kversions
@@ -119,7 +119,7 @@ def markdown(rows: list[dict]) -> str:
               "cosine": num(r["cosine"], ".6f"), "misplaced": num(r["misplaced"], ".3f"),
               "what the step was": r["shape"] if r["verdict"] != "cannot-run" else r["reason"][:120]}
              for r in rows]
-    return report.markdown_table(table, list(table[0])) if table else "(no records)"
+    return tables.markdown_table(table, list(table[0])) if table else "(no records)"
 
 
 def _tf_before(rec: dict, version: str) -> bool:
