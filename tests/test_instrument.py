@@ -5,6 +5,7 @@ import pytest
 from kit import launch
 from kit.commands import check, repro
 from kit.commands.sweep import grouping
+from kit.commands.check import summary as summary_module
 from kit.judge import oracle, records
 
 CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
@@ -12,7 +13,7 @@ CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype"
 # read from the module, so that a limit changed there fails here.
 LIMITS = {"fp32": {"rel_l2": 1e-4, "norm_ratio": 1e-4, "misplaced_weight": 1e-4, "rank_spread": 1e-6},
           "bf16": {"rel_l2": 3e-2, "norm_ratio": 3e-2, "misplaced_weight": 5e-3, "rank_spread": 1e-6},
-          "fp16": {"rel_l2": 5e-3, "norm_ratio": 5e-3, "misplaced_weight": 1.5e-3, "rank_spread": 1e-6}}
+          "fp16": {"rel_l2": 5e-3, "norm_ratio": 5e-3, "misplaced_weight": 2e-3, "rank_spread": 1e-6}}
 
 
 def _measured(dtype, rel_l2=0.0, ratio_off=0.0, misplaced=0.0, spread=0.0, rank_buffers=None):
@@ -72,7 +73,7 @@ def _check_recs(fix_verdict):
 
 @pytest.mark.parametrize("fix_verdict", [oracle.NOT_AFFECTED, oracle.AFFECTED, oracle.CANNOT_RUN])
 def test_the_check_reports_the_fix_re_run_as_measured_a_fix_that_does_not_fix_included(monkeypatch, fix_verdict):
-    monkeypatch.setattr(check, "explain", lambda rec: ("B3", "B3 (report): the pattern"))
+    monkeypatch.setattr(summary_module, "explain", lambda rec: ("B3", "B3 (report): the pattern"))
     summary = check.summarise(_check_recs(fix_verdict))
     (row,) = summary["loops"]
     assert row["fix"]["verdict"] == fix_verdict and summary["exit"] == 1

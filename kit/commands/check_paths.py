@@ -100,7 +100,24 @@ def refuse_path_flags(a) -> None:
     _refuse_foreign_flags(a)
 
 
+DEFAULT_GA = 4
+
+
+def settle(a) -> None:
+    """``gradkit check``'s parsed flags as a path check reads them: one config file or none, ``--ga`` 4 unless given
+    (a DeepSpeed check keeps its list of configs)."""
+    if a.path == "deepspeed":
+        return
+    if isinstance(a.config, list):
+        if len(a.config) > 1:
+            raise kconfig.ConfigError(f"--path {a.path} checks one setting at a time (at most one config file)")
+        a.config = a.config[0] if a.config else None
+    if a.ga is None:
+        a.ga = DEFAULT_GA
+
+
 def _refuse_foreign_flags(a) -> None:
+    settle(a)
     for dest, owner in OWN_FLAGS.items():
         if getattr(a, dest, None) is not None and owner != a.path:
             flag = "--" + dest.replace("_", "-")
@@ -110,6 +127,7 @@ def _refuse_foreign_flags(a) -> None:
 
 
 def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
+    settle(a)
     """``(probe, cases, stacks, notes)`` for ``a`` (parsed flags); every refusal happens here, before any launch."""
     _refuse_foreign_flags(a)
     notes = []
@@ -243,6 +261,7 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
 
 def main(a) -> int:
     """``gradkit check --path ...`` with the parsed flags ``a``; the exit status."""
+    settle(a)
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
     kconfig.check_device(a.device)

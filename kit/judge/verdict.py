@@ -17,3 +17,13 @@ def worst(words) -> str:
 def num(x, fmt: str) -> str:
     """A measured number in a report's column, ``-`` where nothing was measured."""
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def over_precisions(verdicts: dict, not_here: dict, asked) -> str:
+    """The verdict of one config checked in several precisions (``{precision: verdict}``), the rule a CI reader can
+    rely on: the worst of the precisions that were judged; a precision this machine cannot run (``not_here``:
+    ``{precision: why}``) counts, as ``cannot-run``, only where it was asked for (``asked``: the config enables it,
+    or the training config or ``--precision`` names it), not where only an ``"auto"`` could resolve to it. Nothing
+    judged at all is ``cannot-run``."""
+    counted = [v for p, v in verdicts.items() if p not in not_here or p in set(asked)]
+    return worst(counted)

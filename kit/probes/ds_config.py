@@ -29,11 +29,11 @@ import copy
 
 from kit import config as kconfig
 from kit import shapes
-from kit.judge import naming, oracle, records
+from kit.judge import naming, oracle, records, tolerances
 from kit.probes import runner
 from kit.probes.ds_resolve import Resolved, load, resolve  # noqa: F401 - a config is read and resolved here too
 from kit.probes.probe import Probe
-from kit.probes.ranks.ds_config import UNMANAGED_SINCE
+from kit.probes.ranks.ds_config import MASTERS_STEP, UNMANAGED_SINCE
 from kit.stacks import versions
 from kit.stacks.versions import version_key
 
@@ -48,13 +48,41 @@ def dtype_of(cfg: dict) -> str:
 _COARSENESS = ("fp32", "fp16", "bf16")  # finest to coarsest significand
 
 
+def _passes_through(cfg: dict) -> dict:
+    """``{key that chose it: dtype}``: every precision a gradient of ``cfg`` passes through."""
+    out = {"the model": dtype_of(cfg), "communication_data_type": str(cfg.get("communication_data_type") or ""),
+           "data_types.grad_accum_dtype": str((cfg.get("data_types") or {}).get("grad_accum_dtype") or "")}
+    for name in ("bf16", "fp16"):  # read by ZeRO whether or not the section is enabled (deepspeed/runtime/config.py)
+        if (cfg.get(name) or {}).get(f"{name}_master_weights_and_grads"):
+            out[f"{name}.{name}_master_weights_and_grads"] = name
+    return {k: v for k, v in out.items() if v in _COARSENESS}
+
+
+def masters_dtype(cfg: dict) -> str:
+    """The precision of the masters the optimizer steps (fp32 unless ``bf16_master_weights_and_grads`` /
+    ``fp16_master_weights_and_grads``)."""
+    return next((n for n in ("bf16", "fp16") if (cfg.get(n) or {}).get(f"{n}_master_weights_and_grads")), "fp32")
+
+
 def judge_dtype(cfg: dict) -> str:
     """The precision a step of ``cfg`` is judged at: the coarsest its gradient passes through -- the model's, the
-    reduction's (``communication_data_type``) and the accumulator's (``data_types.grad_accum_dtype``). An fp32
+    reduction's (``communication_data_type``), the accumulator's (``data_types.grad_accum_dtype``) and the masters'
+    (``bf16_master_weights_and_grads``: gradients and masters in bf16, even where bf16 itself is off). An fp32
     model reduced in bf16 carries bf16's rounding by design: judged at fp32's limits it would be called affected."""
-    seen = [dtype_of(cfg), str(cfg.get("communication_data_type") or ""),
-            str((cfg.get("data_types") or {}).get("grad_accum_dtype") or "")]
-    return max((d for d in seen if d in _COARSENESS), key=_COARSENESS.index)
+    return max(_passes_through(cfg).values(), key=_COARSENESS.index)
+
+
+def judge_note(cfg: dict) -> str | None:
+    """The line that says why a config is judged at a coarser precision than its model's, with the limits."""
+    seen, model = _passes_through(cfg), dtype_of(cfg)
+    coarse = judge_dtype(cfg)
+    if coarse == model:
+        return None
+    why = [k for k, v in seen.items() if v == coarse]
+    t = tolerances.tolerance(coarse)
+    return (f"judged at {coarse}'s limits (rel. error {t.rel_l2:g}, misplaced weight {t.misplaced_weight:g}): "
+            f"{' and '.join(why)} {'puts' if len(why) == 1 else 'put'} the gradient through {coarse}, whose rounding "
+            f"a correct step carries by design")
 
 
 def known_fixes(cfg: dict, loop: str) -> list[str]:
@@ -105,6 +133,12 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
     stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
     on = model_keys(model)
+    if judge_note(cfg):
+        notes.append(judge_note(cfg))
+    if masters_dtype(cfg) != "fp32" and not clip:
+        notes.append(f"{masters_dtype(cfg)} masters ({masters_dtype(cfg)}_master_weights_and_grads): every loss is "
+                     f"scaled so the first step is {MASTERS_STEP:g} of the weights' norm, since a step read from "
+                     f"{masters_dtype(cfg)} masters is known only to within their rounding (said as the read floor)")
     out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None,
             "steps": steps, "clip": clip, **on}]
     for loop in loops:
@@ -115,6 +149,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
         for fix in (None, *known_fixes(cfg, loop)):
             out.append({"name": loop if fix is None else f"{loop} {fix}", "role": "measured" if fix is None else "fix",
                         "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
+                        "masters_dtype": masters_dtype(cfg),
                         "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix),
                         **on})
     return out, notes
@@ -184,10 +219,11 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
     cases, notes = plan(cfg, loops, ds, steps, model)
     meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": steps}
+    if dtype_of(cfg) == "fp16" and device == "cpu":  # the ranks do it (kit.probes.ranks.ds_config.allow_fp16_on_cpu)
+        meta["config_notes"].append("fp16 judged on CPU: DeepSpeed's CPU accelerator is told fp16 is supported (torch "
+                                    "computes half on any CPU); DeepSpeed's own fp16 code runs: loss scaling, the "
+                                    "overflow check, the fp16 optimizers")
     why = getattr(cfg, "refused", None)
-    if dtype_of(cfg) == "fp16" and device == "cpu":  # said plainly, before anything launches
-        why = ("fp16 cannot run here: DeepSpeed's CPU accelerator refuses it (\"Type fp16 is not supported on your "
-               "device\"); run this check on a GPU (--device cuda)")
     if why:
         return records.failed_records(cases, {**meta, "bug": CHECK.id, "probe": CHECK.module, "world_size": world_size,
                                               "device": device, "stack": stack}, runner.stack_label(stack), why,
@@ -196,6 +232,12 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     for r in recs:
         if r["verdict"] == oracle.CANNOT_RUN and "managed_gradient_accumulation" in (r.get("error") or ""):
             r["reason"] = f"not available: {r['error']}"
+        elif r["verdict"] == oracle.CANNOT_RUN and r.get("failed_in") == "initialize":
+            v = (r.get("versions") or {}).get("deepspeed", ds)
+            own = str(r.get("error")).startswith(("ValidationError", "DeepSpeedConfigError"))  # its config parser's
+            r["reason"] = (f"DeepSpeed {v} refuses this config itself (a run of it on this release stops there "
+                           f"too): {r['error']}" if own else
+                           f"DeepSpeed {v} refuses this config as the kit runs it, in deepspeed.initialize: {r['error']}")
     return recs
 
 

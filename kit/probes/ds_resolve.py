@@ -16,15 +16,13 @@ import copy
 import json
 
 from kit import config as kconfig
+from kit.probes import ds_features
 from kit.probes.ranks.ds_config import DEPTH, HIDDEN, MICRO_BATCH
 
 PARAMS = DEPTH * (HIDDEN * HIDDEN + HIDDEN)  # the tiny model's parameter count
 BUCKETS = 3  # the tiny model spans this many buckets
 BUCKET_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 TRAINER_MAX_GRAD_NORM = 1.0  # what HF Trainer's "auto" gradient_clipping becomes (TrainingArguments.max_grad_norm)
-# DeepSpeed optimizers that bring their own communication (deepspeed/runtime/config.py: ONEBIT_ADAM_OPTIMIZER,
-# ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER), lower case without "_"
-OWN_COMMUNICATION = ("onebitadam", "onebitlamb", "zerooneadam")
 DROPPED = ("optimizer", "scheduler", "tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler",
            "steps_per_print", "wall_clock_breakdown")
 
@@ -54,7 +52,8 @@ def _enabled(section, name: str, notes: list, trainer_dtype: str) -> bool:
     return on
 
 
-def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "fp32") -> Resolved:
+def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "fp32", micro_batch: int | None = None,
+            max_grad_norm: float | None = None, ga_from_run: bool = False, model_is_users: bool = False) -> Resolved:
     """The user's config as the kit will run it; ``ConfigError`` (exit 2) on anything DeepSpeed would not accept.
 
     "auto" values are resolved as HF Trainer's ``HfTrainerDeepSpeedConfig`` does, from its arguments: the
@@ -62,6 +61,10 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     ``gradient_accumulation_steps`` (``ga``), ``train_batch_size`` = micro-batch x GA x world size, fp16 / bf16
     from ``trainer_dtype``, ``reduce_bucket_size`` = hidden x hidden, ``stage3_prefetch_bucket_size`` =
     0.9 x hidden x hidden, ``stage3_param_persistence_threshold`` = 10 x hidden (hidden: the kit's model's).
+    ``micro_batch`` / ``max_grad_norm``: the training run's ``per_device_train_batch_size`` / ``max_grad_norm``
+    where it is known (``kit.frameworks``). ``ga_from_run``: ``ga`` is the run's own GA, so a GA of 1 is judged as
+    such (a bare config's GA 1 means the user's own loop accumulates: every loop style then takes ``ga``).
+    The shipped-config features the kit judges differently or cannot judge are ``kit.probes.ds_features``'s.
     """
     if not isinstance(user, dict):
         raise kconfig.ConfigError(f"a DeepSpeed config is a JSON object, got {type(user).__name__}")
@@ -70,12 +73,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     if trainer_dtype not in ("fp32", "bf16", "fp16"):
         raise kconfig.ConfigError(f"--trainer-dtype must be fp32, bf16 or fp16, got {trainer_dtype!r}")
     cfg, notes = copy.deepcopy(user), []
-    opt = (cfg.get("optimizer") or {}).get("type") if isinstance(cfg.get("optimizer"), dict) else None
-    refused = None
-    if isinstance(opt, str) and opt.lower().replace("_", "") in OWN_COMMUNICATION:
-        refused = (f'the optimizer "{opt}" communicates its own compressed update (error feedback, a frozen variance '
-                   "stage): the update it applies is not the averaged gradient, and an SGD stand-in would judge "
-                   "another code path, so the kit cannot judge this config")
+    refused = ds_features.optimizer_refusal(cfg)  # before the kit's SGD takes the optimizer's place
     for key in DROPPED:
         if key in cfg:
             cfg.pop(key)
@@ -83,7 +81,10 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
                                                "the update is the gradient" if key == "optimizer" else ""))
     mb = cfg.get("train_micro_batch_size_per_gpu", MICRO_BATCH)
     if _auto(mb) or "train_micro_batch_size_per_gpu" not in cfg:
-        notes.append(f"train_micro_batch_size_per_gpu {'auto' if _auto(mb) else 'absent'} -> {MICRO_BATCH}")
+        notes.append(f"train_micro_batch_size_per_gpu {'auto' if _auto(mb) else 'absent'} -> {MICRO_BATCH}"
+                     + (f" (the run's per_device_train_batch_size is {micro_batch}: the kit's micro-batches hold "
+                        f"{MICRO_BATCH} samples; how many rows a micro-batch holds does not change how micro-batches "
+                        "are accumulated)" if micro_batch and micro_batch != MICRO_BATCH else ""))
         mb = MICRO_BATCH
     g = cfg.get("gradient_accumulation_steps", ga)
     if _auto(g) or "gradient_accumulation_steps" not in cfg:
@@ -91,7 +92,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         g = ga
     kconfig.check_positive_int("train_micro_batch_size_per_gpu", mb)
     kconfig.check_ga(g)
-    if g == 1:  # nothing to accumulate in the config: the user's own loop accumulates (B3's pattern)
+    if g == 1 and not ga_from_run:  # nothing to accumulate in the config: the user's own loop accumulates (B3's pattern)
         notes.append(f"gradient_accumulation_steps 1: every loop style takes N = {ga} micro-batches per step "
                      f"(--ga); engine and boundary run it as config GA = {ga}, manual and unmanaged as config GA = 1 "
                      f"with {ga} backward() calls")
@@ -102,8 +103,9 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     cfg.update(train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=g, train_batch_size=mb * g * world_size)
     clip = cfg.get("gradient_clipping", 0.0)
     if _auto(clip):
-        clip = TRAINER_MAX_GRAD_NORM
-        notes.append(f"gradient_clipping auto -> {clip:g} (the Trainer's max_grad_norm default)")
+        clip = TRAINER_MAX_GRAD_NORM if max_grad_norm is None else max_grad_norm
+        notes.append(f"gradient_clipping auto -> {clip:g} (" + ("the Trainer's max_grad_norm default)" if max_grad_norm
+                                                                 is None else "the run's max_grad_norm)"))
     if not isinstance(clip, (int, float)) or clip < 0:
         raise kconfig.ConfigError(f"gradient_clipping must be a number >= 0 or \"auto\", got {clip!r}")
     if clip:
@@ -119,6 +121,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     for name, on in (("bf16", bf16), ("fp16", fp16)):
         if name in cfg:
             cfg[name] = {**cfg[name], "enabled": on}
+    refused = refused or ds_features.apply(cfg, notes, fp16, model_is_users)
     if fp16:
         scale = cfg["fp16"].get("loss_scale", 0)
         if not scale:
@@ -150,6 +153,10 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         notes.append(f"zero_optimization.stage3_param_persistence_threshold {zero['stage3_param_persistence_threshold']:g}"
                      f" -> {10 * HIDDEN} (else every parameter of the kit's model would persist, unpartitioned)")
         zero["stage3_param_persistence_threshold"] = 10 * HIDDEN
+    if zero.get("cpu_offload") is True:  # the pre-0.5 spelling of offload_optimizer: {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
+        notes.append("zero_optimization.cpu_offload true kept (offload_optimizer cpu in today's spelling); "
+                     "zero_force_ds_cpu_optimizer -> false (offloaded steps run the kit's SGD, not CPU Adam)")
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)
         if off is None:
@@ -157,9 +164,6 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         device = off.get("device", "none") if isinstance(off, dict) else None
         if device not in ("cpu", "none", "nvme"):
             raise kconfig.ConfigError(f'zero_optimization.{key}.device must be "cpu", "nvme" or "none", got {off!r}')
-        if device == "nvme":
-            raise kconfig.ConfigError(f"zero_optimization.{key} offloads to NVMe: the check runs in memory; "
-                                      'set its device to "cpu" to judge the same code path up to the swap')
         if key == "offload_optimizer" and device == "cpu":
             cfg["zero_force_ds_cpu_optimizer"] = False
             notes.append("zero_force_ds_cpu_optimizer -> false (offloaded steps run the kit's SGD, not CPU Adam)")
@@ -169,8 +173,6 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     if cfg.get("communication_data_type") not in (None, "fp32", "bf16", "fp16"):
         raise kconfig.ConfigError(f'communication_data_type must be "fp32", "bf16" or "fp16", got '
                                   f"{cfg['communication_data_type']!r}")
-    if "pipeline" in cfg or "pipe_parallel_size" in cfg:
-        notes.append("pipeline keys ignored: the check runs data parallelism (notebook 02 judges the pipeline)")
     out = Resolved(cfg)
     out.notes = notes
     out.refused = refused

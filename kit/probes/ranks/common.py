@@ -166,7 +166,7 @@ def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     parts = module_parts(module)
     mod, mast = torch.cat(parts), full_fp32_params(module, optimizer, parts)
     diff = (mod - mast).abs()
-    limit = tolerances.ROUNDING[dtype] * mast.abs() + 1e-30
+    limit = tolerances.ROUNDING[dtype] * mast.abs() + tolerances.SUBNORMAL.get(dtype, 1e-30)
     return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
 
 

@@ -55,16 +55,25 @@ def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None
         engine.step()
 
 
-def loss_scale(w: int, n: int, clip: float, shape=None) -> float:
+MASTERS_STEP = 0.25  # low-precision masters: the first step's reference norm, as a share of the weights' norm
+
+
+def loss_scale(w: int, n: int, clip: float, shape=None, masters_dtype: str = "fp32") -> float:
     """The factor every micro-batch's loss is multiplied by: 1 without clipping; with clipping, the one that puts
     the first step's reference norm at twice the clip, so the clip acts in every step (the kit's tiny model's
-    gradients are far below a usual clip of 1.0). The same on every rank (computed from the shared data)."""
-    if not clip:
+    gradients are far below a usual clip of 1.0). With bf16 / fp16 masters and no clip, the one that puts it at
+    ``MASTERS_STEP`` of the weights' norm: a step read from rounded masters is known to within their rounding
+    (2**-9 of the weights in bf16), so a step as small as the tiny model's own would be lost in it. The same on
+    every rank (computed from the shared data)."""
+    if not clip and masters_dtype == "fp32":
         return 1.0
     shape = shape or shapes.get(shapes.DEFAULT)
     every = [b for rr in range(w) for b in shape.micro_batches(SEED, rr, n, MICRO_BATCH, HIDDEN, 0)]
-    _, _, reference = oracle.reference_gradients(shape.build(SEED, HIDDEN, DEPTH), every, shape.loss_fn)
-    return 2.0 * clip / reference.norm().item()
+    model = shape.build(SEED, HIDDEN, DEPTH)
+    _, _, reference = oracle.reference_gradients(model, every, shape.loss_fn)
+    if clip:
+        return 2.0 * clip / reference.norm().item()
+    return MASTERS_STEP * c.flat_params(model).norm().item() / reference.norm().item()
 
 
 class _TorchLoop:
@@ -106,13 +115,26 @@ class _TorchLoop:
         return float(norm)
 
 
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator declares fp16 only where oneDNN has fp16 kernels (``is_fp16_supported``:
+    AVX512-FP16 / AMX-FP16) and the engine refuses it elsewhere ("Type fp16 is not supported on your device");
+    torch computes half on any CPU. Told fp16 is supported (``supported_dtypes`` follows), DeepSpeed's own fp16
+    paths run here: the loss scaler, the overflow check, the fp16 optimizers and ZeRO's unscale-and-clip (none of
+    them calls a CUDA-only op; streams are no-ops on CPU, so a bug of stream ordering cannot show here)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        accelerator.is_fp16_supported = lambda: True
+
+
 def run_case(case: dict) -> dict:
     import deepspeed
 
     r, w, n = c.rank(), c.world_size(), case["ga"]
     steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
     shape = shapes.of_case(case)
-    scale = loss_scale(w, n, clip, shape)
+    scale = loss_scale(w, n, clip, shape, case.get("masters_dtype", "fp32"))
 
     def loss_fn(out, y):
         return shape.loss_fn(out, y) * scale
@@ -128,6 +150,8 @@ def run_case(case: dict) -> dict:
             import signal
             os.kill(os.getpid(), signal.SIGKILL)
         model = model.to(dtype)
+        if case["dtype"] == "fp16" and c.device().type == "cpu":
+            allow_fp16_on_cpu()
         ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY)}
         with judging.phase("initialize"):
             engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config=ds)
@@ -157,10 +181,12 @@ def run_case(case: dict) -> dict:
                                       for q, b in enumerate(buffers)]
             judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
 
-    read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer, case["dtype"])
+    read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer,
+                                                                       case.get("judge_dtype", case["dtype"]))
     out = judging.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
                         dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
-                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape)
+                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape,
+                        masters_dtype=case.get("masters_dtype", "fp32"))
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
     if engine is not None:

@@ -118,7 +118,7 @@ def plain_read(model: nn.Module) -> dict:
 
 def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch: int, hidden: int, depth: int = 2,
                 dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None,
-                shape=None) -> dict:
+                shape=None, masters_dtype: str = "fp32") -> dict:
     """``steps`` optimizer steps on fresh micro-batches, **each** judged against the reference built from that
     step's own starting weights. A collective: every rank calls it.
 
@@ -131,7 +131,8 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
-    and data (``kit.shapes.shape.Shape``; the MLP by default).
+    and data (``kit.shapes.shape.Shape``; the MLP by default). ``masters_dtype``: the masters' own precision
+    (bf16 under ``bf16_master_weights_and_grads``): a step read from them is known to within their rounding too.
     """
     shape = shape or _mlp()
     r, w, k = c.rank(), c.world_size(), c.world_size() * ga
@@ -157,7 +158,8 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
                 continue
             with phase("judge"):
                 judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
-                                                logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra))
+                                                logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra,
+                                                masters_dtype))
             prev = basis[:k]
         except Exception as e:  # noqa: BLE001 - raised below, once every rank is past its collectives
             if r != 0:
@@ -174,7 +176,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
 
 
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
-                dtype, clip, w, ga, hypotheses, extra) -> dict:
+                dtype, clip, w, ga, hypotheses, extra, masters_dtype="fp32") -> dict:
     """Rank 0's judgement of one step of ``judge_steps`` (its notes, read floor, hypotheses, extra measurements)."""
     target = reference * judged.get("clip_coef", 1.0)
     judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
@@ -182,6 +184,8 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
                         "max_diff": max(before["max_diff"], after["max_diff"])})
     if not agree:  # the master read misreports: the step the model really took, known to within its rounding
         judged["read_floor"] = c.rounding_floor(after["module"], dtype, target.norm().item())
+    elif masters_dtype != "fp32":  # low-precision masters: the step read from them is known to within their rounding
+        judged["read_floor"] = c.rounding_floor(after["masters"], masters_dtype, target.norm().item())
     if hypotheses is not None:
         judged["hypotheses"] = naming.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
                                               clip=clip)
@@ -250,11 +254,13 @@ def run_cases(payload: dict, run_one) -> list[dict]:
     for case in payload["cases"]:
         clock = Stopwatch()
         _PHASES.clear()
+        _FAILED_IN.clear()
         try:
             res = run_one(case)
         except Exception as e:  # noqa: BLE001 - see the docstring
             import traceback
-            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+            res = {"error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:],
+                   "failed_in": _FAILED_IN[0] if _FAILED_IN else None}
         res.update(case=case["name"], ga=case["ga"], wall_s=clock(), versions=c.versions())
         if _PHASES:
             res["phases"] = {k: round(v, 4) for k, v in _PHASES.items()}
@@ -274,6 +280,7 @@ def run_cases(payload: dict, run_one) -> list[dict]:
 
 
 _PHASES: dict = {}
+_FAILED_IN: list = []  # the phases a case's error passed through, innermost first
 
 
 @contextlib.contextmanager
@@ -283,6 +290,9 @@ def phase(name: str):
     t0 = time.perf_counter()
     try:
         yield
+    except BaseException:
+        _FAILED_IN.append(name)  # the innermost phase an error passed through comes first
+        raise
     finally:
         _PHASES[name] = _PHASES.get(name, 0.0) + time.perf_counter() - t0
 

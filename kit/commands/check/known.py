@@ -1,0 +1,111 @@
+"""Which known bug explains a checked loop: the bugs a record's configuration, release and model could show
+(``candidates``), the one whose hypothesis its step matches (``explain``), and, for a loop style the check did not
+run, what the bug table expects there (``if_run``), said without measuring it.
+
+Every rule reads the bug table (``kit.judge.expectations``); nothing here launches anything.
+"""
+from __future__ import annotations
+
+from kit import shapes
+from kit.judge import expectations, oracle
+from kit.stacks.versions import version_key
+
+# the loop styles a user's own training loop would be: what they do, in one phrase each
+OWN_LOOPS = {"manual": "your own loop calls backward() several times per step() with GA 1 in the config",
+             "unmanaged": "your own loop does that with \"managed_gradient_accumulation\": false"}
+
+
+def expected_here(bug: str, versions: dict, **config) -> bool:
+    """Upstream's table expects ``bug`` on this release: it pins it affected, or the release is newer than the
+    table and no release fixes the bug (a bug with no fix stays expected)."""
+    want = expectations.expected(bug, versions, **config)
+    if want is not None:
+        return want == oracle.AFFECTED
+    k = expectations.KNOWN[bug]
+    v = (versions or {}).get(k.package)
+    return bool(v) and k.fixed_in is None and \
+        version_key(v) > version_key(k.newest_pinned)
+
+
+def reaches_unevenly(rec: dict) -> bool:
+    """The record's model has a parameter that some micro-batch or step does not reach (a routed expert, a head
+    used every other step, the user's own architecture, whose routing the kit does not know): only such a model
+    can show B6 and B7. The MLP and the tied model reach every parameter from every micro-batch."""
+    cfg = rec.get("config") or {}
+    if cfg.get("model_config"):
+        return True
+    name = cfg.get("model") or shapes.DEFAULT
+    return name in shapes.registry() and shapes.get(name).unused_parameters
+
+
+def ruled_out(rec: dict) -> dict:
+    """``{bug: why}``: the bugs a key of the config that ran rules out (that bug's own fix is in the config)."""
+    ds = (rec.get("config") or {}).get("ds_config") or {}
+    version = (rec.get("versions") or {}).get("deepspeed")
+    out = {}
+    if ds.get("managed_gradient_accumulation") is False and version and \
+            version_key(version) >= version_key(expectations.UNMANAGED_SINCE):
+        out["B3"] = f"\"managed_gradient_accumulation\": false (honoured from {expectations.UNMANAGED_SINCE})"
+    if (ds.get("bf16") or {}).get("immediate_grad_update"):
+        out["B4"] = "\"bf16.immediate_grad_update\": true"
+    return out
+
+
+def candidates(rec: dict) -> list[str]:
+    """The known bugs whose configuration, release and model this record has (before looking at its step)."""
+    versions = rec.get("versions") or {}
+    stage, loop = rec.get("zero_stage"), rec["config"]["loop"]
+    uneven = reaches_unevenly(rec)
+    out = []
+    if loop in ("manual", "unmanaged") and stage in (1, 2) and rec.get("optimizer") == "DeepSpeedZeroOptimizer" \
+            and expected_here("B3", versions, case="manual", zero_stage=stage):
+        out.append("B3")
+    if rec.get("optimizer") == "BF16_Optimizer" and expected_here("B4", versions):
+        out.append("B4")
+    zero = (rec["config"].get("ds_config") or {}).get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu" or zero.get("cpu_offload") is True
+    if (stage in (1, 2) and offload and rec["ga"] > 2 and loop in ("engine", "boundary")
+            and expected_here("B5", versions)):
+        out.append("B5")
+    if stage == 3 and uneven and expected_here("B6", versions):
+        out.append("B6")
+    if stage in (1, 2, 3) and offload and uneven and expected_here("B7", versions):
+        out.append("B7")
+    return [b for b in out if b not in ruled_out(rec)]
+
+
+def explain(rec: dict) -> tuple[str | None, str]:
+    """``(bug id, sentence)`` for an affected loop: the known bug whose configuration, release and hypothesis
+    all match, or ``(None, "not explained by any known bug")``. A step two hypotheses explain equally
+    ("ambiguous between ...") names no bug: the measurement cannot tell them apart."""
+    matches, shape = rec.get("matches"), rec.get("shape")
+    found = candidates(rec)
+    said = f" (the step is: {shape})" if shape else ""
+    for bug in found:
+        pattern, hypothesis, _ = expectations.KNOWN[bug].explains
+        if matches == hypothesis or isinstance(hypothesis, tuple) and matches in hypothesis:
+            k = expectations.KNOWN[bug]
+            return bug, f"{bug} ({k.report}): {pattern}; the step is '{matches}'"
+    if found:
+        return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
+                      f"'{matches}', not what {found[0]} leaves{said}")
+    return None, "not explained by any known bug" + (f" (the step is '{matches}'{'; ' + shape if shape else ''})"
+                                                    if matches not in (None, "none") else said or
+                                                    " (no named hypothesis matches the step)")
+
+
+def if_run(rec: dict, loop: str) -> str:
+    """One sentence on a loop style the check did not run (``manual`` / ``unmanaged``), from the bug table and a
+    measured record of the same config (its release, stage, optimizer, model): what it would give, unmeasured."""
+    what = {**rec, "config": {**(rec.get("config") or {}), "loop": loop,
+                              "ds_config": {**((rec.get("config") or {}).get("ds_config") or {}),
+                                            **({"managed_gradient_accumulation": False} if loop == "unmanaged"
+                                               else {})}}}
+    version = (rec.get("versions") or {}).get("deepspeed", "?")
+    bugs = [b for b in candidates(what) if b == "B3"]
+    head = f"if {OWN_LOOPS[loop]}: "
+    if bugs:
+        k = expectations.KNOWN["B3"]
+        return head + f"B3 is expected on DeepSpeed {version} ({k.report}); fix: {k.explains[2]}"
+    why = ruled_out(what).get("B3")
+    return head + (f"B3 is ruled out by {why}" if why else f"no known bug is expected on DeepSpeed {version}")

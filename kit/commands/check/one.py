@@ -1,0 +1,111 @@
+"""One config checked: every precision it could run in (``prepare``, before anything launches), each run on the
+kit's model in one world with its control (``check``), a tie separated, and the verdict over the precisions by
+``kit.judge.verdict.over_precisions``.
+
+    todo = prepare(run, args, model, model_notes)     # {precision: resolved config}; ConfigError: exit 2
+    result = check(run, todo, args, model)            # {"verdict", "exit", "precisions": {...}, "text": [...]}
+"""
+from __future__ import annotations
+
+import traceback
+
+from kit import config as kconfig
+from kit.commands.check import plan
+from kit.commands.check.summary import report, separate, summarise
+from kit.judge import oracle
+from kit.judge import verdict as kverdict
+from kit.probes import ds_config
+
+
+def _ga_of(run, a) -> tuple[int, bool]:
+    """The GA to resolve ``"auto"`` with, and whether it is the run's own (a training config's) or ``--ga``."""
+    if run.framework != "deepspeed" and run.ga is not None and a.ga_given is None:
+        return run.ga, True
+    return a.ga, False
+
+
+def prepare(run, a, model, model_notes: list) -> dict:
+    """``{precision: resolved config}`` for one training run (``kit.frameworks.TrainingRun``): every precision it
+    could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
+    loop style or a bad key is refused here, before any launch."""
+    if run.path != "deepspeed":
+        raise kconfig.ConfigError(
+            f"{run.source}: this run trains with {run.path.upper()} (no DeepSpeed config): check that path with "
+            f"gradkit check --path {'fsdp2' if run.path == 'fsdp' else 'trainer'}")
+    user = run.ds_config or {}
+    ga, ga_from_run = _ga_of(run, a)
+    flag = a.precision
+    dtypes = [flag] if flag else list(run.precisions) if run.framework != "deepspeed" else plan.precisions(user, None)
+    todo = {}
+    for dtype in dtypes:
+        if plan.not_here(dtype, a.device):  # said by ``check``, never resolved
+            todo[dtype] = None
+            continue
+        cfg = ds_config.resolve(user, a.world_size, ga, dtype, micro_batch=run.micro_batch,
+                                max_grad_norm=run.max_grad_norm, ga_from_run=ga_from_run,
+                                model_is_users=isinstance(model, dict))
+        said = [f"{run.framework}: {n}" for n in run.notes] if run.framework != "deepspeed" else []
+        cfg.notes = said + cfg.notes + model_notes  # a bare config's own resolutions are resolve's lines
+        if run.world_size and run.world_size != a.world_size:
+            cfg.notes.append(f"world size {run.world_size} (your run) -> {a.world_size} (--world-size: every bug the "
+                             "kit knows shows from 2 ranks on)")
+        ds_config.plan(cfg, plan.loops_of(a.loop, run.loops), steps=a.steps, model=model)
+        todo[ds_config.dtype_of(cfg)] = cfg  # named by what runs (a config that enables bf16 itself is bf16)
+    return todo
+
+
+def _failed(why: str) -> dict:
+    return {"verdict": oracle.CANNOT_RUN, "exit": kverdict.EXIT[oracle.CANNOT_RUN], "loops": [], "control": None,
+            "not_run": [], "error": why}
+
+
+def check(run, todo: dict, a, model, say=print) -> dict:
+    """Runs every precision of ``todo`` that this machine can run; says each report through ``say``."""
+    loops = plan.loops_of(a.loop, run.loops)
+    stack = {} if a.deepspeed == kconfig.INSTALLED else {"deepspeed": a.deepspeed}
+    asked = plan.asked(run.ds_config or {}, run.precision if run.framework != "deepspeed" else None, a.precision)
+    out, not_here, text = {}, {}, []
+    if len(todo) > 1:
+        text.append(f"{run.source}: the precision is not fixed ({'; '.join(_why_open(run))}): checking each it could "
+                    f"resolve to ({', '.join(todo)})")
+    for dtype, cfg in todo.items():
+        why = plan.not_here(dtype, a.device)
+        if why or cfg is None:
+            not_here[dtype] = why
+            out[dtype] = {"summary": _failed(why), "records": [], "not_here": why}
+            text.append(f"{run.source} [{dtype}]: not run: {why}"
+                        + ("" if dtype in asked else " (an \"auto\" could resolve to it: the exit status does not "
+                                                     "count it)"))
+            continue
+        try:
+            def go(c, ls):
+                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps, model=model)
+
+            recs = go(cfg, loops)
+            summary = summarise(recs)
+            recs += separate(cfg, summary, go)
+            text.append(report(recs, summary, run.source if len(todo) == 1 else f"{run.source} [{dtype}]",
+                               a.world_size, a.device))
+        except Exception as e:  # noqa: BLE001 - the kit's own failure is never a verdict on the user's config
+            traceback.print_exc()
+            text.append(f"internal error while checking {dtype}: {type(e).__name__}: {e} (nothing was measured: exit 3)")
+            recs, summary = [], _failed(f"{type(e).__name__}: {e}")
+        out[dtype] = {"summary": summary, "records": recs}
+    verdicts = {d: o["summary"]["verdict"] for d, o in out.items()}
+    worst = kverdict.over_precisions(verdicts, not_here, asked)
+    if len(out) > 1:
+        text.append("verdict over every precision: " + ", ".join(
+            f"{d} {'not run here' if d in not_here else v}" for d, v in verdicts.items())
+            + f" -> {worst} (exit {kverdict.EXIT[worst]})")
+    for line in text:
+        say(line)
+    return {"source": run.source, "framework": run.framework, "loops": list(loops), "asked": sorted(asked),
+            "precisions": out, "verdict": worst, "exit": kverdict.EXIT[worst]}
+
+
+def _why_open(run) -> list[str]:
+    """Why a run's precision is open, in words: the framework's own rule, or the config's ``"auto"``."""
+    if run.framework != "deepspeed":
+        return [n for n in run.notes if "auto" in n and ("bf16" in n or "fp16" in n)] or [
+            f"{run.framework} decides it on the machine it runs on"]
+    return ["\"auto\" in bf16/fp16.enabled: the Trainer's --bf16 / --fp16 decide; --precision fixes it"]

@@ -1,0 +1,169 @@
+"""What `gradkit check` decides before anything launches, and how it adds up: the loops and precisions it judges
+by default, the exit rule over precisions and over a set of configs, the features of shipped configs it replaces
+or refuses, and the precision a step is judged at. No world here: the world tests are in test_check.py."""
+import json
+
+import pytest
+
+from kit import config, launch
+from kit.commands import check
+from kit.commands.check import known, many, plan
+from kit.judge import oracle
+from kit.judge import verdict as kverdict
+from kit.probes import ds_config, ds_features
+
+A, N, C = oracle.AFFECTED, oracle.NOT_AFFECTED, oracle.CANNOT_RUN
+FP16_HERE = {"fp16": "fp16 cannot run here"}
+
+
+@pytest.mark.parametrize("verdicts, not_here, asked, want", [
+    ({"fp32": N, "bf16": N, "fp16": C}, FP16_HERE, set(), N),         # auto: fp16 only could be: not counted
+    ({"fp32": N, "bf16": N, "fp16": C}, FP16_HERE, {"fp16"}, C),      # asked for: counted
+    ({"fp32": N, "bf16": A, "fp16": C}, FP16_HERE, set(), A),
+    ({"fp16": C}, FP16_HERE, set(), C),                               # nothing judged is never not-affected
+    ({"fp32": N, "bf16": oracle.INCONCLUSIVE}, {}, set(), oracle.INCONCLUSIVE),  # judged and unclear: counted
+    ({"fp32": N}, {}, {"fp32"}, N),
+])
+def test_the_verdict_over_precisions_counts_what_was_judged_and_what_was_asked_for(verdicts, not_here, asked, want):
+    assert kverdict.over_precisions(verdicts, not_here, asked) == want
+
+
+def test_the_precisions_asked_for_are_the_flag_the_run_or_what_the_config_enables_itself():
+    auto = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+    assert plan.asked(auto, None, None) == set()
+    assert plan.asked(auto, "bf16", None) == {"bf16"} and plan.asked(auto, "bf16", "fp16") == {"fp16"}
+    assert plan.asked({"fp16": {"enabled": True}}, None, None) == {"fp16"}
+    assert plan.asked({}, None, None) == {"fp32"}
+    assert plan.not_here("fp16", "cpu") is None and plan.not_here("bf16", "cpu") is None  # fp16 runs on CPU too
+    assert plan.not_here("fp8", "cpu").startswith("fp8 cannot run here") and "--precision bf16" in plan.not_here("fp8", "cpu")
+
+
+def test_the_default_loops_are_the_frameworks_and_others_are_asked_for():
+    assert plan.loops_of(None, ("boundary",)) == ("boundary",)
+    assert plan.loops_of(None, ()) == ("engine", "boundary")
+    assert plan.loops_of("all", ("boundary",)) == ds_config.LOOPS
+    assert plan.loops_of("manual, engine", ("boundary",)) == ("manual", "engine")
+
+
+def _rec(version="0.19.8", stage=2, optimizer="DeepSpeedZeroOptimizer", ds=None):
+    return {"zero_stage": stage, "optimizer": optimizer, "ga": 4, "versions": {"deepspeed": version},
+            "config": {"loop": "engine", "ds_config": ds or {}, "model": "mlp"}}
+
+
+def test_a_loop_not_run_is_said_in_one_line_from_the_bug_table():
+    line = known.if_run(_rec(), "manual")
+    assert line.startswith("if your own loop calls backward() several times per step() with GA 1 in the config: "
+                           "B3 is expected on DeepSpeed 0.19.8 (allenai/open-instruct#1498); fix: ")
+    assert known.if_run(_rec(), "unmanaged").endswith(
+        "B3 is ruled out by \"managed_gradient_accumulation\": false (honoured from 0.19.4)")
+    assert known.if_run(_rec("0.18.2"), "manual").endswith("no known bug is expected on DeepSpeed 0.18.2")
+    assert known.if_run(_rec(stage=3), "manual").endswith("no known bug is expected on DeepSpeed 0.19.8")
+    assert "\": false: B3 is expected on DeepSpeed 0.19.3" in known.if_run(_rec("0.19.3"), "unmanaged")  # ignored
+
+
+def _features(cfg, fp16=False, users=False):
+    notes = []
+    return ds_features.apply(cfg, notes, fp16, users), notes, cfg
+
+
+def test_shipped_config_features_are_kept_replaced_or_refused_with_a_sentence():
+    why, notes, cfg = _features({"compile": {"disable": False, "backend": "inductor"}})
+    assert why is None and "compile" not in cfg and notes[0].startswith("compile removed")
+    why, _, _ = _features({"compile": {"deepcompile": True}})
+    assert why.startswith("compile.deepcompile") and "remove compile.deepcompile" in why
+    why, _, _ = _features({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})
+    assert why.startswith("zero_optimization.zenflow") and "remove the zenflow block" in why
+    why, _, _ = _features({"tensor_parallel": {"autotp_size": 2}})
+    assert "--model" in why and "policy" in why
+    assert _features({"tensor_parallel": {"autotp_size": 2}}, users=True)[0] is None
+    assert _features({"tensor_parallel": {"autotp_size": 1}})[0] is None
+    why, notes, cfg = _features({"fp16": {"enabled": False, "auto_cast": True}})
+    assert why is None and "auto_cast" not in cfg["fp16"] and notes[0].startswith("fp16.auto_cast removed")
+    assert _features({"fp16": {"enabled": True, "auto_cast": True}}, fp16=True)[2]["fp16"]["auto_cast"] is True
+    why, notes, cfg = _features({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"}}})
+    assert cfg["zero_optimization"]["offload_param"] == {"device": "cpu"} and "nvme -> cpu" in notes[0]
+    assert ds_features.optimizer_refusal({"optimizer": {"type": "OneBitAdam"}}).startswith('the optimizer "OneBitAdam"')
+    assert ds_features.optimizer_refusal({"optimizer": {"type": "AdamW"}}) is None
+
+
+def test_a_refused_feature_is_cannot_run_with_its_sentence_and_nothing_launches(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
+    path = tmp_path / "zenflow.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}))
+    assert check.main([str(path)]) == 3
+    assert "remove the zenflow block" in capsys.readouterr().out
+
+
+def test_a_step_is_judged_at_the_coarsest_precision_its_gradient_passes_through():
+    fp32 = ds_config.resolve({"bf16": {"enabled": "auto", "bf16_master_weights_and_grads": True,
+                                       "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}, 2, 4, "fp32")
+    assert ds_config.dtype_of(fp32) == "fp32" and ds_config.judge_dtype(fp32) == "bf16"
+    assert ds_config.judge_note(fp32).startswith("judged at bf16's limits (rel. error 0.03, misplaced weight 0.005): "
+                                                 "bf16.bf16_master_weights_and_grads puts the gradient through bf16")
+    plain = ds_config.resolve({"zero_optimization": {"stage": 2}}, 2, 4, "fp32")
+    assert ds_config.judge_dtype(plain) == "fp32" and ds_config.judge_note(plain) is None
+    both = ds_config.resolve({"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "bf16"},
+                              "zero_optimization": {"stage": 1}}, 2, 4, "fp32")
+    assert "communication_data_type and data_types.grad_accum_dtype put the gradient" in ds_config.judge_note(both)
+    cases, _ = ds_config.plan(fp32, ("engine",))
+    assert cases[1]["judge_dtype"] == "bf16" and cases[1]["dtype"] == "fp32"
+
+
+def _fake_run(calls):
+    def run(cfg, loops, world_size, stack, device, timeout, steps, model):
+        calls.append((ds_config.dtype_of(cfg), loops))
+        rec = {"case": "x", "role": "measured", "verdict": N, "reason": "ok", "zero_stage": 2,
+               "optimizer": "DeepSpeedZeroOptimizer", "ga": 4, "dtype": "fp32",
+               "versions": {"deepspeed": "0.19.8", "torch": "2.13.0"}, "metrics": {"norm_ratio": 1.0, "cosine": 1.0},
+               "attribution": {"misplaced_weight": 0.0}, "config": {"ds_config": {}, "model": "mlp"}}
+        return [{**rec, "case": loop, "config": {**rec["config"], "loop": loop}} for loop in loops]
+    return run
+
+
+def test_a_bare_auto_config_is_judged_in_the_frameworks_loops_and_the_precisions_this_machine_runs(
+        tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(ds_config, "run", _fake_run(calls))
+    monkeypatch.setattr(plan, "not_here", lambda dtype, device: "fp16 cannot run here" if dtype == "fp16" else None)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                                "zero_optimization": {"stage": 2}}))
+    assert check.main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert calls == [("fp32", ("engine", "boundary")), ("bf16", ("engine", "boundary"))]
+    assert "fp16 cannot run here" in text and "the exit status does not count it" in text
+    assert "not run (manual, unmanaged; --loop asks for them; the exit status does not count them):" in text
+    assert "B3 is expected on DeepSpeed 0.19.8" in text
+    assert "fp32 not-affected, bf16 not-affected, fp16 not run here -> not-affected (exit 0)" in text
+    calls.clear()
+    assert check.main([str(path), "--precision", "fp16"]) == 3 and calls == []  # asked for, and cannot run here
+
+
+def test_a_set_of_configs_is_one_table_and_one_exit_status(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(ds_config, "run", _fake_run(calls))
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    (folder / "b.json").write_text(json.dumps({"zero_optimization": {"stage": 9}}))  # bad input: a row, not a crash
+    (folder / "notes.json").write_text(json.dumps({"hello": 1}))  # no config: skipped, said
+    out = tmp_path / "table"
+    code = check.main([str(folder), "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 2, text
+    assert f"skipped {folder / 'notes.json'}" in text
+    doc = json.loads((tmp_path / "table.json").read_text())
+    assert [(r["config"].split("/")[-1], r["loop"], r["verdict"]) for r in doc["rows"]] == [
+        ("a.json", "engine", N), ("a.json", "boundary", N), ("b.json", "-", "bad input")]
+    assert (tmp_path / "table.md").read_text().startswith("| config | precision | loop | verdict |")
+    assert many.set_exit([{"verdict": N}, {"verdict": A}, {"verdict": many.BAD_INPUT}]) == (A, 1)
+    assert many.set_exit([{"verdict": N}, {"verdict": C}]) == (C, 3)
+    assert many.set_exit([{"verdict": N}, {"verdict": N}]) == (N, 0)
+
+
+def test_a_folder_with_no_config_or_a_missing_path_is_bad_input(tmp_path):
+    with pytest.raises(config.ConfigError, match="no config file"):
+        many.expand([str(tmp_path)])
+    with pytest.raises(config.ConfigError, match="no such file"):
+        many.expand([str(tmp_path / "nope.json")])
