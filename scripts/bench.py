@@ -87,10 +87,10 @@ def noise(json_path: str) -> int:
 
 
 def fp16_noise() -> list[dict]:
-    """fp16's noise. DeepSpeed's CPU accelerator refuses fp16, so on CPU the engine's arithmetic is emulated in
-    plain torch ("fp16 emulated": the kit's check model in fp16, loss scale 2**8, micro-batch gradients accumulated
-    in fp16 or fp32, reduced in fp16, unscaled into fp32; W = 2, GA 8 / 32 / 64). On a GPU the real engine runs
-    too: `gradkit check`'s probe, DeepSpeed's own loop, ZeRO-0/1/2, fp16, GA 8."""
+    """fp16's noise: DeepSpeed's own fp16 engine (`gradkit check`'s probe, DeepSpeed's own loop, ZeRO-1/2/3, a static
+    loss scale, clip 0 and 1, W = 2, GA 8 / 32 / 64; on CPU its accelerator is told fp16 is supported, on a GPU as
+    it is), and beside it the engine's arithmetic emulated in plain torch ("fp16 emulated": the kit's check model in
+    fp16, loss scale 2**8, micro-batch gradients accumulated in fp16 or fp32, reduced in fp16, unscaled into fp32)."""
     import copy
 
     import torch
@@ -122,19 +122,23 @@ def fp16_noise() -> list[dict]:
                         "misplaced_weight": a["misplaced_weight"], "rank_spread": 0.0, "verdict": "-"})
             print(f"fp16 emulated, {accum} accumulator, GA {ga:3d}: rel. error {m['rel_l2']:.2e}, |ratio-1| "
                   f"{abs(m['norm_ratio'] - 1):.1e}, misplaced {a['misplaced_weight']:.1e}")
-    if torch.cuda.is_available():
-        for stage in (0, 1, 2):
-            cfg = dc.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-                              "fp16": {"enabled": True}, "zero_optimization": {"stage": stage}}, 2, 8, "fp16")
-            for r in dc.run(cfg, ("engine",), 2, {}, "cuda", 900):
-                if r["role"] == "measured" and r.get("metrics"):
-                    m = r["metrics"]
-                    out.append({"probe": "check", "case": f"ZeRO-{stage} engine", "dtype": "fp16", "GA": 8,
-                                "rel_l2": m["rel_l2"], "ratio_minus_1": abs(m["norm_ratio"] - 1),
-                                "misplaced_weight": r["attribution"]["misplaced_weight"],
-                                "rank_spread": max((r.get("rank_spread") or {"-": 0.0}).values()), "verdict": r["verdict"]})
-                    print(f"fp16 ZeRO-{stage} engine GA 8 (cuda): rel. error {m['rel_l2']:.2e}, misplaced "
-                          f"{out[-1]['misplaced_weight']:.1e} -> {r['verdict']}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for stage in (1, 2, 3):
+        for ga in (8, 32, 64):
+            for clip in (0.0, 1.0):
+                cfg = dc.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga,
+                                  "gradient_clipping": clip, "fp16": {"enabled": True},
+                                  "zero_optimization": {"stage": stage}}, 2, ga, "fp16")
+                for r in dc.run(cfg, ("engine",), 2, {}, device, 900):
+                    if r["role"] == "measured" and r.get("metrics"):
+                        m = r["metrics"]
+                        out.append({"probe": "check", "case": f"ZeRO-{stage} engine clip {clip:g}", "dtype": "fp16",
+                                    "GA": ga, "rel_l2": m["rel_l2"], "ratio_minus_1": abs(m["norm_ratio"] - 1),
+                                    "misplaced_weight": r["attribution"]["misplaced_weight"],
+                                    "rank_spread": max((r.get("rank_spread") or {"-": 0.0}).values()),
+                                    "verdict": r["verdict"]})
+                        print(f"fp16 ZeRO-{stage} engine GA {ga} clip {clip:g} ({device}): rel. error {m['rel_l2']:.2e}, "
+                              f"misplaced {out[-1]['misplaced_weight']:.1e} -> {r['verdict']}")
     return out
 
 
@@ -290,6 +294,10 @@ PERF_ROWS = [
      "≤ 15 s", "s"),
     ("bench_paths.json", "check_trainer_s", "`gradkit check --path trainer` (a real Trainer on 2 ranks, and its fix)",
      "≤ 30 s", "s"),
+    ("bench_corpus.json", "check_dir_wall_per_config_s", "`gradkit check DIR` over the test corpus ({corpus_configs} "
+     "configs, {corpus_judged} judged), the whole command per config (start-up included)", "≤ 3 s", "s"),
+    ("bench_corpus.json", "check_dir_per_config_s", "of which one config's check in the set's warm worlds (the slowest: "
+     "{check_dir_slowest_config_s} s)", "", "s"),
     ("bench_bisect.json", "bisect_s", "`gradkit bisect`, B5's config over {bisect_releases} releases "
      "({bisect_measured} measured, each change confirmed), overlays cached", "≤ 180 s", "s"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
@@ -300,7 +308,7 @@ PERF_ROWS = [
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
-                 "bench_bisect.json": "--bisect", "bench_paths.json": "--paths"}
+                 "bench_bisect.json": "--bisect", "bench_paths.json": "--paths", "bench_corpus.json": "--corpus"}
 
 
 def runall_bench(json_path: str, cold: bool) -> int:
@@ -374,6 +382,30 @@ def bisect_bench(json_path: str) -> int:
 PATH_CHECKS = {"fsdp2": ["--path", "fsdp2", "--model", "conditional", "--param-dtype", "bf16", "--ga", "2"],
                "accelerate": ["--path", "accelerate", "--sync-each-batch", "--dataloader-length", "10"],
                "trainer": ["--path", "trainer", "--average-tokens-across-devices", "false"]}
+
+
+def corpus_bench(json_path: str) -> int:
+    """``gradkit check DIR`` over the test corpus (tests/configs/corpus/, configs in the shapes well-known projects
+    ship) as a user runs it (a fresh process), once to fill the caches (not timed), then timed: the whole command,
+    and per config the check's own wall time in the set's warm worlds (the JSON's ``wall_s``)."""
+    import subprocess
+
+    res = {"cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="gradkit-bench-corpus-") as tmp:
+        cmd = [sys.executable, "-m", "kit", "check", "tests/configs/corpus", "--out", str(Path(tmp) / "table")]
+        subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        res["check_dir_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
+        doc = json.loads((Path(tmp) / "table.json").read_text())
+    walls = [c["wall_s"] for c in doc["configs"] if "wall_s" in c]
+    res.update(check_dir_exit=out.returncode, corpus_configs=len(doc["configs"]),
+               corpus_judged=sum(c["verdict"] in ("affected", "not-affected") for c in doc["configs"]),
+               check_dir_per_config_s=round(sum(walls) / len(walls), 2), check_dir_slowest_config_s=max(walls),
+               check_dir_wall_per_config_s=round(res["check_dir_s"] / len(doc["configs"]), 2))
+    print("\n".join(f"{k:30s} {v}" for k, v in res.items()))
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"written to {json_path}")
+    return 0
 
 
 def paths_bench(json_path: str) -> int:
@@ -500,6 +532,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="only profile one warm explorer Run (B3), phase by phase")
     ap.add_argument("--suite", action="store_true", help="only time the test command, bash scripts/test.sh (runs/bench_suite.json)")
     ap.add_argument("--repeat", type=int, default=1, help="with --suite: run it this many times in a row")
+    ap.add_argument("--corpus", action="store_true", help="only time gradkit check DIR over the test corpus "
+                    "(runs/bench_corpus.json)")
     ap.add_argument("--bisect", action="store_true", help="only time gradkit bisect of B5's config (runs/bench_bisect.json)")
     ap.add_argument("--paths", action="store_true",
                     help="only time gradkit check --path fsdp2|accelerate|trainer (runs/bench_paths.json)")
@@ -508,6 +542,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.paths:
         return paths_bench(a.json or str(REPO / "runs" / "bench_paths.json"))
+    if a.corpus:
+        return corpus_bench(a.json or str(REPO / "runs" / "bench_corpus.json"))
     if a.readme:
         return write_readme(a.readme)
     if a.profile:

@@ -127,8 +127,8 @@ def _refuse_foreign_flags(a) -> None:
 
 
 def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
-    settle(a)
     """``(probe, cases, stacks, notes)`` for ``a`` (parsed flags); every refusal happens here, before any launch."""
+    settle(a)
     _refuse_foreign_flags(a)
     notes = []
     model = a.model or shapes.DEFAULT

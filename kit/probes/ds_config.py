@@ -229,9 +229,24 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
                                               "device": device, "stack": stack}, runner.stack_label(stack), why,
                                       versions={"deepspeed": ds, "torch": versions.installed_version("torch")})
     recs = runner.run(CHECK, cases, [stack], (world_size,), device, timeout_s, meta=meta)
+    stripped = sorted({k for r in recs for k in r.get("config_stripped") or []})
+    if stripped:
+        v = next((r["versions"]["deepspeed"] for r in recs if (r.get("versions") or {}).get("deepspeed")), ds)
+        for r in recs:
+            r["config_notes"] = list(r.get("config_notes") or []) + [
+                f"DeepSpeed {v} refuses {'; '.join(stripped)}: dropped to judge the rest (the kit's SGD and static "
+                f"loss scale do not read them); a run of this config on {v} stops in deepspeed.initialize until they "
+                "are removed"]
     for r in recs:
         if r["verdict"] == oracle.CANNOT_RUN and "managed_gradient_accumulation" in (r.get("error") or ""):
             r["reason"] = f"not available: {r['error']}"
+        elif r["verdict"] == oracle.CANNOT_RUN and "not been implemented on CPU" in str(r.get("error")):
+            zpp = [k for k in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+                   if (cfg.get("zero_optimization") or {}).get(k)]
+            r["reason"] = (f"DeepSpeed runs an op with no CPU implementation here ({r['error']})"
+                           + (f": {', '.join(zpp)} (ZeRO++) quantize with CUDA kernels" if zpp else "")
+                           + "; check it on a GPU (--device cuda)" + (f", or without {', '.join(zpp)} to judge the "
+                                                                       "rest here" if zpp else ""))
         elif r["verdict"] == oracle.CANNOT_RUN and r.get("failed_in") == "initialize":
             v = (r.get("versions") or {}).get("deepspeed", ds)
             own = str(r.get("error")).startswith(("ValidationError", "DeepSpeedConfigError"))  # its config parser's

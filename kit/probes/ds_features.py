@@ -74,6 +74,11 @@ def apply(cfg: dict, notes: list, fp16: bool, model_is_users: bool = False) -> s
             zero[key]["device"] = "cpu"
             notes.append(f"zero_optimization.{key}.device nvme -> cpu (the check runs in memory: the same partitions "
                          "are accumulated and stepped, kept in CPU memory instead of swapped to NVMe)")
+    if "curriculum_learning" in cfg:
+        cfg.pop("curriculum_learning")
+        notes.append("curriculum_learning removed: it schedules the data's sequence lengths, not how micro-batches are "
+                     "accumulated (recent DeepSpeed releases refuse this legacy top-level key: if yours does, your run "
+                     "stops in deepspeed.initialize; data_efficiency.data_sampling.curriculum_learning replaces it)")
     cfg.pop("aio", None)
     if "pipeline" in cfg or "pipe_parallel_size" in cfg:
         notes.append("pipeline keys ignored: the check runs data parallelism (notebook 02 judges the pipeline)")

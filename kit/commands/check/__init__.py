@@ -28,7 +28,7 @@ from pathlib import Path
 from kit import config as kconfig
 from kit import frameworks, shapes
 from kit.commands import check_paths
-from kit.commands.check import many, one
+from kit.commands.check import many, one, paths
 from kit.commands.check.known import candidates, explain, ruled_out  # noqa: F401 - the check's public face
 from kit.commands.check.plan import model_of, precisions  # noqa: F401
 from kit.commands.check.summary import SEPARATING_GA, report, separate, summarise  # noqa: F401
@@ -99,10 +99,13 @@ def main(argv=None) -> int:
     model, model_notes = model_of(a.model, a.adapter)
     if len(runs) + len(files) > 1 or skipped or any(Path(c).is_dir() for c in a.config):
         return many.main(runs + files, skipped, a, model, model_notes)
-    runs += [frameworks.read(f) for f in files]
+    runs += [many.read(f) for f in files]
     run = runs[0]
-    todo = one.prepare(run, a, model, model_notes)
-    result = one.check(run, todo, a, model)
+    if run.path != "deepspeed":  # the Trainer on DDP, Accelerate, FSDP: their path check, the run's values as flags
+        paths.path_args(run, a)  # refused here, before any launch
+        result = paths.check(run, a)
+    else:
+        result = one.check(run, one.prepare(run, a, model, model_notes), a, model)
     if a.json:
         out = result["precisions"]
         first = next(iter(out.values()))

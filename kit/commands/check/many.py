@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kit import config as kconfig
 from kit import frameworks, launch
-from kit.commands.check import one
+from kit.commands.check import one, paths
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
 
@@ -47,6 +47,13 @@ def expand(paths) -> tuple[list[str], list[tuple[str, str]]]:
     return files, skipped
 
 
+def read(path: str):
+    """A config file as ``kit.frameworks.read`` reads it, named by its path (a launch line's too)."""
+    run = frameworks.read(path)
+    run.source = path
+    return run
+
+
 def _rows(result: dict) -> list[dict]:
     """One table row per precision x loop of a checked config."""
     out = []
@@ -58,7 +65,7 @@ def _rows(result: dict) -> list[dict]:
                         "cosine": None, "bug_or_reason": o.get("not_here") or s.get("error") or "nothing judged"})
             continue
         for row in s["loops"]:
-            why = (row["explained_by"] or row["explanation"]) if row["verdict"] == oracle.AFFECTED else \
+            why = (row.get("explained_by") or row.get("explanation") or "") if row["verdict"] == oracle.AFFECTED else \
                 ("" if row["verdict"] == oracle.NOT_AFFECTED else row["reason"])
             out.append({"config": result["source"], "precision": dtype, "loop": row["loop"], "verdict": row["verdict"],
                         "ratio": row["ratio"], "cosine": row["cosine"], "bug_or_reason": (why or "")[:200]})
@@ -94,8 +101,8 @@ def main(runs, skipped, a, model, model_notes) -> int:
     planned, results = [], []
     for run in runs:
         try:
-            run = frameworks.read(run) if isinstance(run, str) else run
-            planned.append((run, one.prepare(run, a, model, model_notes)))
+            run = read(run) if isinstance(run, str) else run
+            planned.append((run, one.prepare(run, a, model, model_notes) if run.path == "deepspeed" else None))
         except kconfig.ConfigError as e:
             source = run if isinstance(run, str) else run.source
             results.append({"source": source, "framework": getattr(run, "framework", None), "verdict": BAD_INPUT,
@@ -106,7 +113,8 @@ def main(runs, skipped, a, model, model_notes) -> int:
         for run, todo in bar:
             bar.set_postfix_str(Path(run.source).name, refresh=False)
             t0 = time.perf_counter()
-            result = one.check(run, todo, a, model, say=log.append)
+            result = (one.check(run, todo, a, model, say=log.append) if todo is not None else
+                      paths.check(run, a, say=log.append))
             result["wall_s"] = round(time.perf_counter() - t0, 2)
             results.append(result)
             bar.write(f"{run.source}: {result['verdict']} ({result['wall_s']:.1f} s)")

@@ -7,6 +7,7 @@ kit's model in one world with its control (``check``), a tie separated, and the 
 """
 from __future__ import annotations
 
+import re
 import traceback
 
 from kit import config as kconfig
@@ -15,6 +16,10 @@ from kit.commands.check.summary import report, separate, summarise
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
 from kit.probes import ds_config
+
+
+# resolve's lines for the "auto" values a training config's framework has already filled (and said how)
+FILLED_BY_FRAMEWORK = re.compile(r'^(gradient_accumulation_steps|gradient_clipping|bf16\.enabled|fp16\.enabled) "?auto"? ->')
 
 
 def _ga_of(run, a) -> tuple[int, bool]:
@@ -28,10 +33,6 @@ def prepare(run, a, model, model_notes: list) -> dict:
     """``{precision: resolved config}`` for one training run (``kit.frameworks.TrainingRun``): every precision it
     could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
     loop style or a bad key is refused here, before any launch."""
-    if run.path != "deepspeed":
-        raise kconfig.ConfigError(
-            f"{run.source}: this run trains with {run.path.upper()} (no DeepSpeed config): check that path with "
-            f"gradkit check --path {'fsdp2' if run.path == 'fsdp' else 'trainer'}")
     user = run.ds_config or {}
     ga, ga_from_run = _ga_of(run, a)
     flag = a.precision
@@ -45,7 +46,8 @@ def prepare(run, a, model, model_notes: list) -> dict:
                                 max_grad_norm=run.max_grad_norm, ga_from_run=ga_from_run,
                                 model_is_users=isinstance(model, dict))
         said = [f"{run.framework}: {n}" for n in run.notes] if run.framework != "deepspeed" else []
-        cfg.notes = said + cfg.notes + model_notes  # a bare config's own resolutions are resolve's lines
+        own = [n for n in cfg.notes if not (said and FILLED_BY_FRAMEWORK.match(n))]  # said once, by the framework
+        cfg.notes = said + own + model_notes  # a bare config's own resolutions are resolve's lines
         if run.world_size and run.world_size != a.world_size:
             cfg.notes.append(f"world size {run.world_size} (your run) -> {a.world_size} (--world-size: every bug the "
                              "kit knows shows from 2 ranks on)")
