@@ -68,3 +68,25 @@ def test_bf16_masters_and_gradients_are_judged_at_bf16s_limits_even_in_an_fp32_m
     text = capsys.readouterr().out
     assert code == 0, text
     assert "judged at bf16's limits" in text and "bf16 masters (bf16_master_weights_and_grads)" in text
+
+
+def test_a_matrix_of_configs_and_releases_gives_the_same_table_here_and_on_a_dask_cluster(repo, tmp_path, capsys):
+    """Two shipped configs x two DeepSpeed releases: run here one cell after another, then on a local Dask cluster
+    (one worker process): the same rows, number for number. 0.18.6 has B5 (ZeRO-2 + CPU optimizer offload, GA 4)."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    for name in ("transformers__ds_config_zero2.json", "axolotl__zero1_torch_compile.json"):
+        (folder / name).write_text((repo / "tests/configs/corpus" / name).read_text())
+    tables = {}
+    for scheduler in ("here", "dask"):
+        out = tmp_path / scheduler
+        code = check.main([str(folder), "--deepspeed", "0.18.6,installed", "--precision", "fp32", "--scheduler",
+                           scheduler, "--out", str(out)])
+        assert code == 1, capsys.readouterr().out
+        tables[scheduler] = json.loads((tmp_path / f"{scheduler}.json").read_text())["rows"]
+    assert tables["here"] == tables["dask"]
+    b5 = {(r["config"].split("/")[-1], r["deepspeed"], r["loop"]): r["bug_or_reason"] for r in tables["here"]
+          if r["verdict"] == oracle.AFFECTED}
+    assert b5 == {("transformers__ds_config_zero2.json", "0.18.6", "engine"): "B5",
+                  ("transformers__ds_config_zero2.json", "0.18.6", "boundary"): "B5"}, b5
+    assert len(tables["here"]) == 2 * 2 * 2  # configs x releases x loops

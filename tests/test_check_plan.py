@@ -167,3 +167,15 @@ def test_a_folder_with_no_config_or_a_missing_path_is_bad_input(tmp_path):
         many.expand([str(tmp_path)])
     with pytest.raises(config.ConfigError, match="no such file"):
         many.expand([str(tmp_path / "nope.json")])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--scheduler", "slurm"], "--scheduler must be here, dask or a Dask scheduler's address"),
+    (["--deepspeed", "0.18.6,latest"], "latest"),
+])
+def test_a_bad_matrix_flag_is_refused_before_anything_launches(tmp_path, monkeypatch, argv, needle):
+    monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    with pytest.raises(config.ConfigError, match=needle):
+        check.main([str(path), *argv])

@@ -28,7 +28,7 @@ from pathlib import Path
 from kit import config as kconfig
 from kit import frameworks, shapes
 from kit.commands import check_paths
-from kit.commands.check import many, one, paths
+from kit.commands.check import many, one, paths, task
 from kit.commands.check.known import candidates, explain, ruled_out  # noqa: F401 - the check's public face
 from kit.commands.check.plan import model_of, precisions  # noqa: F401
 from kit.commands.check.summary import SEPARATING_GA, report, separate, summarise  # noqa: F401
@@ -47,7 +47,10 @@ def parser():
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--loop", default=None, help=f"all, or a comma list of {', '.join(ds_config.LOOPS)} (default: the "
                    "loops your framework runs; a bare DeepSpeed config: engine,boundary)")
-    p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="a DeepSpeed release (default: the installed one)")
+    p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="a DeepSpeed release, or a comma list of them (a "
+                   "matrix: every config at every release; default: the installed one)")
+    p.add_argument("--scheduler", default="here", help="where a set's cells run: here (one after another, warm "
+                   "worlds), dask (a local Dask cluster), or a Dask scheduler's address (tcp://host:8786)")
     p.add_argument("--ga", type=int, default=None, help="gradient_accumulation_steps where the config says \"auto\" "
                    f"and no training config gives it (default {DEFAULT_GA})")
     p.add_argument("--precision", "--trainer-dtype", dest="precision", default=None, choices=["fp32", "bf16", "fp16"],
@@ -69,7 +72,13 @@ def parser():
 
 
 def _validate(a) -> None:
-    kconfig.check_version(a.deepspeed)
+    a.releases = [v.strip() for v in str(a.deepspeed).split(",") if v.strip()]
+    for v in a.releases or [a.deepspeed]:
+        kconfig.check_version(v)
+    a.deepspeed = a.releases[0]
+    if not (a.scheduler in ("here", "dask") or a.scheduler.startswith(("tcp://", "tls://", "ucx://"))):
+        raise kconfig.ConfigError(f"--scheduler must be here, dask or a Dask scheduler's address (tcp://host:8786), "
+                                  f"got {a.scheduler!r}")
     kconfig.check_device(a.device)
     kconfig.check_timeout(a.timeout)
     kconfig.check_positive_int("--steps", a.steps)
@@ -94,13 +103,13 @@ def main(argv=None) -> int:
         raise kconfig.ConfigError("gradkit check needs a DeepSpeed config file, a training config, a folder of "
                                   "them, or --command \"your launch line\" (or --path fsdp2|accelerate|trainer)")
     _validate(a)
-    runs = [frameworks.read_command_line(shlex.split(a.command))] if a.command else []
     files, skipped = many.expand(a.config)
+    sources = ([("command", a.command)] if a.command else []) + files
+    if len(sources) > 1 or skipped or any(Path(c).is_dir() for c in a.config) or len(a.releases) > 1 or \
+            a.scheduler != "here":
+        return many.main(sources, skipped, a)
     model, model_notes = model_of(a.model, a.adapter)
-    if len(runs) + len(files) > 1 or skipped or any(Path(c).is_dir() for c in a.config):
-        return many.main(runs + files, skipped, a, model, model_notes)
-    runs += [many.read(f) for f in files]
-    run = runs[0]
+    run = frameworks.read_command_line(shlex.split(a.command)) if a.command else task.read(files[0])
     if run.path != "deepspeed":  # the Trainer on DDP, Accelerate, FSDP: their path check, the run's values as flags
         paths.path_args(run, a)  # refused here, before any launch
         result = paths.check(run, a)

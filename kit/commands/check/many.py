@@ -1,28 +1,33 @@
-"""Many configs checked as one set (``gradkit check DIR`` or several files): one table, config x precision x loop,
-with the verdict, the ratio, the cosine and the known bug or the reason, as Markdown and JSON, and one exit status.
+"""Many configs checked as one set (``gradkit check DIR`` or several files), at one DeepSpeed release or several
+(``--deepspeed 0.18.6,0.19.8``: a matrix, every config at every release): one table, config x release x precision
+x loop, with the verdict, the ratio, the cosine and the known bug or the reason, as Markdown and JSON, and one exit
+status.
 
-Every config is read and resolved before anything launches (one that cannot be is a ``bad input`` row with its
-sentence; the others still run). The checks run one after another in warm worlds (``kit.launch.warm_worlds``): the
-ranks of a stack start once and serve every config of the set. The set's exit status: 1 if any config is affected
-(measured), else 2 if any was bad input, else 3 if any could not be judged, else 0.
+Every cell is read and resolved before anything launches (one that cannot be is a ``bad input`` row with its
+sentence; the others still run). The cells run here one after another in warm worlds (``kit.launch.warm_worlds``:
+the ranks of a stack start once and serve every config of the set), or on a Dask cluster (``--scheduler``,
+``kit.commands.check.matrix``), each cell the same function (``kit.commands.check.task.check_task``). The set's
+exit status: 1 if any cell is affected (measured), else 2 if any was bad input, else 3 if any could not be judged,
+else 0.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import sys
-import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kit import config as kconfig
 from kit import frameworks, launch
-from kit.commands.check import one, paths
+from kit.commands.check import task
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
 
 SUFFIXES = (".json", ".yaml", ".yml", ".conf", ".sh")
-BAD_INPUT = "bad input"
+BAD_INPUT = task.BAD_INPUT
+SCHEDULERS = {"dask": "kit.commands.check.matrix"}  # imported only when asked for (Dask's import takes a second)
 
 
 def expand(paths) -> tuple[list[str], list[tuple[str, str]]]:
@@ -47,36 +52,33 @@ def expand(paths) -> tuple[list[str], list[tuple[str, str]]]:
     return files, skipped
 
 
-def read(path: str):
-    """A config file as ``kit.frameworks.read`` reads it, named by its path (a launch line's too)."""
-    run = frameworks.read(path)
-    run.source = path
-    return run
-
-
-def _rows(result: dict) -> list[dict]:
-    """One table row per precision x loop of a checked config."""
+def _rows(result: dict, several: bool = False) -> list[dict]:
+    """One table row per precision x loop of a checked config (and its release, where the set has several)."""
     out = []
+    at = {"deepspeed": result.get("release")} if several else {}
     for dtype, o in result["precisions"].items():
         s = o["summary"]
         if o.get("not_here") or not s["loops"]:
-            out.append({"config": result["source"], "precision": dtype, "loop": "-",
+            out.append({"config": result["source"], **at, "precision": dtype, "loop": "-",
                         "verdict": "not run here" if o.get("not_here") else s["verdict"], "ratio": None,
                         "cosine": None, "bug_or_reason": o.get("not_here") or s.get("error") or "nothing judged"})
             continue
         for row in s["loops"]:
             why = (row.get("explained_by") or row.get("explanation") or "") if row["verdict"] == oracle.AFFECTED else \
                 ("" if row["verdict"] == oracle.NOT_AFFECTED else row["reason"])
-            out.append({"config": result["source"], "precision": dtype, "loop": row["loop"], "verdict": row["verdict"],
+            out.append({"config": result["source"], **at, "precision": dtype, "loop": row["loop"], "verdict": row["verdict"],
                         "ratio": row["ratio"], "cosine": row["cosine"], "bug_or_reason": (why or "")[:200]})
     return out
 
 
 def markdown(rows: list[dict], verdict: str, code: int) -> str:
-    lines = ["| config | precision | loop | verdict | ratio | cosine | known bug or reason |", "|---|---|---|---|---|---|---|"]
+    several = any("deepspeed" in r for r in rows)
+    lines = ["| config |" + (" deepspeed |" if several else "") + " precision | loop | verdict | ratio | cosine | "
+             "known bug or reason |", "|---|" + ("---|" if several else "") + "---|---|---|---|---|---|"]
     for r in rows:
-        reason = r["bug_or_reason"].replace("|", "/")
-        lines.append(f"| {r['config']} | {r['precision']} | {r['loop']} | {r['verdict']} | "
+        reason = r["bug_or_reason"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['config']} |" + (f" {r.get('deepspeed', '-')} |" if several else "") +
+                     f" {r['precision']} | {r['loop']} | {r['verdict']} | "
                      f"{kverdict.num(r['ratio'], '.4f')} | {kverdict.num(r['cosine'], '.5f')} | {reason} |")
     lines.append("")
     lines.append(f"set verdict: {verdict} (exit {code})")
@@ -94,35 +96,57 @@ def set_exit(results: list[dict]) -> tuple[str, int]:
     return judged, kverdict.EXIT[judged]
 
 
-def main(runs, skipped, a, model, model_notes) -> int:
-    """``runs``: training runs already read, or config files to read here (one that cannot be is a row)."""
+def tasks_of(sources, a) -> tuple[list[dict], list[dict]]:
+    """Every (config, release) cell of the set, each read and resolved here before anything launches, and a
+    ``bad input`` result for each cell that cannot be. ``sources``: config files, or ``("command", line)``."""
+    args = {k: v for k, v in vars(a).items() if k not in ("config", "command", "out", "json", "scheduler")}
+    cells, bad = [], []
+    for source in sources:
+        for release in a.releases:
+            cell = {"source": None if isinstance(source, tuple) else source,
+                    "command": source[1] if isinstance(source, tuple) else None, "release": release, "args": args}
+            try:
+                task.prepare(cell)
+                cells.append(cell)
+            except kconfig.ConfigError as e:
+                bad.append(task.bad_input(cell, str(e)))
+    return cells, bad
+
+
+def run_here(cells: list[dict], say) -> list[dict]:
+    """The cells one after another in this process; the ranks of each stack start once (warm worlds)."""
+    out = []
+    with launch.warm_worlds(keep=False):
+        bar = tqdm(cells, desc="configs", unit="config", file=sys.stdout, mininterval=2.0, ascii=True)
+        for cell in bar:
+            bar.set_postfix_str(Path(cell["source"] or "command line").name, refresh=False)
+            out.append(task.check_task(cell))
+            say(bar.write, out[-1])
+    return out
+
+
+def _said(write, result: dict) -> None:
+    write(f"{result['source']} @ DeepSpeed {result['release']}: {result['verdict']} ({result['wall_s']:.1f} s)")
+
+
+def main(sources, skipped, a) -> int:
+    """``sources``: config files, or ``("command", line)``; each is checked at every release of ``a.releases``,
+    here or on a distributed engine (``a.scheduler``: ``kit.commands.check.matrix``)."""
     for f, why in skipped:
         print(f"skipped {f}: {why}")
-    planned, results = [], []
-    for run in runs:
-        try:
-            run = read(run) if isinstance(run, str) else run
-            planned.append((run, one.prepare(run, a, model, model_notes) if run.path == "deepspeed" else None))
-        except kconfig.ConfigError as e:
-            source = run if isinstance(run, str) else run.source
-            results.append({"source": source, "framework": getattr(run, "framework", None), "verdict": BAD_INPUT,
-                            "exit": 2, "precisions": {}, "error": str(e)})
-    log: list[str] = []
-    with launch.warm_worlds(keep=False):
-        bar = tqdm(planned, desc="configs", unit="config", file=sys.stdout, mininterval=2.0, ascii=True)
-        for run, todo in bar:
-            bar.set_postfix_str(Path(run.source).name, refresh=False)
-            t0 = time.perf_counter()
-            result = (one.check(run, todo, a, model, say=log.append) if todo is not None else
-                      paths.check(run, a, say=log.append))
-            result["wall_s"] = round(time.perf_counter() - t0, 2)
-            results.append(result)
-            bar.write(f"{run.source}: {result['verdict']} ({result['wall_s']:.1f} s)")
-    rows = [r for res in results for r in _rows(res)] + [
-        {"config": res["source"], "precision": "-", "loop": "-", "verdict": BAD_INPUT, "ratio": None, "cosine": None,
-         "bug_or_reason": res["error"]} for res in results if res["verdict"] == BAD_INPUT]
-    order = {str(r if isinstance(r, str) else r.source): i for i, r in enumerate(runs)}  # as named or found
-    rows.sort(key=lambda r: order.get(r["config"], 0))
+    cells, bad = tasks_of(sources, a)
+    if a.scheduler == "here":
+        results = run_here(cells, _said)
+    else:
+        results = importlib.import_module(SCHEDULERS["dask"]).run(cells, a.scheduler, lambda r: _said(print, r))
+    results = bad + results
+    several = len(a.releases) > 1
+    rows = [r for res in results for r in _rows(res, several)] + [
+        {"config": res["source"], **({"deepspeed": res["release"]} if several else {}), "precision": "-", "loop": "-",
+         "verdict": BAD_INPUT, "ratio": None, "cosine": None, "bug_or_reason": res["error"]}
+        for res in results if res["verdict"] == BAD_INPUT]
+    order = {str(s[1] if isinstance(s, tuple) else s): i for i, s in enumerate(sources)}  # as named or found
+    rows.sort(key=lambda r: (order.get(r["config"], 0), r.get("deepspeed", "")))
     verdict, code = set_exit(results)
     table = markdown(rows, verdict, code)
     print(table)
@@ -130,10 +154,10 @@ def main(runs, skipped, a, model, model_notes) -> int:
     if timed:
         print(f"{len(timed)} configs checked in {sum(timed):.1f} s ({sum(timed) / len(timed):.1f} s per config)")
     doc = {"verdict": verdict, "exit": code, "rows": rows, "skipped": [{"file": f, "why": w} for f, w in skipped],
-           "configs": [{k: v for k, v in r.items() if k != "precisions"} for r in results]}
+           "configs": [{k: v for k, v in r.items() if k not in ("precisions", "log")} for r in results]}
     if a.out:
         Path(f"{a.out}.md").write_text(table + "\n")
         Path(f"{a.out}.json").write_text(json.dumps(doc, indent=1, default=str))
     if a.json:
-        Path(a.json).write_text(json.dumps({**doc, "results": results, "log": log}, indent=1, default=str))
+        Path(a.json).write_text(json.dumps({**doc, "results": results}, indent=1, default=str))
     return code
