@@ -7,7 +7,7 @@ Each feature is one of three kinds, said in the check's ``as run:`` lines:
 - *replaced*: the kit runs something that accumulates the same way, and says what and why (a ``compile`` block,
   NVMe offload, ``fp16.auto_cast`` where fp16 is off);
 - *refused*: the kit cannot judge it; the sentence says why and what would make it judgeable (an optimizer that
-  communicates its own compressed update, ZenFlow, AutoTP on a model with no tensor-parallel policy).
+  communicates its own compressed update, ZenFlow, AutoTP).
 
 A refused config launches nothing and is ``cannot-run``: never ``not-affected``.
 """
@@ -35,22 +35,24 @@ def _zenflow(zero: dict) -> str | None:
             "to judge the rest of this config")
 
 
-def _autotp(cfg: dict, model_is_users: bool) -> str | None:
+def _autotp(cfg: dict) -> str | None:
     tp = cfg.get("tensor_parallel") or {}
     size = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
-    if not isinstance(size, int) or size <= 1 or model_is_users:
+    if not isinstance(size, int) or size <= 1:
         return None
-    return (f"tensor_parallel.autotp_size {size}: AutoTP shards the model by a tensor-parallel policy, and the kit's "
-            "tiny MLP has none (DeepSpeed: \"Not able to determine model policy automatically\"); judge it on your "
-            "architecture with --model (a Hugging Face config.json of a Llama-family model has a policy)")
+    return (f"tensor_parallel.autotp_size {size}: AutoTP splits each linear layer across {size} ranks that must see "
+            "the same micro-batches (DeepSpeed checks it: \"Data inconsistency within the TP group\"), and the kit "
+            "judges data parallelism only (its reference would need every shard mapped back to the whole weight); "
+            "remove tensor_parallel (or set autotp_size 1) to judge the ZeRO data-parallel accumulation the rest of "
+            "this config runs")
 
 
-def apply(cfg: dict, notes: list, fp16: bool, model_is_users: bool = False) -> str | None:
+def apply(cfg: dict, notes: list, fp16: bool) -> str | None:
     """Runs every feature rule but the optimizer's (``optimizer_refusal``, read before the kit drops the user's
     optimizer) on ``cfg`` (changed in place, each change added to ``notes``); returns why the kit cannot judge the
     config, or None."""
     zero = cfg.get("zero_optimization") or {}
-    refused = _zenflow(zero) or _autotp(cfg, model_is_users)
+    refused = _zenflow(zero) or _autotp(cfg)
     comp = cfg.get("compile")
     if isinstance(comp, dict) and comp.get("deepcompile"):
         refused = refused or ("compile.deepcompile: DeepCompile replaces ZeRO's gradient hooks with compiled graph "

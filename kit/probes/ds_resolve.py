@@ -53,7 +53,7 @@ def _enabled(section, name: str, notes: list, trainer_dtype: str) -> bool:
 
 
 def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "fp32", micro_batch: int | None = None,
-            max_grad_norm: float | None = None, ga_from_run: bool = False, model_is_users: bool = False) -> Resolved:
+            max_grad_norm: float | None = None, ga_from_run: bool = False) -> Resolved:
     """The user's config as the kit will run it; ``ConfigError`` (exit 2) on anything DeepSpeed would not accept.
 
     "auto" values are resolved as HF Trainer's ``HfTrainerDeepSpeedConfig`` does, from its arguments: the
@@ -121,7 +121,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     for name, on in (("bf16", bf16), ("fp16", fp16)):
         if name in cfg:
             cfg[name] = {**cfg[name], "enabled": on}
-    refused = refused or ds_features.apply(cfg, notes, fp16, model_is_users)
+    refused = refused or ds_features.apply(cfg, notes, fp16)
     if fp16:
         scale = cfg["fp16"].get("loss_scale", 0)
         if not scale:

@@ -43,8 +43,7 @@ def prepare(run, a, model, model_notes: list) -> dict:
             todo[dtype] = None
             continue
         cfg = ds_config.resolve(user, a.world_size, ga, dtype, micro_batch=run.micro_batch,
-                                max_grad_norm=run.max_grad_norm, ga_from_run=ga_from_run,
-                                model_is_users=isinstance(model, dict))
+                                max_grad_norm=run.max_grad_norm, ga_from_run=ga_from_run)
         said = [f"{run.framework}: {n}" for n in run.notes] if run.framework != "deepspeed" else []
         own = [n for n in cfg.notes if not (said and FILLED_BY_FRAMEWORK.match(n))]  # said once, by the framework
         cfg.notes = said + own + model_notes  # a bare config's own resolutions are resolve's lines
