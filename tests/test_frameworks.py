@@ -397,3 +397,16 @@ def test_no_framework_is_imported():
     out = subprocess.run([sys.executable, "-c", code, str(HERE / "launch_torchrun.sh")], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_readme_placeholder_is_a_value_not_a_redirection(tmp_path):
+    """deepseek-coder's README launch line has "--data_path <your_data_path>": a shell would refuse it, a reader
+    fills it in; the flags after it still count."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
+    run = frameworks.read_command_line(["torchrun", "--nproc_per_node", "8", "train.py", "--data_path",
+                                        "<your_data_path>", "--deepspeed", str(ds), "--bf16", "True",
+                                        "--gradient_accumulation_steps", "4"], cwd=tmp_path)
+    assert (run.precision, run.ga, run.path) == ("bf16", 4, "deepspeed")
+    run = frameworks.read_command_line(["torchrun", "train.py", "--deepspeed", str(ds), "<", "input.txt"], cwd=tmp_path)
+    assert run.path == "deepspeed"  # a real redirection still ends the command

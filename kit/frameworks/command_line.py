@@ -38,6 +38,9 @@ KNOWN = ("torchrun, python -m torch.distributed.run, deepspeed, accelerate launc
          "axolotl train, trl <command> or python")
 
 
+PLACEHOLDER = re.compile(r"^<[^<>]+>$")  # a README's "<your_data_path>": a value to fill in, not a redirection
+
+
 def _substitute(tokens: list[str], env: dict) -> list[str]:
     return [launchers.SHELL_VAR.sub(lambda m: str(env[m.group(1)]) if m.group(1) in env else m.group(0), t)
             for t in tokens]
@@ -54,7 +57,7 @@ def _command(tokens: list[str], env: dict) -> list[str]:
         i += 1
     out = []
     for t in tokens[i:]:
-        if t in OPERATORS or re.match(r"^\d?>", t) or t.startswith("<"):
+        if t in OPERATORS or re.match(r"^\d?>", t) or t.startswith("<") and not PLACEHOLDER.match(t):
             break
         out.append(t)
     return out
