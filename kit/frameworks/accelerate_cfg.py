@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 
 from kit.config import ConfigError
-from kit.frameworks import ds_rules
+import kit.frameworks.ds_rules as ds_rules
 from kit.frameworks.run import (
     Launch,
     TrainingRun,

@@ -9,14 +9,12 @@ import shlex
 from pathlib import Path
 
 from kit.config import ConfigError
-from kit.frameworks import (
-    accelerate_cfg,
-    axolotl,
-    ds_rules,
-    hf_args,
-    launchers,
-    llamafactory,
-)
+import kit.frameworks.accelerate_cfg as accelerate_cfg
+import kit.frameworks.axolotl as axolotl
+import kit.frameworks.ds_rules as ds_rules
+import kit.frameworks.hf_args as hf_args
+import kit.frameworks.launchers as launchers
+import kit.frameworks.llamafactory as llamafactory
 from kit.frameworks.dispatch import detect_data, read_data
 from kit.frameworks.run import (
     Launch,

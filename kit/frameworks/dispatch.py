@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from kit.config import ConfigError
-from kit.frameworks import accelerate_cfg, axolotl, ds_rules, hf_args, llamafactory
+import kit.frameworks.accelerate_cfg as accelerate_cfg
+import kit.frameworks.axolotl as axolotl
+import kit.frameworks.ds_rules as ds_rules
+import kit.frameworks.hf_args as hf_args
+import kit.frameworks.llamafactory as llamafactory
 from kit.frameworks.run import Launch, TrainingRun
 
 # keys only a DeepSpeed JSON has (deepspeed/runtime/constants.py); HF's bf16 / fp16 are booleans, DeepSpeed's objects

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from kit.config import ConfigError
-from kit.frameworks import command_line
+import kit.frameworks.command_line as command_line
 from kit.frameworks.dispatch import detect_data, read_data
 from kit.frameworks.run import TrainingRun, load_mapping
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from kit.config import ConfigError
-from kit.frameworks import accelerate_cfg
+import kit.frameworks.accelerate_cfg as accelerate_cfg
 from kit.frameworks.run import Launch, find_file, load_mapping
 
 TORCHRUN_FLAGS = frozenset(("standalone", "no_python", "module", "m", "run_path", "use_env", "virtual_local_rank"))

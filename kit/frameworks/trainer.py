@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from kit.config import ConfigError
-from kit.frameworks import ds_rules
+import kit.frameworks.ds_rules as ds_rules
 from kit.frameworks.run import (
     Launch,
     TrainingRun,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from kit import config as kconfig
 from kit import frameworks, launch
-from kit.commands.check import task
+import kit.commands.check.task as task
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dask.distributed import Client, LocalCluster, as_completed
 
-from kit.commands.check import task
+import kit.commands.check.task as task
 
 
 def client_for(scheduler: str) -> tuple[Client, LocalCluster | None]:

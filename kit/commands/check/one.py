@@ -11,7 +11,7 @@ import re
 import traceback
 
 from kit import config as kconfig
-from kit.commands.check import plan
+import kit.commands.check.plan as plan
 from kit.commands.check.summary import report, separate, summarise
 from kit.judge import oracle
 from kit.judge import verdict as kverdict

@@ -12,7 +12,8 @@ import time
 
 from kit import config as kconfig
 from kit import frameworks, launch
-from kit.commands.check import one, paths
+import kit.commands.check.one as one
+import kit.commands.check.paths as paths
 from kit.commands.check.plan import model_of
 
 BAD_INPUT = "bad input"
