@@ -175,6 +175,8 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
     # another selection: the old figure goes at once, the new one comes with the new verdict (ZeRO-3 is not hit)
     zero = next(e for e in browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown") if "ZeRO stage" in e.text)
     Select(zero.find_element(By.TAG_NAME, "select")).select_by_visible_text("3")
+    # the kernel has the new selection before Run is pressed (under load the click could otherwise run the old one)
+    until(lambda d: status().startswith("selected B3") and "ZeRO 3" in status(), "the ZeRO-3 selection")
     t0 = time.monotonic()
     run.click()
     until(lambda d: not figure(), "the figure cleared")
@@ -190,6 +192,7 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
     # takes a second) and is caught while its ranks start.
     version = next(e for e in browser.find_elements(By.CSS_SELECTOR, ".widget-dropdown") if "version" in e.text)
     Select(version.find_element(By.TAG_NAME, "select")).select_by_visible_text("0.18.6")
+    until(lambda d: status().startswith("selected B3") and "0.18.6" in status(), "the 0.18.6 selection")
     for how in ("interrupt", "stop"):
         warm = {p.pid for p in _ranks(lab["pid"])}
         run.click()

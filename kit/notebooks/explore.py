@@ -129,6 +129,8 @@ class ProbeExplorer:
         self.output = widgets.Output()
         self._set_options(sel)
         self.bug.observe(lambda change: self._set_options(default_selection(change["new"])), names="value")
+        for w in (self.bug, *self.knobs.values()):  # what Run will run, said as soon as the kernel has it
+            w.observe(lambda change: self._say_selected(), names="value")
         self.button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self.cancel.set())
         self.cancel = threading.Event()  # Stop, or a SIGINT while a started run is in flight
@@ -140,6 +142,11 @@ class ProbeExplorer:
             opts = sorted(knobs()[sel["bug"]][knob], key=str)
             w.options = opts
             w.value = sel[knob] if sel[knob] in opts else opts[0]
+
+    def _say_selected(self) -> None:
+        if not self.button.disabled:  # a run in flight keeps its own status line
+            self.status.value = (f"selected {_title(self.selection())}: press Run"
+                                 + (" (the figure below is the last run's)" if self.output.outputs else ""))
 
     def selection(self) -> dict:
         return {"bug": self.bug.value, **{k: w.value for k, w in self.knobs.items()}}

@@ -3,7 +3,7 @@ kit's model in one world with its control (``check``), a tie separated, and the 
 ``kit.judge.verdict.over_precisions``.
 
     todo = prepare(run, args, model, model_notes)     # {precision: resolved config}; ConfigError: exit 2
-    result = check(run, todo, args, model)            # {"verdict", "exit", "precisions": {...}, "text": [...]}
+    result = check(run, todo, args, model)            # {"verdict", "exit", "precisions": {...}, "asked", ...}
 """
 from __future__ import annotations
 
