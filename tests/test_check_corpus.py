@@ -90,3 +90,24 @@ def test_a_matrix_of_configs_and_releases_gives_the_same_table_here_and_on_a_das
     assert b5 == {("transformers__ds_config_zero2.json", "0.18.6", "engine"): "B5",
                   ("transformers__ds_config_zero2.json", "0.18.6", "boundary"): "B5"}, b5
     assert len(tables["here"]) == 2 * 2 * 2  # configs x releases x loops
+
+
+def test_autotp_is_judged_on_a_tiny_llama_whose_tensor_parallel_ranks_share_their_micro_batches(repo, tmp_path, capsys):
+    """LLaMA-Factory's AutoTP config (autotp_size 2, ZeRO-2) on 2 ranks: one tensor-parallel group, so one
+    data-parallel replica; the sharded weights are gathered whole to be read. DeepSpeed's own loop is exact; the
+    manual loop loses all but the last micro-batch (B3), now of the one replica, and the boundary fix repairs it."""
+    out = tmp_path / "check.json"
+    code = check.main([str(repo / "tests/configs/corpus/llamafactory__ds_z2_autotp_config.json"), "--precision", "fp32",
+                       "--loop", "engine,manual", "--steps", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    assert "model: llama (tiny, the kit's)" in text and "AutoTP shards a model by its tensor-parallel policy" in text
+    doc = json.loads(out.read_text())
+    loops = {r["loop"]: r for r in doc["summary"]["loops"]}
+    assert loops["engine"]["verdict"] == oracle.NOT_AFFECTED and loops["engine"]["ratio"] > 0.9999
+    manual = loops["manual"]
+    assert manual["verdict"] == oracle.AFFECTED and manual["explained_by"] == "B3", manual
+    assert manual["steps"][0]["shape"].startswith("micro-batch 4 x"), manual["steps"][0]
+    assert manual["fix"]["verdict"] == oracle.NOT_AFFECTED
+    measured = [r for r in doc["records"] if r["role"] == "measured"]
+    assert measured and all(r.get("replicas") == 1 and r["world_size"] == 2 for r in measured)

@@ -73,8 +73,10 @@ def test_shipped_config_features_are_kept_replaced_or_refused_with_a_sentence():
     assert why.startswith("compile.deepcompile") and "remove compile.deepcompile" in why
     why, _, _ = _features({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}})
     assert why.startswith("zero_optimization.zenflow") and "remove the zenflow block" in why
-    why, _, _ = _features({"tensor_parallel": {"autotp_size": 2}})
-    assert why.startswith("tensor_parallel.autotp_size 2: AutoTP splits") and "remove tensor_parallel" in why
+    assert _features({"tensor_parallel": {"autotp_size": 2}})[0] is None  # judged (on a tiny Llama): 2 ranks, one group
+    why = ds_features.apply({"tensor_parallel": {"autotp_size": 4}}, [], False, world_size=2)
+    assert why.startswith("tensor_parallel.autotp_size 4 splits") and "--world-size 4" in why
+    assert ds_features.autotp_size({"tensor_parallel": {"autotp_size": 2}}) == 2 and ds_features.autotp_size({}) == 1
     assert _features({"tensor_parallel": {"autotp_size": 1}})[0] is None
     why, notes, cfg = _features({"fp16": {"enabled": False, "auto_cast": True}})
     assert why is None and "auto_cast" not in cfg["fp16"] and notes[0].startswith("fp16.auto_cast removed")

@@ -96,12 +96,13 @@ def annotate_steps(rec: dict) -> dict:
     for s in rec.get("steps") or []:
         s["matches"] = _named(s, dtype)
         s["ties"] = list((s.get("hypotheses") or {}).get("ambiguous") or [])
-        s["parts"] = part_pattern(s, dtype, rec.get("world_size") or 1, rec.get("ga") or 1)
+        s["parts"] = part_pattern(s, dtype, rec.get("replicas") or rec.get("world_size") or 1, rec.get("ga") or 1)
         if s["matches"] in (None, "none") and s["parts"]:  # a whole-step name fits nothing: say what the parts did
             s["matches"] = " and ".join(s["parts"])
         a = s.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
-            s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec["world_size"], rec["ga"])
+            s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec.get("replicas") or rec["world_size"],
+                                          rec["ga"])
         off = groups_off(s, rec.get("judge_dtype") or rec.get("dtype") or "fp32")
         if off:
             s["shape"] = "; ".join([*([s["shape"]] if s.get("shape") else []), *off])

@@ -28,9 +28,10 @@ from __future__ import annotations
 import copy
 
 from kit import config as kconfig
+from kit import launch
 from kit import shapes
 from kit.judge import naming, oracle, records, tolerances
-from kit.probes import runner
+from kit.probes import ds_features, runner
 from kit.probes.ds_resolve import Resolved, load, resolve  # noqa: F401 - a config is read and resolved here too
 from kit.probes.probe import Probe
 from kit.probes.ranks.ds_config import MASTERS_STEP, UNMANAGED_SINCE
@@ -197,7 +198,7 @@ def judge_floor(r: dict) -> None:
     if r.get("verdict") != oracle.NOT_AFFECTED or not r.get("metrics"):
         return
     seen = oracle.detectable_weight(records.judged(r))
-    one = 1.0 / (2 * r["world_size"] * r["ga"])
+    one = 1.0 / (2 * (r.get("replicas") or r["world_size"]) * r["ga"])
     r["detectable_weight"] = seen
     if seen >= one:
         r["verdict"], r["below_floor"] = oracle.INCONCLUSIVE, True
@@ -229,6 +230,8 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
                                               "device": device, "stack": stack}, runner.stack_label(stack), why,
                                       versions={"deepspeed": ds, "torch": versions.installed_version("torch")})
     recs = runner.run(CHECK, cases, [stack], (world_size,), device, timeout_s, meta=meta)
+    if ds_features.autotp_size(cfg) > 1:  # its ranks now hold DeepSpeed's tensor-parallel groups (global state)
+        launch.stop_warm_worlds(servers=False)  # that the next config's engines must not inherit: fresh ranks
     stripped = sorted({k for r in recs for k in r.get("config_stripped") or []})
     if stripped:
         v = next((r["versions"]["deepspeed"] for r in recs if (r.get("versions") or {}).get("deepspeed")), ds)

@@ -7,7 +7,10 @@ Each feature is one of three kinds, said in the check's ``as run:`` lines:
 - *replaced*: the kit runs something that accumulates the same way, and says what and why (a ``compile`` block,
   NVMe offload, ``fp16.auto_cast`` where fp16 is off);
 - *refused*: the kit cannot judge it; the sentence says why and what would make it judgeable (an optimizer that
-  communicates its own compressed update, ZenFlow, AutoTP).
+  communicates its own compressed update, ZenFlow, AutoTP groups the world size does not hold).
+
+AutoTP (``tensor_parallel.autotp_size``) is judged: on a model with a tensor-parallel policy (the user's ``--model``,
+else a tiny Llama: ``kit.commands.check.one.prepare``), the ranks of a group feeding the same micro-batches.
 
 A refused config launches nothing and is ``cannot-run``: never ``not-affected``.
 """
@@ -35,24 +38,27 @@ def _zenflow(zero: dict) -> str | None:
             "to judge the rest of this config")
 
 
-def _autotp(cfg: dict) -> str | None:
+def autotp_size(cfg: dict) -> int:
+    """``tensor_parallel.autotp_size`` (1 without AutoTP)."""
     tp = cfg.get("tensor_parallel") or {}
     size = tp.get("autotp_size", tp.get("tp_size", 1)) if isinstance(tp, dict) else 1
-    if not isinstance(size, int) or size <= 1:
+    return size if isinstance(size, int) and size > 1 else 1
+
+
+def _autotp(cfg: dict, world_size: int) -> str | None:
+    size = autotp_size(cfg)
+    if size <= 1 or world_size % size == 0:
         return None
-    return (f"tensor_parallel.autotp_size {size}: AutoTP splits each linear layer across {size} ranks that must see "
-            "the same micro-batches (DeepSpeed checks it: \"Data inconsistency within the TP group\"), and the kit "
-            "judges data parallelism only (its reference would need every shard mapped back to the whole weight); "
-            "remove tensor_parallel (or set autotp_size 1) to judge the ZeRO data-parallel accumulation the rest of "
-            "this config runs")
+    return (f"tensor_parallel.autotp_size {size} splits each linear layer across {size} ranks, and {world_size} "
+            f"ranks make no whole number of such groups: run the check with --world-size {size} (or a multiple)")
 
 
-def apply(cfg: dict, notes: list, fp16: bool) -> str | None:
+def apply(cfg: dict, notes: list, fp16: bool, world_size: int = 2) -> str | None:
     """Runs every feature rule but the optimizer's (``optimizer_refusal``, read before the kit drops the user's
     optimizer) on ``cfg`` (changed in place, each change added to ``notes``); returns why the kit cannot judge the
     config, or None."""
     zero = cfg.get("zero_optimization") or {}
-    refused = _zenflow(zero) or _autotp(cfg)
+    refused = _zenflow(zero) or _autotp(cfg, world_size)
     comp = cfg.get("compile")
     if isinstance(comp, dict) and comp.get("deepcompile"):
         refused = refused or ("compile.deepcompile: DeepCompile replaces ZeRO's gradient hooks with compiled graph "

@@ -33,6 +33,7 @@ class Resolved(dict):
 
     notes: list
     refused: str | None = None
+    model: object = None  # what ``kit.commands.check`` runs it on (a shape's name, or an architecture's keys)
 
 
 def _auto(value) -> bool:
@@ -121,7 +122,7 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     for name, on in (("bf16", bf16), ("fp16", fp16)):
         if name in cfg:
             cfg[name] = {**cfg[name], "enabled": on}
-    refused = refused or ds_features.apply(cfg, notes, fp16)
+    refused = refused or ds_features.apply(cfg, notes, fp16, world_size)
     if fp16:
         scale = cfg["fp16"].get("loss_scale", 0)
         if not scale:
@@ -147,8 +148,8 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
             raise kconfig.ConfigError(f"zero_optimization.{key} must be a number, got {value!r}")
         if value is not None and value > small:
             zero[key] = small
-            notes.append(f"zero_optimization.{key} {value:g} -> {small} (the kit's model has {PARAMS} parameters: "
-                         f"{BUCKETS} buckets, as a large model spans many)")
+            notes.append(f"zero_optimization.{key} {value:g} -> {small} (small buckets: the kit's MLP of {PARAMS} "
+                         f"parameters spans {BUCKETS}, as a large model spans many)")
     if "stage3_param_persistence_threshold" in zero and zero["stage3_param_persistence_threshold"] > 10 * HIDDEN:
         notes.append(f"zero_optimization.stage3_param_persistence_threshold {zero['stage3_param_persistence_threshold']:g}"
                      f" -> {10 * HIDDEN} (else every parameter of the kit's model would persist, unpartitioned)")

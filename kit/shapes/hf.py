@@ -131,7 +131,22 @@ def user_model(where: str, adapter: str | None = None) -> tuple[dict, list[str]]
     cfg, notes = shrink(load_config(where))
     if "model_type" not in cfg:
         raise kconfig.ConfigError(f"--model {where}: the config has no model_type, so transformers cannot build it")
-    keys = {"model": f"{cfg['model_type']} (from {Path(where).name})", "model_config": cfg}
+    return _built(cfg, f"{cfg['model_type']} (from {Path(where).name})", notes, where, adapter)
+
+
+# a Llama at toy size: a model DeepSpeed's AutoTP has a tensor-parallel policy for (the kit's MLP has none)
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "vocab_size": 128, "max_position_embeddings": 64, "tie_word_embeddings": False}
+
+
+def tiny_llama() -> tuple[dict, list[str]]:
+    """``user_model``'s keys and lines for ``TINY_LLAMA``, built by the installed transformers."""
+    return _built(dict(TINY_LLAMA), "llama (tiny, the kit's)", [], "a tiny Llama", None)
+
+
+def _built(cfg: dict, name: str, notes: list, where: str, adapter: str | None) -> tuple[dict, list[str]]:
+    keys = {"model": name, "model_config": cfg}
     if adapter:
         keys["adapter_config"], more = load_adapter(adapter)
         notes += more

@@ -15,11 +15,16 @@ import kit.commands.check.plan as plan
 from kit.commands.check.summary import report, separate, summarise
 from kit.judge import oracle
 from kit.judge import verdict as kverdict
-from kit.probes import ds_config
+from kit.probes import ds_config, ds_features
+from kit.shapes import hf
 
 
 # resolve's lines for the "auto" values a training config's framework has already filled (and said how)
 FILLED_BY_FRAMEWORK = re.compile(r'^(gradient_accumulation_steps|gradient_clipping|bf16\.enabled|fp16\.enabled) "?auto"? ->')
+
+
+def model_name(a) -> str:
+    return a.model or "the MLP"
 
 
 def _ga_of(run, a) -> tuple[int, bool]:
@@ -34,6 +39,12 @@ def prepare(run, a, model, model_notes: list) -> dict:
     could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
     loop style or a bad key is refused here, before any launch."""
     user = run.ds_config or {}
+    if ds_features.autotp_size(user) > 1 and not isinstance(model, dict):  # AutoTP needs a tensor-parallel policy
+        model, built = hf.tiny_llama()
+        model_notes = model_notes + built + [
+            f"model: a tiny Llama (transformers' LlamaForCausalLM at toy size), not {model_name(a)}: AutoTP shards a "
+            "model by its tensor-parallel policy, which the kit's shapes have none of; --model judges your "
+            "architecture"]
     ga, ga_from_run = _ga_of(run, a)
     flag = a.precision
     dtypes = [flag] if flag else list(run.precisions) if run.framework != "deepspeed" else plan.precisions(user, None)
@@ -51,6 +62,7 @@ def prepare(run, a, model, model_notes: list) -> dict:
             cfg.notes.append(f"world size {run.world_size} (your run) -> {a.world_size} (--world-size: every bug the "
                              "kit knows shows from 2 ranks on)")
         ds_config.plan(cfg, plan.loops_of(a.loop, run.loops), steps=a.steps, model=model)
+        cfg.model = model  # the model it runs on (a tiny Llama for AutoTP)
         todo[ds_config.dtype_of(cfg)] = cfg  # named by what runs (a config that enables bf16 itself is bf16)
     return todo
 
@@ -79,8 +91,10 @@ def check(run, todo: dict, a, model, say=print) -> dict:
                                                      "count it)"))
             continue
         try:
+            on = getattr(cfg, "model", model)
+
             def go(c, ls):
-                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps, model=model)
+                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps, model=on)
 
             recs = go(cfg, loops)
             summary = summarise(recs)

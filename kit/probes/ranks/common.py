@@ -158,6 +158,38 @@ def module_parts(module: nn.Module) -> list:
     return parts
 
 
+def _tp_whole(module: nn.Module, value) -> list:
+    """One float64 tensor per parameter, module order: ``value(p)`` of each (the module's weight, or its fp32
+    master), where AutoTP sharded the parameter gathered whole by its own layer's ``gather_params`` on a copy (the
+    parameters the model computes with are left as they are), so that it lines up with the unsharded reference
+    model's. A collective within the tensor-parallel group."""
+    whole = {}
+    for layer in module.modules():
+        if hasattr(layer, "gather_params") and hasattr(layer, "tp_world_size") and hasattr(layer, "weight"):
+            mine = [getattr(layer, "weight", None), getattr(layer, "bias", None)]
+            copies = [None if q is None else nn.Parameter(value(q).detach().clone(), requires_grad=False) for q in mine]
+            layer.gather_params(copies)
+            whole.update({id(q): c.data for q, c in zip(mine, copies) if q is not None})
+    return [whole[id(q)] if id(q) in whole else value(q).detach() for q in module.parameters()]
+
+
+def read_tp_weights(module: nn.Module, dtype: str) -> dict:
+    """``read_weights`` under AutoTP: the weights the model computes with and the fp32 masters (each a shard under
+    AutoTP, read through ``safe_get_full_fp32_param`` and gathered whole the same way), compared as ``read_weights``
+    compares them."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    def master(p):
+        full = safe_get_full_fp32_param(p)
+        return (p if full is None else full.reshape(p.shape)).float()
+
+    mod = torch.cat([t.double().reshape(-1).cpu() for t in _tp_whole(module, lambda p: p)])
+    mast = torch.cat([t.double().reshape(-1).cpu() for t in _tp_whole(module, master)])
+    diff = (mod - mast).abs()
+    limit = tolerances.ROUNDING[dtype] * mast.abs() + tolerances.SUBNORMAL.get(dtype, 1e-30)
+    return {"module": mod, "masters": mast, "agree": bool((diff <= limit).all()), "max_diff": diff.max().item()}
+
+
 def read_weights(module: nn.Module, optimizer, dtype: str) -> dict:
     """What the model will use and what the optimizer holds, read both ways (collectives under ZeRO):
     ``{"module", "masters", "agree", "max_diff"}``. ``agree``: every module weight is its fp32 master up to the

@@ -128,6 +128,14 @@ def allow_fp16_on_cpu() -> None:
         accelerator.is_fp16_supported = lambda: True
 
 
+def tp_size(case: dict) -> int:
+    """The tensor-parallel degree a case's DeepSpeed config asks for (``tensor_parallel.autotp_size``; 1 without)."""
+    if case.get("loop") == "torch":
+        return 1
+    tp = (case.get("ds_config") or {}).get("tensor_parallel") or {}
+    return int(tp.get("autotp_size", tp.get("tp_size", 1)) or 1) if isinstance(tp, dict) else 1
+
+
 # DeepSpeed's config models (pydantic) by title -> the config section each reads
 SECTIONS = {"DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16", "DeepSpeedZeroConfig": "zero_optimization",
             "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
@@ -180,7 +188,8 @@ def run_case(case: dict) -> dict:
     r, w, n = c.rank(), c.world_size(), case["ga"]
     steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
     shape = shapes.of_case(case)
-    scale = loss_scale(w, n, clip, shape, case.get("masters_dtype", "fp32"))
+    tp = tp_size(case)  # AutoTP: the ranks of a tensor-parallel group feed the same micro-batches
+    scale = loss_scale(w // tp, n, clip, shape, case.get("masters_dtype", "fp32"))
 
     def loss_fn(out, y):
         return shape.loss_fn(out, y) * scale
@@ -227,12 +236,12 @@ def run_case(case: dict) -> dict:
                                       for q, b in enumerate(buffers)]
             judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
 
-    read = loop.read if engine is None else lambda: c.read_weights(engine.module, engine.optimizer,
-                                                                       case.get("judge_dtype", case["dtype"]))
+    reader = c.read_tp_weights if tp > 1 else (lambda m, d: c.read_weights(m, engine.optimizer, d))
+    read = loop.read if engine is None else lambda: reader(engine.module, case.get("judge_dtype", case["dtype"]))
     out = judging.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
                         dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
                         hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape,
-                        masters_dtype=case.get("masters_dtype", "fp32"))
+                        masters_dtype=case.get("masters_dtype", "fp32"), data_rank=r // tp, replicas=w // tp)
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
     if engine is not None:
@@ -240,7 +249,7 @@ def run_case(case: dict) -> dict:
             judging.release(engine)
     if state["skipped"]:
         raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
-    return {**out, "optimizer": optimizer, "engine_ga": engine_ga,
+    return {**out, "optimizer": optimizer, "engine_ga": engine_ga, **({"replicas": w // tp} if tp > 1 else {}),
             "config_stripped": stripped if engine is not None else []} if r == 0 else {}
 
 

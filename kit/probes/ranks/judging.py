@@ -20,7 +20,8 @@ from kit.probes.ranks import common as c
 
 
 def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int,
-          step: int = 0, prev_basis=None, clip: float = 0.0, loss_scale: float = 1.0, shape=None):
+          step: int = 0, prev_basis=None, clip: float = 0.0, loss_scale: float = 1.0, shape=None,
+          replicas: int | None = None):
     """The oracle's view of one step's effective gradient. A collective: every rank calls it.
 
     Rank 0 rebuilds every rank's micro-batches of ``step`` (rank-major), takes the fp32 reference from that step's
@@ -31,14 +32,18 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
     ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way). ``shape``
     (``kit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
-    groups each is judged on its own too (``groups``: ``kparts.judge_groups``).
+    groups each is judged on its own too (``groups``: ``kparts.judge_groups``). ``replicas``: the data-parallel ranks
+    whose micro-batches make the step (every rank by default; under tensor parallelism the ranks of one group share
+    theirs).
     """
     shape = shape or _mlp()
+    w = replicas or c.world_size()
     per_rank = c.all_gather_flat(effective)
     if c.rank() != 0:
         return {}, None, None, None
-    every = [b for rr in range(c.world_size()) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
-    basis, weights, reference = reference_at(start, every, shape, loss_scale, (seed, ga, micro_batch, hidden, step))
+    every = [b for rr in range(w) for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, step)]
+    basis, weights, reference = reference_at(start, every, shape, loss_scale,
+                                             (seed, ga, micro_batch, hidden, step, replicas))
     coef = oracle.clipped(reference, clip).norm().item() / reference.norm().item()
     full, expected = basis, weights * coef
     if prev_basis is not None:
@@ -52,7 +57,7 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     groups = group_index(start, shape)
     if len(groups) > 1:
         uses = shape.uses(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale) if shape.uses else {}
-        out["groups"] = kparts.judge_groups(effective, full, expected, reference * coef, groups, c.world_size(), ga,
+        out["groups"] = kparts.judge_groups(effective, full, expected, reference * coef, groups, w, ga,
                                             {g: {u: v * coef for u, v in by.items()} for g, by in uses.items()})
     return out, full, weights, reference
 
@@ -118,7 +123,8 @@ def plain_read(model: nn.Module) -> dict:
 
 def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch: int, hidden: int, depth: int = 2,
                 dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None,
-                shape=None, masters_dtype: str = "fp32") -> dict:
+                shape=None, masters_dtype: str = "fp32", data_rank: int | None = None,
+                replicas: int | None = None) -> dict:
     """``steps`` optimizer steps on fresh micro-batches, **each** judged against the reference built from that
     step's own starting weights. A collective: every rank calls it.
 
@@ -133,9 +139,12 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
     and data (``kit.shapes.shape.Shape``; the MLP by default). ``masters_dtype``: the masters' own precision
     (bf16 under ``bf16_master_weights_and_grads``): a step read from them is known to within their rounding too.
+    ``data_rank`` / ``replicas``: this rank's data-parallel index and how many there are (under tensor parallelism
+    the ranks of one group feed the same micro-batches); the rank and the world size by default.
     """
     shape = shape or _mlp()
-    r, w, k = c.rank(), c.world_size(), c.world_size() * ga
+    r, w = c.rank(), replicas or c.world_size()
+    k, own = w * ga, r if data_rank is None else data_rank
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
     after = None
     for s in range(steps):
@@ -144,7 +153,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
             if s and not c.all_finite(before["module"]):  # the last step left NaN / inf: it was judged, nothing after is
                 break
         with phase("steps"):
-            logged, gathered = take_step(s, shape.micro_batches(seed, r, ga, micro_batch, hidden, s))
+            logged, gathered = take_step(s, shape.micro_batches(seed, own, ga, micro_batch, hidden, s))
         with phase("read weights"):
             after, taken = read(), s + 1
         first, last = (before["module"] if first is None else first), after["module"]
@@ -153,7 +162,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
             with phase("judge"):
                 start = skeleton(shape, seed, hidden, depth, before["module"]) if r == 0 else None
                 judged, basis, weights, reference = judge(effective, start, seed, ga, micro_batch, hidden, s, prev,
-                                                          clip, loss_scale, shape)  # its one collective comes first
+                                                          clip, loss_scale, shape, replicas)  # its one collective comes first
             if r != 0 or failed is not None:
                 continue
             with phase("judge"):
@@ -171,7 +180,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         raise failed
     worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
     with phase("trajectory"):
-        path = trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale, shape=shape)
+        path = trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale, replicas, shape)
     return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst, "trajectory": path}
 
 
