@@ -193,6 +193,8 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", optimizer="BF16_Optimizer", ds={"bf16": {"immediate_grad_update": True}}), []),
     (_ds("engine", ds=OFFLOAD), ["B5"]),
     (_ds("engine", ds=OFFLOAD, model="conditional"), ["B5", "B7"]),
+    (_ds("engine", ds={"zero_optimization": {"cpu_offload": True}}, model="conditional"), ["B5", "B7"]),  # legacy key
+    (_ds("engine", ds={"zero_optimization": {"cpu_offload": False}}, model="conditional"), []),
     (_ds("boundary", ds=OFFLOAD, stage=1, model="no_grad_step"), ["B5", "B7"]),
     (_ds("engine", ds=OFFLOAD, ga=2, model="conditional"), ["B7"]),  # B5 needs a micro-step between first and last
     (_ds("engine", ds=OFFLOAD, ga=3, model="conditional"), ["B5", "B7"]),

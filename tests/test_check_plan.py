@@ -9,6 +9,7 @@ from kit import config, launch
 from kit.commands import check
 from kit.commands.check import known, many, plan
 from kit.judge import oracle
+from kit.judge.expectations import KNOWN
 from kit.judge import verdict as kverdict
 from kit.probes import ds_config, ds_features
 
@@ -52,8 +53,11 @@ def _rec(version="0.19.8", stage=2, optimizer="DeepSpeedZeroOptimizer", ds=None)
 
 def test_a_loop_not_run_is_said_in_one_line_from_the_bug_table():
     line = known.if_run(_rec(), "manual")
-    assert line.startswith("if your own loop calls backward() several times per step() with GA 1 in the config: "
-                           "B3 is expected on DeepSpeed 0.19.8 (allenai/open-instruct#1498); fix: ")
+    assert line == ("if your own loop calls backward() several times per step() with GA 1 in the config: "
+                    f"B3 is expected on DeepSpeed 0.19.8 (allenai/open-instruct#1498); fix: {KNOWN['B3'].explains[2]}")
+    # the user's own config already opts out (0.19.4+): the manual loop's line says so
+    assert known.if_run(_rec(ds={"managed_gradient_accumulation": False}), "manual").endswith(
+        "B3 is ruled out by \"managed_gradient_accumulation\": false (honoured from 0.19.4)")
     assert known.if_run(_rec(), "unmanaged").endswith(
         "B3 is ruled out by \"managed_gradient_accumulation\": false (honoured from 0.19.4)")
     assert known.if_run(_rec("0.18.2"), "manual").endswith("no known bug is expected on DeepSpeed 0.18.2")
