@@ -1,6 +1,6 @@
 """``gradkit <command>`` / ``python -m kit <command>``.
 
-    gradkit check ds_config.json [--world-size 2] [--loop all] [--deepspeed 0.18.9] [--json out.json]
+    gradkit check train.yaml | ds_config.json | launch.sh | DIR [--loop all] [--deepspeed 0.18.9,installed] [--json out.json]
     gradkit bisect ds_config.json --loop manual [--from 0.14.0] [--to installed] [--json out.json]
     gradkit report check.json [--bisect bisect.json]  |  gradkit report runs/sweep --group repro_0.18.6_18
 """
