@@ -358,7 +358,7 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
                 steps=_steps((1.0, 4.0))),
             _ds("manual", matches="last micro-batch / N", shape="the last x1", steps=_steps((1.0, None), (0.25, None)),
                 worst_step=1, read_finding="the masters misreport"),
-            _ds("boundary", verdict=oracle.CANNOT_RUN, metrics=None, attribution=None, reason="q" * 400)]
+            _ds("boundary", verdict=oracle.CANNOT_RUN, metrics=None, attribution=None, reason="q" * 700)]
     recs[0].update(resolved_config={**_resolved(4), "zero_optimization": {"stage": 2}}, step_count=2,
                    config_notes=["a note"])
     lines = check.report(recs, check.summarise(recs), "ds.json", 2, "cpu").splitlines()
@@ -377,7 +377,7 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
                                             "check with --deepspeed)")
     assert lines[at["manual"] + 4] == "      finding (not an accumulation bug): the masters misreport"
     assert lines[at["boundary"]].split()[:6] == ["boundary", "cannot-run", "-", "-", "-", "-"]
-    assert lines[at["boundary"] + 1] == "      " + "q" * 400  # up to 600 said
+    assert lines[at["boundary"] + 1] == "      " + "q" * 600  # a long reason: its first 600 characters
     assert lines[-4:-2] == ["  control (plain torch.distributed, no DeepSpeed): not-affected",
                             "  not run (unmanaged; --loop asks for them; the exit status does not count them):"]
     assert lines[-2].startswith("    if your own loop does that with \"managed_gradient_accumulation\": false: B3 is "

@@ -184,3 +184,17 @@ def test_a_bad_matrix_flag_is_refused_before_anything_launches(tmp_path, monkeyp
     path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     with pytest.raises(config.ConfigError, match=needle):
         check.main([str(path), *argv])
+
+
+def test_the_loops_not_run_are_said_from_a_measured_deepspeed_record_never_from_the_control():
+    """The control (plain torch, no ZeRO stage) comes first in a world's records; what the user's own loop would give
+    is read from a measured DeepSpeed record of the same world: B3 on ZeRO-2, DeepSpeed 0.19.8."""
+    control = {"case": "control", "role": "control", "verdict": N, "reason": "ok", "zero_stage": None,
+               "optimizer": "torch.optim.SGD", "ga": 4, "dtype": "fp32", "versions": {"deepspeed": "0.19.8"},
+               "config": {"loop": "torch", "ds_config": {}, "model": "mlp"}}
+    engine = {**control, "case": "engine", "role": "measured", "zero_stage": 2, "optimizer": "DeepSpeedZeroOptimizer",
+              "metrics": {"norm_ratio": 1.0, "cosine": 1.0}, "attribution": {"misplaced_weight": 0.0},
+              "config": {"loop": "engine", "ds_config": {}, "model": "mlp"}}
+    lines = check.summarise([control, engine])["not_run"]
+    assert len(lines) == 2 and "B3 is expected on DeepSpeed 0.19.8" in lines[0], lines
+    assert check.summarise([control])["not_run"] == []  # nothing measured: nothing said
