@@ -198,3 +198,16 @@ def test_the_loops_not_run_are_said_from_a_measured_deepspeed_record_never_from_
     lines = check.summarise([control, engine])["not_run"]
     assert len(lines) == 2 and "B3 is expected on DeepSpeed 0.19.8" in lines[0], lines
     assert check.summarise([control])["not_run"] == []  # nothing measured: nothing said
+
+
+def test_a_pipeline_zenflow_off_and_each_spelling_of_autotp_are_read_as_deepspeed_reads_them():
+    for cfg in ({"pipeline": {"stages": 2}}, {"pipe_parallel_size": 2}):
+        why, notes, _ = _features(dict(cfg))
+        assert why is None and notes == ["pipeline keys ignored: the check runs data parallelism (notebook 02 judges "
+                                         "the pipeline)"], (cfg, notes)
+    assert _features({"zero_optimization": {"stage": 2}})[1] == []            # nothing to say
+    assert _features({"zero_optimization": {"zenflow": False}})[0] is None    # ZenFlow off
+    assert _features({"zero_optimization": {"zenflow": True}})[0].startswith("zero_optimization.zenflow")
+    assert [ds_features.autotp_size(c) for c in ({"tensor_parallel": {}}, {"tensor_parallel": {"tp_size": 2}},
+                                                 {"tensor_parallel": "2"}, {"tensor_parallel": {"autotp_size": 1}})] \
+        == [1, 2, 1, 1]
