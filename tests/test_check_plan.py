@@ -7,7 +7,7 @@ import pytest
 
 from kit import config, launch
 from kit.commands import check
-from kit.commands.check import known, many, plan
+from kit.commands.check import known, many, one, plan
 from kit.judge import oracle
 from kit.judge.expectations import KNOWN
 from kit.judge import verdict as kverdict
@@ -211,3 +211,54 @@ def test_a_pipeline_zenflow_off_and_each_spelling_of_autotp_are_read_as_deepspee
     assert [ds_features.autotp_size(c) for c in ({"tensor_parallel": {}}, {"tensor_parallel": {"tp_size": 2}},
                                                  {"tensor_parallel": "2"}, {"tensor_parallel": {"autotp_size": 1}})] \
         == [1, 2, 1, 1]
+
+
+def _args(*argv):
+    a = check.parser().parse_args(list(argv) or ["x.json"])
+    a.ga_given, a.ga = a.ga, a.ga or 4
+    a.releases = [a.deepspeed]
+    return a
+
+
+def test_a_training_configs_own_ga_precision_and_notes_are_what_runs(repo):
+    """LLaMA-Factory's run (GA 2, --bf16, ZeRO-3 with "auto" values) is resolved with its own GA and precision, its
+    lines said once (the framework's, not resolve's "auto" lines again); --ga and --precision still win; a world
+    size the run names is said beside the one the check runs."""
+    from kit import frameworks
+
+    run = frameworks.read(repo / "tests/configs/frameworks/llamafactory_full_sft.yaml")
+    todo = one.prepare(run, _args(), "mlp", [])
+    (dtype, cfg), = todo.items()
+    assert dtype == "bf16" and cfg["gradient_accumulation_steps"] == 2 and cfg["zero_optimization"]["stage"] == 3
+    assert cfg.notes[0].startswith("llamafactory: ") and any(n.startswith("train_micro_batch_size_per_gpu auto -> 4")
+                                                             for n in cfg.notes)
+    assert not any(n.startswith(("gradient_accumulation_steps auto", "bf16.enabled \"auto\"")) for n in cfg.notes)
+    assert not any(n.startswith("world size") for n in cfg.notes)  # the file names none
+    (cfg8,) = one.prepare(run, _args("x.json", "--ga", "8"), "mlp", []).values()
+    assert cfg8["gradient_accumulation_steps"] == 8
+    assert list(one.prepare(run, _args("x.json", "--precision", "fp32"), "mlp", [])) == ["fp32"]
+    run.world_size = 8
+    (cfg,) = one.prepare(run, _args(), "mlp", []).values()
+    assert cfg.notes[-1].startswith("world size 8 (your run) -> 2 (--world-size")
+    run.world_size = 2
+    assert not any(n.startswith("world size") for n in next(iter(one.prepare(run, _args(), "mlp", []).values())).notes)
+
+
+def test_an_open_precision_of_a_framework_is_said_with_its_own_rule_and_a_precision_not_here_is_skipped(
+        repo, monkeypatch):
+    from kit import frameworks
+
+    calls = []
+    monkeypatch.setattr(ds_config, "run", _fake_run(calls))
+    run = frameworks.read(repo / "tests/configs/frameworks/axolotl_lora.yml")  # bf16: auto -> bf16 or fp16
+    said = []
+    result = one.check(run, one.prepare(run, _args(), "mlp", []), _args(), "mlp", say=said.append)
+    assert [c[0] for c in calls] == ["bf16", "fp16"] and result["asked"] == []
+    assert said[0].startswith(f"{run.source}: the precision is not fixed (bf16: \"auto\" -> bf16 on a GPU with bf16 "
+                              "support") and "micro_batch_size" not in said[0]
+    run.precisions, run.precision = ("fp8", "bf16"), None  # a precision this machine cannot run, first
+    todo = one.prepare(run, _args(), "mlp", [])
+    assert list(todo) == ["fp8", "bf16"] and todo["fp8"] is None and todo["bf16"] is not None
+    run.precision, run.precisions = "bf16", ("bf16",)
+    calls.clear()
+    assert one.check(run, one.prepare(run, _args(), "mlp", []), _args(), "mlp", say=said.append)["asked"] == ["bf16"]
