@@ -262,3 +262,69 @@ def test_an_open_precision_of_a_framework_is_said_with_its_own_rule_and_a_precis
     run.precision, run.precisions = "bf16", ("bf16",)
     calls.clear()
     assert one.check(run, one.prepare(run, _args(), "mlp", []), _args(), "mlp", say=said.append)["asked"] == ["bf16"]
+
+
+def _summary(loops=(), verdict=N, error=None):
+    return {"verdict": verdict, "exit": kverdict.EXIT[verdict], "loops": list(loops), "control": None, "not_run": [],
+            **({"error": error} if error else {})}
+
+
+def _loop(loop, verdict, **kw):
+    return {"loop": loop, "verdict": verdict, "ratio": kw.pop("ratio", 1.0), "cosine": kw.pop("cosine", 1.0),
+            "explained_by": None, "explanation": None, "reason": "why " + loop, **kw}
+
+
+def test_a_sets_table_has_a_row_per_precision_and_loop_with_the_bug_or_the_reason():
+    result = {"source": "a.json", "release": "0.18.6", "precisions": {
+        "fp32": {"summary": _summary([_loop("engine", N), _loop("boundary", A, explained_by="B5", explanation="x"),
+                                      _loop("manual", A, explanation="not explained " + "y" * 300),
+                                      _loop("unmanaged", oracle.INCONCLUSIVE, reason="r|s\nt")])},
+        "bf16": {"summary": _summary(verdict=C, error="boom")},
+        "fp16": {"summary": _summary(verdict=C), "not_here": "fp16 cannot run here"},
+        "fp8": {"summary": _summary(verdict=C)}}}
+    rows = many._rows(result)
+    assert [(r["precision"], r["loop"], r["verdict"], r["bug_or_reason"][:20]) for r in rows] == [
+        ("fp32", "engine", N, ""), ("fp32", "boundary", A, "B5"), ("fp32", "manual", A, "not explained yyyyyy"),
+        ("fp32", "unmanaged", oracle.INCONCLUSIVE, "r|s\nt"), ("bf16", "-", C, "boom"),
+        ("fp16", "-", "not run here", "fp16 cannot run here"), ("fp8", "-", C, "nothing judged")]
+    assert len(rows[2]["bug_or_reason"]) == 200 and "deepspeed" not in rows[0]
+    assert [r["deepspeed"] for r in many._rows(result, several=True)] == ["0.18.6"] * 7
+    md = many.markdown(many._rows(result, several=True), A, 1).splitlines()
+    assert md[:2] == ["| config | deepspeed | precision | loop | verdict | ratio | cosine | known bug or reason |",
+                      "|---|---|---|---|---|---|---|---|"]
+    assert md[2] == "| a.json | 0.18.6 | fp32 | engine | not-affected | 1.0000 | 1.00000 |  |"
+    assert md[5] == "| a.json | 0.18.6 | fp32 | unmanaged | inconclusive | 1.0000 | 1.00000 | r/s t |"
+    assert md[-2:] == ["", "set verdict: affected (exit 1)"] and len(md) == 2 + 7 + 2
+    plain = many.markdown(many._rows(result), A, 1).splitlines()
+    assert plain[0].startswith("| config | precision |") and plain[1] == "|---|---|---|---|---|---|---|"
+
+
+def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cell(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(ds_config, "run", _fake_run(calls))
+    b, a = tmp_path / "b.json", tmp_path / "a.json"
+    for p in (b, a):
+        p.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    (tmp_path / "notes.txt").write_text("not a config")
+    out, full = tmp_path / "table", tmp_path / "full.json"
+    line = f"torchrun --nproc_per_node 2 train.py --deepspeed {a} --gradient_accumulation_steps 4"
+    code = check.main([str(b), str(a), "--command", line, "--deepspeed", "installed,0.18.6", "--precision", "fp32",
+                       "--loop", "engine", "--out", str(out), "--json", str(full)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    doc = json.loads((tmp_path / "table.json").read_text())
+    assert [(r["config"].split("/")[-1], r["deepspeed"]) for r in doc["rows"]] == [
+        ("command line", "0.18.6"), ("command line", "installed"), ("b.json", "0.18.6"), ("b.json", "installed"),
+        ("a.json", "0.18.6"), ("a.json", "installed")]
+    said = [x for x in text.splitlines() if " @ DeepSpeed " in x]
+    assert [x.split(":")[0] for x in said] == [f"command line @ DeepSpeed installed", "command line @ DeepSpeed 0.18.6",
+                                               f"{b} @ DeepSpeed installed", f"{b} @ DeepSpeed 0.18.6",
+                                               f"{a} @ DeepSpeed installed", f"{a} @ DeepSpeed 0.18.6"]
+    walls = [c["wall_s"] for c in doc["configs"]]
+    assert f"6 configs checked in {sum(walls):.1f} s ({sum(walls) / 6:.1f} s per config)" in text
+    assert (tmp_path / "table.json").read_text().startswith('{\n "verdict": "not-affected"')
+    assert full.read_text().startswith('{\n "verdict"') and len(json.loads(full.read_text())["results"]) == 6
+    files, skipped = many.expand([str(b), str(a)])
+    assert files == [str(b), str(a)] and skipped == []
+    files, _ = many.expand([str(tmp_path)])
+    assert files == [str(a), str(b)]  # a folder: its config files, sorted; notes.txt is none

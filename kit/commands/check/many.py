@@ -145,7 +145,7 @@ def main(sources, skipped, a) -> int:
         {"config": res["source"], **({"deepspeed": res["release"]} if several else {}), "precision": "-", "loop": "-",
          "verdict": BAD_INPUT, "ratio": None, "cosine": None, "bug_or_reason": res["error"]}
         for res in results if res["verdict"] == BAD_INPUT]
-    order = {str(s[1] if isinstance(s, tuple) else s): i for i, s in enumerate(sources)}  # as named or found
+    order = {"command line" if isinstance(s, tuple) else str(s): i for i, s in enumerate(sources)}  # as named or found
     rows.sort(key=lambda r: (order.get(r["config"], 0), r.get("deepspeed", "")))
     verdict, code = set_exit(results)
     table = markdown(rows, verdict, code)
