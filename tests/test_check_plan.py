@@ -333,5 +333,5 @@ def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cel
     assert full.read_text().startswith('{\n "verdict"') and len(json.loads(full.read_text())["results"]) == 6
     files, skipped = many.expand([str(b), str(a)])
     assert files == [str(b), str(a)] and skipped == []
-    files, _ = many.expand([str(tmp_path)])
-    assert files == [str(a), str(b)]  # a folder: its config files, sorted; notes.txt is none
+    files, skipped = many.expand([str(tmp_path)])
+    assert files == [str(a), str(b)] and skipped == []  # a folder: its config files, sorted; notes.txt is not looked at
