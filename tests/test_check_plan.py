@@ -309,10 +309,12 @@ def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cel
         return fake(*a, **k)
 
     monkeypatch.setattr(ds_config, "run", slow)
-    b, a = tmp_path / "b.json", tmp_path / "a.json"
+    folder = tmp_path / "cfgs"
+    folder.mkdir()
+    b, a = folder / "b.json", folder / "a.json"
     for p in (b, a):
         p.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
-    (tmp_path / "notes.txt").write_text("not a config")
+    (folder / "notes.txt").write_text("not a config")
     out, full = tmp_path / "table", tmp_path / "full.json"
     line = f"torchrun --nproc_per_node 2 train.py --deepspeed {a} --gradient_accumulation_steps 4"
     code = check.main([str(b), str(a), "--command", line, "--deepspeed", "installed,0.18.6", "--precision", "fp32",
@@ -333,5 +335,5 @@ def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cel
     assert full.read_text().startswith('{\n "verdict"') and len(json.loads(full.read_text())["results"]) == 6
     files, skipped = many.expand([str(b), str(a)])
     assert files == [str(b), str(a)] and skipped == []
-    files, skipped = many.expand([str(tmp_path)])
+    files, skipped = many.expand([str(folder)])
     assert files == [str(a), str(b)] and skipped == []  # a folder: its config files, sorted; notes.txt is not looked at
