@@ -337,3 +337,22 @@ def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cel
     assert files == [str(b), str(a)] and skipped == []
     files, skipped = many.expand([str(folder)])
     assert files == [str(a), str(b)] and skipped == []  # a folder: its config files, sorted; notes.txt is not looked at
+
+
+def test_a_runs_own_ga_of_1_is_judged_as_such_and_autotp_picks_a_model_with_a_tensor_parallel_policy(repo):
+    from kit import frameworks
+
+    run = frameworks.read(repo / "tests/configs/frameworks/llamafactory_full_sft.yaml")
+    run.ga = 1  # the Trainer accumulates nothing: judged at GA 1, not at --ga as a bare config's GA 1 is
+    (cfg,) = one.prepare(run, _args(), "mlp", []).values()
+    assert cfg["gradient_accumulation_steps"] == 1 and not any("every loop style takes" in n for n in cfg.notes)
+    bare = frameworks.read(repo / "scripts/configs/shipped/llamafactory/ds_z2_config.json")
+    bare.ds_config = {**bare.ds_config, "gradient_accumulation_steps": 1}
+    (cfg,) = one.prepare(bare, _args("x.json", "--precision", "fp32"), "mlp", []).values()
+    assert cfg["gradient_accumulation_steps"] == 4 and any("every loop style takes N = 4" in n for n in cfg.notes)
+    tp = frameworks.read(repo / "tests/configs/corpus/llamafactory__ds_z2_autotp_config.json")
+    (cfg,) = one.prepare(tp, _args("x.json", "--precision", "fp32"), "mlp", ["a note"]).values()
+    assert isinstance(cfg.model, dict) and cfg.model["model_config"]["model_type"] == "llama"
+    assert "a note" in cfg.notes and any(n.startswith("model: a tiny Llama") and "not the MLP" in n for n in cfg.notes)
+    (cfg,) = one.prepare(bare, _args("x.json", "--precision", "fp32"), "mlp", []).values()
+    assert cfg.model == "mlp"  # no AutoTP: the model asked for
