@@ -257,9 +257,13 @@ def test_an_open_precision_of_a_framework_is_said_with_its_own_rule_and_a_precis
     assert [c[0] for c in calls] == ["bf16", "fp16"] and result["asked"] == []
     assert said[0].startswith(f"{run.source}: the precision is not fixed (bf16: \"auto\" -> bf16 on a GPU with bf16 "
                               "support") and "micro_batch_size" not in said[0]
+    assert 'bf16.enabled: "auto" -> true on a GPU with bf16 support' in said[0]  # each line that leaves it open
     run.precisions, run.precision = ("fp8", "bf16"), None  # a precision this machine cannot run, first
     todo = one.prepare(run, _args(), "mlp", [])
     assert list(todo) == ["fp8", "bf16"] and todo["fp8"] is None and todo["bf16"] is not None
+    calls.clear()
+    result = one.check(run, todo, _args(), "mlp", say=said.append)  # fp8 said as not run here, bf16 still checked
+    assert [c[0] for c in calls] == ["bf16"] and result["precisions"]["fp8"]["not_here"].startswith("fp8 cannot run")
     run.precision, run.precisions = "bf16", ("bf16",)
     calls.clear()
     assert one.check(run, one.prepare(run, _args(), "mlp", []), _args(), "mlp", say=said.append)["asked"] == ["bf16"]
