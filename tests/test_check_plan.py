@@ -210,8 +210,11 @@ def test_a_pipeline_zenflow_off_and_each_spelling_of_autotp_are_read_as_deepspee
     assert _features({"zero_optimization": {"zenflow": False}})[0] is None    # ZenFlow off
     assert _features({"zero_optimization": {"zenflow": True}})[0].startswith("zero_optimization.zenflow")
     assert [ds_features.autotp_size(c) for c in ({"tensor_parallel": {}}, {"tensor_parallel": {"tp_size": 2}},
-                                                 {"tensor_parallel": "2"}, {"tensor_parallel": {"autotp_size": 1}})] \
-        == [1, 2, 1, 1]
+                                                 {"tensor_parallel": "2"}, {"tensor_parallel": {"autotp_size": 1}},
+                                                 {"tensor_parallel": {"autotp_size": 0}},
+                                                 {"tensor_parallel": {"autotp_size": "2"}})] == [1, 2, 1, 1, 1, 1]
+    assert ds_features.apply({"tensor_parallel": {"autotp_size": 2}}, [], False, world_size=3).startswith(
+        "tensor_parallel.autotp_size 2 splits each linear layer across 2 ranks, and 3 ranks make no whole number")
 
 
 def _args(*argv):
