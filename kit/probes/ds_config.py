@@ -134,8 +134,9 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
     n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
     stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
     on = model_keys(model)
-    if judge_note(cfg):
-        notes.append(judge_note(cfg))
+    coarser = judge_note(cfg)
+    if coarser:
+        notes.append(coarser)
     if masters_dtype(cfg) != "fp32" and not clip:
         notes.append(f"{masters_dtype(cfg)} masters ({masters_dtype(cfg)}_master_weights_and_grads): every loss is "
                      f"scaled so the first step is {MASTERS_STEP:g} of the weights' norm, since a step read from "
