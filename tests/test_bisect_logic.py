@@ -132,13 +132,15 @@ def _summary(verdict, **row):
 
 
 def test_one_releases_result_is_the_loops_verdict_and_the_step_in_words():
-    recs = [{"role": "control", "optimizer": "Control"}, {"role": "measured"},
-            {"role": "measured", "optimizer": "DeepSpeedZeroOptimizer"}, {"role": "measured", "optimizer": "Other"}]
+    recs = [{"role": "control", "optimizer": "Control", "dtype": "fp16"}, {"role": "measured"},
+            {"role": "measured", "optimizer": "DeepSpeedZeroOptimizer", "dtype": "fp32", "judge_dtype": "bf16"},
+            {"role": "measured", "optimizer": "Other", "dtype": "fp16"}]
     r = result.result_of(_summary(oracle.AFFECTED, matches="last micro-batch / N", cosine=0.9, misplaced_weight=0.5,
                                   explained_by="x", reason="ignored"), "manual", "0.18.6", recs)
     assert r == {"release": "0.18.6", "verdict": oracle.AFFECTED, "step": "last micro-batch / N", "ratios": [0.5, 0.25],
                  "cosine": 0.9, "misplaced_weight": 0.5, "explained_by": "x", "optimizer": "DeepSpeedZeroOptimizer",
-                 "reason": None, "control": oracle.NOT_AFFECTED}
+                 "reason": None, "control": oracle.NOT_AFFECTED, "dtype": "bf16"}
+    assert result.result_of(_summary(oracle.AFFECTED), "manual", "1", recs[-1:])["dtype"] == "fp16"
     tie = result.result_of(_summary(oracle.AFFECTED, ties=["a", "b"], matches="a"), "manual", "1", [])
     assert tie["step"] == "ambiguous between 'a' and 'b'" and tie["optimizer"] is None
     assert result.result_of(_summary(oracle.AFFECTED, matches="none", shape="sum x GA"), "manual", "1", [])["step"] \
@@ -183,21 +185,27 @@ def _probe(recs=None, error=None):
 def test_a_probes_measure_judges_its_case_by_the_worst_configuration_and_names_its_steps(monkeypatch):
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6")
     rec = lambda v, m, **kw: {"case": "measured", "probe_verdict": v, "verdict": "ignored", "matches": m,  # noqa: E731
-                              "steps": [{"metrics": {"norm_ratio": 0.5}}, {"metrics": None}], "why": "w", **kw}
-    recs = [rec(oracle.NOT_AFFECTED, "global mean"), rec(oracle.AFFECTED, "b", optimizer="SGD"),
+                              "steps": [{"metrics": {"norm_ratio": 0.5, "cosine": 0.8}},
+                                        {"metrics": {"norm_ratio": None, "cosine": 0.7}}], "why": "w", **kw}
+    recs = [rec(oracle.NOT_AFFECTED, "global mean"),
+            rec(oracle.AFFECTED, "b", optimizer="SGD", dtype="bf16", attribution={"misplaced_weight": 0.25}),
             rec(oracle.AFFECTED, "a"), rec(oracle.AFFECTED, "a"),
             {"case": "control", "probe_verdict": oracle.AFFECTED, "verdict": oracle.AFFECTED}]
     probe, calls = _probe(recs)
     measure = result.probe_measure(probe, {"world_sizes": [2]}, "measured")
     assert measure("0.18.5") == {"release": "0.18.5", "verdict": oracle.AFFECTED, "step": "a; b", "ratios": [0.5, None],
-                                 "reason": None, "optimizer": "SGD"}
+                                 "cosine": 0.7, "misplaced_weight": 0.25, "dtype": "bf16", "reason": None,
+                                 "optimizer": "SGD"}
     assert calls == [{"world_sizes": [2], "stacks": [{"deepspeed": "0.18.5"}]}]
     measure("0.18.6")
     assert calls[-1]["stacks"] == [{}]
     odd = [{"case": "measured", "probe_verdict": "odd", "verdict": "odd", "why": "w"}, rec(oracle.CANNOT_RUN, None)]  # unknown ranks last
     res = result.probe_measure(_probe(odd)[0], {}, "measured")("0.18.5")
     assert res["verdict"] == oracle.CANNOT_RUN and res["reason"] == "w" and res["step"] is None
-    assert res["ratios"] == [0.5, None]
+    assert res["ratios"] == [0.5, None] and res["dtype"] == "fp32" and res["misplaced_weight"] is None
+    one = result.probe_measure(_probe([{"case": "measured", "probe_verdict": oracle.AFFECTED, "verdict": "x", "why": "w",
+                                        "metrics": {"norm_ratio": 0.3}}])[0], {}, "measured")("0.18.5")
+    assert one["ratios"] == [0.3] and one["cosine"] is None  # a record without steps is its own one step
     flat = [{"case": "measured", "verdict": oracle.AFFECTED, "probe_verdict": oracle.NOT_AFFECTED,
              "metrics": {"norm_ratio": 1.0}, "why": "w"}]  # the probe's own verdict, not the record's
     res = result.probe_measure(_probe(flat)[0], {}, "measured")("0.18.5")
@@ -237,9 +245,35 @@ def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_th
                                 "reason": "no wheel for this python"}
 
 
-def test_a_change_is_a_change_of_verdict_or_of_the_steps_shape():
-    assert result.signature({"verdict": "a", "step": "x", "ratios": [1]}) == ("a", "x")
-    assert result.signature({"verdict": "a"}) == ("a", None)
+def test_a_change_is_a_change_of_verdict_of_the_steps_shape_or_of_the_measured_step_beyond_the_dtypes_tolerance():
+    off = {"verdict": oracle.AFFECTED, "step": None, "ratios": [0.227, 0.227], "cosine": 0.9, "dtype": "fp32"}
+    assert result.same(off, {**off}) and result.differences(off, off) == []
+    assert result.differences(off, {**off, "verdict": oracle.NOT_AFFECTED}) == ["verdict affected -> not-affected"]
+    assert result.differences(off, {**off, "step": "x"}) == ["step 'None' -> 'x'"]
+    # B1 from 5.5.2 to 5.6.1: both affected, no step named, the ratio from 0.227 to 0.908
+    assert result.differences(off, {**off, "ratios": [0.908, 0.908]}) == ["ratio of step 1 0.227 -> 0.908",
+                                                                          "ratio of step 2 0.227 -> 0.908"]
+    # within fp32's tolerance (1e-4) is the same step, just past it is not; bf16's is 3e-2, the coarser of the two
+    assert result.same(off, {**off, "ratios": [0.22709, 0.227]})
+    assert not result.same(off, {**off, "ratios": [0.22711, 0.227]})
+    assert result.same({**off, "dtype": "bf16"}, {**off, "ratios": [0.25, 0.25]})
+    assert not result.same({**off, "dtype": "bf16"}, {**off, "ratios": [0.26, 0.25]})
+    big = {**off, "ratios": [3.0]}  # a ratio far from 1: the tolerance is relative to it
+    assert result.same(big, {**big, "ratios": [3.00029]}) and not result.same(big, {**big, "ratios": [3.00031]})
+    assert result.differences(off, {**off, "ratios": [0.227]}) == ["2 judged steps -> 1"]
+    assert result.differences(off, {**off, "cosine": 0.89}) == ["cosine 0.90000 -> 0.89000"]
+    assert result.same(off, {**off, "cosine": 0.90009})
+    assert result.differences({**off, "misplaced_weight": 0.5}, {**off, "misplaced_weight": 0.25}) == [
+        "misplaced weight 0.500 -> 0.250"]
+    assert result.same({**off, "misplaced_weight": 0.5}, {**off, "misplaced_weight": 0.50009})
+    assert not result.same(off, {**off, "cosine": None}) and result.same({**off, "cosine": None}, {**off, "cosine": None})
+    nan = {**off, "ratios": [float("nan")]}
+    assert result.same(nan, {**nan}) and not result.same(nan, {**off, "ratios": [1.0]})
+    assert not result.same({**off, "ratios": [float("inf")]}, {**off, "ratios": [1.0]})
+    assert result.same({**off, "ratios": [float("inf")]}, {**off, "ratios": [float("inf")]})
+    # two results that did not run are the same whatever their numbers; the verdict alone counts
+    skip = {**off, "verdict": oracle.CANNOT_RUN}
+    assert result.same(skip, {**skip, "ratios": [], "step": "y"})
 
 
 # ---------------------------------------------------------------------------------------------- the search
@@ -341,6 +375,9 @@ def test_a_change_says_which_way_it_goes_between_which_releases_and_whether_it_r
     assert search.describe(ch) == "0.1.0 -> 0.2.0: cannot-run until 0.1.0, not-affected from 0.2.0"
     ch = {**ch, "from": GOOD, "to": {**SKIP, "verdict": oracle.INCONCLUSIVE}}
     assert search.describe(ch) == "0.1.0 -> 0.2.0: not-affected until 0.1.0, inconclusive from 0.2.0"
+    ch = {**ch, "from": {**bad("y"), "ratios": [0.227]}, "to": {**bad("y"), "ratios": [0.908]}}
+    assert search.describe(ch) == ("0.1.0 -> 0.2.0: affected on both sides, but the measured step changes: ratio of "
+                                   "step 1 0.227 -> 0.908")
 
 
 def test_the_table_gives_each_releases_verdict_step_and_ratios_and_the_releases_not_run():

@@ -1,12 +1,16 @@
 """One release's result: ``gradkit check``'s probe (``measure_with``) or any registered probe (``probe_measure``)
 run on that release, one world, and what it gave: the verdict, the step in words, the ratio of every step
-(``result_of``); what a change is a change of (``signature``); results that do not count (``SKIPPED``)."""
+(``result_of``); what a change is a change of (``same``: the verdict, the named step, or the measured step beyond
+the dtype's tolerance); results that do not count (``SKIPPED``)."""
 from __future__ import annotations
+
+import math
 
 from kit import config as kconfig
 from kit.commands import check
 from kit.commands.bisect.listing import PACKAGE, stack_of
 from kit.judge import oracle
+from kit.judge.tolerances import TOLERANCES
 from kit.probes import ds_config
 from kit.stacks import versions
 
@@ -27,9 +31,12 @@ def result_of(summary: dict, loop: str, release: str, recs: list[dict]) -> dict:
             step = row["matches"]
         else:
             step = row.get("shape") or "off, not named"
-    optimizer = next((r.get("optimizer") for r in recs if r.get("role") == "measured" and r.get("optimizer")), None)
+    measured = [r for r in recs if r.get("role") == "measured"]
+    optimizer = next((r.get("optimizer") for r in measured if r.get("optimizer")), None)
+    dtype = next((r.get("judge_dtype") or r.get("dtype") for r in measured if r.get("judge_dtype") or r.get("dtype")),
+                 "fp32")
     return {"release": release, "verdict": row["verdict"], "step": step if row["verdict"] == oracle.AFFECTED else None,
-            "ratios": [s["ratio"] for s in row["steps"]], "cosine": row.get("cosine"),
+            "ratios": [s["ratio"] for s in row["steps"]], "cosine": row.get("cosine"), "dtype": dtype,
             "misplaced_weight": row.get("misplaced_weight"), "explained_by": row.get("explained_by"),
             "optimizer": optimizer, "reason": row.get("reason") if row["verdict"] in SKIPPED else None,
             "control": (summary.get("control") or {}).get("verdict")}
@@ -79,13 +86,57 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
         worst = [r for r, v in zip(mine, verdicts) if v == verdict]
         rec = worst[0]
         steps = sorted({str(words(r)) for r in worst}) if verdict == oracle.AFFECTED else []
+        metrics = [st.get("metrics") or {} for st in rec.get("steps") or [rec]]
         return {"release": release, "verdict": verdict, "step": "; ".join(steps) or None,
-                "ratios": [(st.get("metrics") or {}).get("norm_ratio") for st in rec.get("steps") or [rec]],
+                "ratios": [m.get("norm_ratio") for m in metrics],
+                "cosine": min((m["cosine"] for m in metrics if isinstance(m.get("cosine"), (int, float))), default=None),
+                "misplaced_weight": (rec.get("attribution") or {}).get("misplaced_weight"),
+                "dtype": rec.get("judge_dtype") or rec.get("dtype") or "fp32",
                 "reason": rec.get(probe.reason_key()) if verdict in SKIPPED else None, "optimizer": rec.get("optimizer")}
 
     return measure
 
 
-def signature(res: dict) -> tuple:
-    """What a change is a change of: the verdict, and the step's shape where it is off."""
-    return res["verdict"], res.get("step")
+def differences(a: dict, b: dict) -> list[str]:
+    """How two results differ, in words ([] where they are the same): the verdict, the named step, or the measured
+    step itself -- a step's norm ratio, the cosine or the misplaced weight -- by more than the coarser dtype's
+    tolerance (``kit.judge.tolerances``). So a probe that names no step still changes where its step does (B1's
+    ratio 0.227 becoming 0.908, both affected), while two runs of one release, which differ by rounding, are the same."""
+    if a["verdict"] != b["verdict"]:
+        return [f"verdict {a['verdict']} -> {b['verdict']}"]
+    if a["verdict"] in SKIPPED:
+        return []
+    out = [] if a.get("step") == b.get("step") else [f"step '{a.get('step')}' -> '{b.get('step')}'"]
+    tol = max((TOLERANCES.get(x.get("dtype") or "fp32", TOLERANCES["fp32"]) for x in (a, b)),
+              key=lambda t: t.norm_ratio)
+    ra, rb = a.get("ratios") or [], b.get("ratios") or []
+    for i, (x, y) in enumerate(zip(ra, rb)):
+        if _apart(x, y, tol.norm_ratio * max(1.0, abs(x or 0), abs(y or 0))):
+            out.append(f"ratio of step {i + 1} {_num(x)} -> {_num(y)}")
+    if len(ra) != len(rb):
+        out.append(f"{len(ra)} judged steps -> {len(rb)}")
+    if _apart(a.get("cosine"), b.get("cosine"), tol.rel_l2):
+        out.append(f"cosine {_num(a.get('cosine'), 5)} -> {_num(b.get('cosine'), 5)}")
+    if _apart(a.get("misplaced_weight"), b.get("misplaced_weight"), tol.misplaced_weight):
+        out.append(f"misplaced weight {_num(a.get('misplaced_weight'))} -> {_num(b.get('misplaced_weight'))}")
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    """Two results are the same measurement (``differences`` finds nothing): what a change is a change of."""
+    return not differences(a, b)
+
+
+def _apart(x, y, limit: float) -> bool:
+    """Two measured numbers differ by more than ``limit`` (one missing, or one not finite and the other finite,
+    differ; two missing do not)."""
+    nums = [v for v in (x, y) if isinstance(v, (int, float))]
+    if len(nums) != 2:
+        return len(nums) == 1
+    if not all(math.isfinite(v) for v in nums):
+        return not (math.isnan(x) and math.isnan(y) or x == y)
+    return abs(x - y) > limit
+
+
+def _num(v, digits: int = 3) -> str:
+    return f"{v:.{digits}f}" if isinstance(v, (int, float)) else "-"

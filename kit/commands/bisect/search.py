@@ -4,7 +4,7 @@ change (``search``); a change in one line (``describe``) and the releases as a t
 from __future__ import annotations
 
 from kit.commands.bisect.listing import PACKAGE, stack_of
-from kit.commands.bisect.result import SKIPPED, signature
+from kit.commands.bisect.result import SKIPPED, differences, same
 from kit.judge import oracle
 from kit.probes import ds_config
 from kit.stacks import prefetch as kprefetch
@@ -56,7 +56,7 @@ def search(order: list[str], measure, stride: int = STRIDE, confirm: bool = True
     changes = []
 
     def split(lo: int, hi: int) -> None:
-        if signature(get(lo)) == signature(get(hi)):
+        if same(get(lo), get(hi)):
             return
         inner = list(range(lo + 1, hi))
         mid = nearest(sorted(inner, key=lambda i: (abs(2 * i - lo - hi), i)))
@@ -82,7 +82,7 @@ def search(order: list[str], measure, stride: int = STRIDE, confirm: bool = True
                     again = measure(rel)
                     if progress:
                         progress(rel, again)
-                    confirmations[rel] = signature(again) == signature(ch[key])
+                    confirmations[rel] = same(again, ch[key])
             ch["confirmed"] = confirmations[ch["before"]] and confirmations[ch["after"]]
     skipped = [{"release": order[i], "verdict": r["verdict"], "reason": r.get("reason")}
                for i, r in sorted(seen.items()) if r["verdict"] in SKIPPED]
@@ -99,8 +99,10 @@ def describe(change: dict) -> str:
         what = f"last good {change['before']}, first bad {change['after']}: the step becomes {b['step']}"
     elif a["verdict"] == oracle.AFFECTED and b["verdict"] == oracle.NOT_AFFECTED:
         what = f"last bad {change['before']} ({a['step']}), first good {change['after']}"
-    elif a["verdict"] == b["verdict"] == oracle.AFFECTED:
+    elif a["verdict"] == b["verdict"] == oracle.AFFECTED and a.get("step") != b.get("step"):
         what = f"the step is {a['step']} until {change['before']}, {b['step']} from {change['after']}"
+    elif a["verdict"] == b["verdict"]:
+        what = f"{a['verdict']} on both sides, but the measured step changes: {', '.join(differences(a, b))}"
     else:
         what = f"{a['verdict']} until {change['before']}, {b['verdict']} from {change['after']}"
     sure = "" if change.get("confirmed", True) else " (NOT confirmed: a second run of one side gave another result)"
