@@ -103,7 +103,7 @@ def test_bad_input_is_refused_before_anything_launches(tmp_path):
         bisect.main([str(cfg), "--releases", "0.18.9"])
     with pytest.raises(kconfig.ConfigError, match="release number"):
         bisect.main([str(cfg), "--releases", "0.18.9,latest"])
-    with pytest.raises(kconfig.ConfigError, match="one of the two"):
+    with pytest.raises(kconfig.ConfigError, match="one of the three"):
         bisect.main([str(cfg), "--probe", "B4", "--releases", "0.18.9,0.19.0"])
     with pytest.raises(kconfig.ConfigError, match="needs --probe"):
         bisect.main([str(cfg), "--axis", "transformers", "--releases", "5.3.0,5.23.0"])

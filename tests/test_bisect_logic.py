@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kit.commands import bisect
-from kit.commands.bisect import diff, listing, result, search
+from kit.commands.bisect import diff, known, listing, result, search
 from kit.judge import oracle
 from kit.stacks import versions
 from kit import config as kconfig
@@ -548,13 +548,13 @@ def command(monkeypatch, tmp_path):
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}))
     state = {"results": {}, "prefetched": [], "problems": [], "made": []}
 
-    def measure_with(c, loop, world_size, device, timeout_s, steps, model):
-        state["made"].append((loop, world_size, device, timeout_s, steps))
+    def measure_with(c, loop, world_size, device, timeout_s, steps, model, fixed=None):
+        state["made"].append((loop, world_size, device, timeout_s, steps) + ((fixed,) if fixed else ()))
         return measuring(state["results"])[0]
 
     monkeypatch.setattr(result, "measure_with", measure_with)
-    monkeypatch.setattr(search, "prefetch", lambda order, stride, progress, probe, axis: state["prefetched"].append(
-        (order, stride, progress, probe, axis)) or state["problems"])
+    monkeypatch.setattr(search, "prefetch", lambda order, stride, progress, probe, axis, fixed: state["prefetched"].append(
+        (order, stride, progress, probe, axis) + ((fixed,) if fixed else ())) or state["problems"])
     monkeypatch.setattr(diff, "diff", lambda b, a, opt, package: {
         "before": b, "after": a, "commits": ("c1", "c2"), "optimizer": opt,
         "files": [{"file": "deepspeed/runtime/engine.py", "class": "E", "functions": []}]})
@@ -649,8 +649,23 @@ def test_the_command_refuses_bad_numbers_and_a_missing_json_folder_before_anythi
         with pytest.raises(kconfig.ConfigError, match=rf"--axis {axis}: the B4 probe's stack names \['deepspeed'\] "
                                                       r"\(torch is the installed one\)"):
             bisect.main(["--probe", "B4", "--axis", axis, "--releases", "0.1.0,0.2.0"])
-    with pytest.raises(kconfig.ConfigError, match="one of the two"):
+    with pytest.raises(kconfig.ConfigError, match="one of the three"):
         bisect.main(["--releases", "0.1.0,0.2.0"])
+    with pytest.raises(kconfig.ConfigError, match="one of the three"):
+        bisect.main([str(cfg), "--known", "B5", "--releases", "0.1.0,0.2.0"])
+    for given, match in ((["--with", "torch=2.0.0"], "PACKAGE one of deepspeed, transformers, accelerate"),
+                         (["--with", "transformers"], "give PACKAGE=RELEASE"),
+                         (["--with", "deepspeed=0.18.6"], "deepspeed is the axis being bisected"),
+                         (["--with", "transformers=latest"], "release number"),
+                         (["--case", "trainer"], "--case needs --probe")):
+        with pytest.raises(kconfig.ConfigError, match=match):
+            bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", *given])
+    with pytest.raises(kconfig.ConfigError, match="--known 'B9': the recipes are B1, B1 on DeepSpeed"):
+        bisect.main(["--known", "B9", "--releases", "0.1.0,0.2.0"])
+    for extra in (["--with", "transformers=5.3.0"], ["--case", "x"], ["--model", "conditional"],
+                  ["--axis", "accelerate"]):
+        with pytest.raises(kconfig.ConfigError, match="--known takes its axis, case, model and held releases"):
+            bisect.main(["--known", "B5", "--releases", "0.1.0,0.2.0", *extra])
     assert state["made"] == [] and state["prefetched"] == []
 
 
@@ -661,7 +676,7 @@ def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_a
     cfg, state = command
     probe = probes.get("B1")
     made = []
-    monkeypatch.setattr(result, "probe_measure", lambda p, kw, case, axis: made.append((p.id, kw, case, axis))
+    monkeypatch.setattr(result, "probe_measure", lambda p, kw, case, axis, fixed: made.append((p.id, kw, case, axis))
                         or measuring({"4.46.0": bad("z"), "5.3.0": GOOD})[0])
     out = tmp_path / "b1.json"
     code = bisect.main(["--probe", "B1", "--axis", "transformers", "--releases", "4.46.0,5.3.0", "--json", str(out),
@@ -674,3 +689,46 @@ def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_a
     assert "| transformers | verdict |" in text
     assert state["prefetched"] == [(["4.46.0", "5.3.0"], search.STRIDE, True, probe, "transformers")]
     assert json.loads(out.read_text())["axis"] == "transformers"
+
+
+def test_another_package_is_held_at_one_release_and_a_probes_case_is_chosen(command, monkeypatch, capsys):
+    from kit import probes
+
+    cfg, state = command
+    made = []
+    monkeypatch.setattr(result, "probe_measure", lambda p, kw, case, axis, fixed: made.append((p.id, case, axis, fixed))
+                        or measuring({"0.18.6": bad("z"), "0.19.0": bad("z")})[0])
+    code = bisect.main(["--probe", "B1", "--axis", "deepspeed", "--with", "transformers=5.3.0", "--case", "gas1",
+                        "--releases", "0.18.6,0.19.0", "--no-progress"])
+    text = capsys.readouterr().out
+    assert code == 1 and made == [("B1", "gas1", "deepspeed", {"transformers": "5.3.0"})]
+    assert "  as run: transformers 5.3.0 in every stack\n" in text and ", case gas1;" in text
+    assert state["prefetched"][-1] == (["0.18.6", "0.19.0"], search.STRIDE, False, probes.get("B1"), "deepspeed",
+                                       {"transformers": "5.3.0"})
+    # a config too: the held release goes into every world's stack
+    state["results"] = {"0.1.0": GOOD, "0.2.0": GOOD}
+    assert bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", "--with", "accelerate=1.0.1", "--no-progress"]) == 0
+    assert state["made"][-1][-1] == {"accelerate": "1.0.1"}
+
+
+def test_a_known_bug_is_bisected_by_its_recipe_from_its_oldest_release(command, monkeypatch, capsys, tmp_path):
+    cfg, state = command
+    made = []
+    monkeypatch.setattr(known, "measure", lambda r, *a: made.append((r.name, a)) or measuring({"0.14.4": GOOD,
+                                                                                               "0.15.2": bad("z")})[0])
+    monkeypatch.setattr(listing, "index_releases", lambda p=listing.PACKAGE: (["0.14.0", "0.14.4", "0.15.2"], "idx"))
+    monkeypatch.setattr(versions, "installed_version", lambda p: "0.15.2")
+    out = tmp_path / "b5.json"
+    assert bisect.main(["--known", "B5", "--no-progress", "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert made == [("B5", (2, "cpu", 300.0, bisect.ds_config.STEPS))]
+    assert text.startswith("gradkit bisect the known bug B5 (loop engine); 2 deepspeed releases from idx (0.14.4 .. ")
+    assert f"  as run: releases older than 0.14.4: {known.RECIPES['B5'].older}\n" in text
+    assert "last good 0.14.4, first bad 0.15.2" in text
+    doc = json.loads(out.read_text())
+    assert doc["known"] == "B5" and doc["loop"] == "engine" and doc["with"] == {}
+    made.clear()
+    monkeypatch.setattr(listing, "index_releases", lambda p=listing.PACKAGE: (["5.3.0", "5.4.0"], "idx"))
+    assert bisect.main(["--known", "B1 on DeepSpeed", "--releases", "0.14.4,0.15.2", "--no-progress"]) == 1
+    assert "  as run: transformers 5.3.0 in every stack" in capsys.readouterr().out
+    assert state["prefetched"][-1][-1] == {"transformers": "5.3.0"} and state["prefetched"][-1][4] == "deepspeed"

@@ -199,6 +199,11 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", ds=OFFLOAD, ga=2, model="conditional"), ["B7"]),  # B5 needs a micro-step between first and last
     (_ds("engine", ds=OFFLOAD, ga=3, model="conditional"), ["B5", "B7"]),
     (_ds("manual", ds=OFFLOAD, model="conditional"), ["B3", "B7"]),
+    (_ds("manual", ds=OFFLOAD), ["B3", "B7"]),                  # ZeRO-1/2's manual loop shows B7 on any model
+    (_ds("manual", ds=OFFLOAD, stage=1), ["B3", "B7"]),
+    (_ds("unmanaged", ds=OFFLOAD), ["B3"]),                     # ... not the unmanaged one (measured exact)
+    (_ds("manual", ds=OFFLOAD, stage=3), []),                   # ... nor ZeRO-3's (measured exact on the MLP)
+    (_ds("manual", ds=OFFLOAD, stage=3, model="conditional"), ["B6", "B7"]),
     (_ds("engine", ds=OFFLOAD, version="0.19.0", model="conditional"), ["B7"]),
     (_ds("engine", ds=OFFLOAD, version="0.19.0", model=None, model_config={"model_type": "llama"}), ["B7"]),
     (_ds("engine", ds=OFFLOAD, version="0.15.1"), []),

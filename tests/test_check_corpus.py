@@ -111,3 +111,28 @@ def test_autotp_is_judged_on_a_tiny_llama_whose_tensor_parallel_ranks_share_thei
     assert manual["fix"]["verdict"] == oracle.NOT_AFFECTED
     measured = [r for r in doc["records"] if r["role"] == "measured"]
     assert measured and all(r.get("replicas") == 1 and r["world_size"] == 2 for r in measured)
+
+
+def test_a_clipped_offload_config_names_b7_in_every_loop_that_shows_it(repo, tmp_path, capsys):
+    """accelerate's shipped ZeRO-2 + CPU-offload config, clipping "auto" (1.0, kept): the clip scales each step, so a
+    shape is named before the clip (issue 37: the manual loop was "not explained by any known bug" with clipping on,
+    "explained by B7" with it off). On the MLP only ZeRO-2's manual loop shows B7 (every backward() a boundary, the
+    CPU buffer keeps the previous step's gradient); on a model the boundary micro-batch does not reach entirely every
+    loop does. Each loop gives the same name with the clip off."""
+    cfg = repo / "tests/configs/corpus/accelerate__zero_stage2_offload_config.json"
+    off = tmp_path / "noclip.json"
+    off.write_text(json.dumps({**json.loads(cfg.read_text()), "gradient_clipping": 0.0}))
+    for path in (cfg, off):
+        for model, showing in ((None, {"manual"}), ("conditional", {"engine", "boundary", "manual", "unmanaged"})):
+            out = tmp_path / f"{path.stem}_{model}.json"
+            check.main([str(path), "--loop", "all", "--json", str(out), *(["--model", model] if model else [])])
+            text = capsys.readouterr().out
+            loops = {r["loop"]: r for r in json.loads(out.read_text())["summary"]["loops"]}
+            assert set(loops) == {"engine", "boundary", "manual", "unmanaged"}, text
+            for name, row in loops.items():
+                if name in showing:
+                    assert row["verdict"] == oracle.AFFECTED and row["explained_by"] == "B7", (path.name, model, name, text)
+                else:
+                    assert row["verdict"] == oracle.NOT_AFFECTED, (path.name, model, name, text)
+            if path == cfg:
+                assert "before the clip (the engine scaled its gradient of norm" in text, text

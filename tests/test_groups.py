@@ -566,3 +566,71 @@ def test_the_edges_of_a_groups_judgement():
         "rank 0 micro-batch 1 x0.3, the others reaching it x1"
     assert naming.describe_weights([0.33 * third, third, third], [third] * 3, 1, 3) == "micro-batch 1 x0.3, the others x1"
     assert naming.describe_weights([0.11, third, third], [0.0, third, third], 1, 3) == "micro-batch 1 x0.3, the others x1"
+
+
+# the manual loop of a ZeRO-2 + offload config at clip 1 (measured, 0.19.8): the engine's gradient of norm 2.55 was
+# scaled by 1 / 2.55, the reference's of norm 1.85 by 0.541; the fitted weights over the expected ones read 0.72 for
+# each micro-batch and 0.049 for the previous step's, i.e. x1 and a whole share again before the clip
+def _clipped_step(logged=2.5509, coef=0.5409, applied=1.0, prev=0.049):
+    engine = 1.0 / logged
+    w = [0.0, 0.125 * engine, 0.125 * engine, 0.125 * engine] * 2 + [0.0, prev, prev, prev] * 2
+    return {"metrics": {"rel_l2": 0.4, "norm_ratio": 1.0, "cosine": 0.7, "effective_norm": applied},
+            "logged_norm": logged, "clip_coef": coef, "reference_norm": 1.85,
+            "attribution": {"weights": w, "expected_weights": [0.125 * coef] * 8 + [0.0] * 8, "misplaced_weight": 0.3,
+                            "residual": 0.0}}
+
+
+def test_a_clipped_steps_weights_are_read_as_they_were_before_the_clip():
+    step = _clipped_step()
+    before = parts.unclipped(step, 1.0, "fp32", 2, 4)
+    assert before is not step and abs(before["unclipped_by"] - 1 / 2.5509) < 1e-12
+    rel = [w / x for w, x in zip(before["attribution"]["weights"][:8], before["attribution"]["expected_weights"][:8])]
+    assert [round(v, 6) for v in rel] == [0.0, 1.0, 1.0, 1.0] * 2
+    assert [round(w * 8, 3) for w in before["attribution"]["weights"][9:12]] == [1.0, 1.0, 1.0]  # a whole share again
+    assert step["attribution"]["weights"][9] == 0.049  # the record's own fit is left as measured
+    # the old gradient is seen only before the clip: as measured its weight (0.049) is under half a share (0.0625)
+    assert parts.part_pattern(step, "fp32", 2, 4) == [] and parts.part_pattern(before, "fp32", 2, 4) == [parts.PART_STALE]
+    # where no clip acted the step is its own: no clip, no logged norm, a norm within the clip, an applied step
+    # whose norm is not the clip (the engine did not scale it as said), a logged norm that is not finite
+    for clip, kw in ((0.0, {}), (1.0, {"logged": None}), (1.0, {"logged": 0.9}), (1.0, {"applied": 0.99}),
+                     (1.0, {"logged": float("inf")}), (1.0, {"coef": None})):
+        s = _clipped_step(**{k: v for k, v in kw.items() if k not in ("logged", "coef")})
+        if "logged" in kw:
+            s["logged_norm"] = kw["logged"]
+        if kw.get("coef", 1) is None:
+            s["clip_coef"] = None
+        assert parts.unclipped(s, clip, "fp32", 2, 4) is s, (clip, kw)
+    # the applied norm is the clip to within the dtype's ratio tolerance: fp32 1e-4, bf16 3e-2
+    assert parts.unclipped(_clipped_step(applied=1.00009), 1.0, "fp32", 2, 4) is not None
+    assert "unclipped_by" in parts.unclipped(_clipped_step(applied=1.00009), 1.0, "fp32", 2, 4)
+    assert "unclipped_by" not in parts.unclipped(_clipped_step(applied=1.00011), 1.0, "fp32", 2, 4)
+    assert "unclipped_by" in parts.unclipped(_clipped_step(applied=1.02), 1.0, "bf16", 2, 4)
+
+
+def test_a_clipped_groups_lost_micro_batches_and_shape_are_read_before_the_clip():
+    engine, coef = 0.4, 0.5
+    g = _group(rel_err=0.5, lost="micro-batch 1 on every rank")
+    # fitted at 0.2 of an expected 0.125: x1.6 as measured, x1 before the clip; the second row 0.01: x0.2, lost either way
+    g["attribution"].update(rows=[0, 2], weights=[0.125 * engine, 0.01], expected_weights=[0.125 * coef] * 2)
+    step = {**_step(g), "logged_norm": 1 / engine, "clip_coef": coef, "attribution": None}
+    step["metrics"]["effective_norm"] = 1.0
+    before = parts.unclipped(step, 1.0, "fp32", 2, 2)
+    ga = before["groups"]["expert"]
+    assert [round(w / x, 6) for w, x in zip(ga["attribution"]["weights"], ga["attribution"]["expected_weights"])] == \
+        [1.0, 0.2]
+    assert ga["lost"] == "rank 1 micro-batch 1" and ga["shape"] == "rank 1 micro-batch 1 x0.2, the others reaching it x1"
+    assert "attribution" not in before or before["attribution"] is None
+    assert step["groups"]["expert"]["lost"] == "micro-batch 1 on every rank"  # the record's own is left as measured
+
+
+def test_a_record_names_a_clipped_steps_shape_before_the_clip_and_says_so():
+    step = {**_clipped_step(), "hypotheses": {"best": "x", "best_matches": False, "ambiguous": []}}
+    rec = naming.annotate_steps(_rec([step], ga=4, config={"clip": 1.0}))
+    assert rec["matches"] == parts.PART_STALE and rec["steps"][0]["unclipped_by"] == pytest.approx(1 / 2.5509)
+    assert rec["shape"].startswith("before the clip (the engine scaled its gradient of norm 2.551 by 0.392): "
+                                   "micro-batch 1 x0, the others x1; the previous step's micro-batches 0, 1, 1, 1, 0, 1, 1, 1 "
+                                   "(x their share)")
+    plain = naming.annotate_steps(_rec([{**_clipped_step(), "hypotheses": step["hypotheses"]}], ga=4))  # no clip
+    assert plain["matches"] == "none" and "before the clip" not in plain["shape"]
+    assert naming.annotate_steps(_rec([{**_clipped_step(), "hypotheses": step["hypotheses"]}], ga=4,
+                                      clip=1.0))["matches"] == parts.PART_STALE  # the clip on the record itself

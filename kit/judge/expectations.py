@@ -83,6 +83,22 @@ AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
 
 
 @dataclass(frozen=True)
+class Pin:
+    """One boundary of a bug's range, found by the kit's own bisect: the last release with the old result and the
+    first with the new one, both measured (adjacent on the index, or with the releases between them that cannot run
+    here in ``between``); the series of the release history (``kit/judge/history.json``) that holds both results,
+    the command that found it and the code that changed between them (the diff's functions)."""
+
+    what: str  # what starts at ``after``: "introduced", "fixed", "the step changes: ...", "the opt-out key arrives"
+    before: str
+    after: str
+    series: str  # the recipe measured (kit.commands.bisect.known.RECIPES) and its series in the history
+    found_by: str  # the gradkit bisect command line
+    code: str  # the function(s) whose change the diff between the two releases shows
+    between: tuple = ()  # releases between ``before`` and ``after`` that cannot run here
+
+
+@dataclass(frozen=True)
 class Known:
     """What upstream says of one bug, as ranges of one package's releases."""
 
@@ -104,6 +120,9 @@ class Known:
     # what the bug looks like in ``gradkit check`` and its fix there (the case that re-runs it): (what the engine does,
     # the step it leaves: a named hypothesis or a tuple of the parts' patterns any of which it may be, the fix text)
     explains: tuple = ()
+    pins: tuple = ()  # the boundaries the kit's bisect found (``Pin``), oldest first
+    # where the oldest release that runs here is already affected: why the start cannot be pinned here
+    start_hidden: str | None = None
 
     def rule_for(self, case: str | None, version: str, ga: int | None = None) -> str | None:
         """The verdict a rule gives ``case`` on ``version`` at ``ga`` (None: no rule covers them, or newer than

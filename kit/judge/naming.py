@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from kit.judge.oracle import AFFECTED, clipped, compare, matches_reference, norm_verdict, severity
-from kit.judge.parts import groups_off, multiple, part_pattern
+from kit.judge.parts import groups_off, multiple, part_pattern, unclipped
 from kit.judge.tolerances import TOLERANCES
 
 
@@ -93,17 +93,23 @@ def annotate_steps(rec: dict) -> dict:
     [] where it can) and ``shape`` (``describe_weights``); the record's own are its worst step's (a one-step
     record: its own)."""
     dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
+    ranks, n = rec.get("replicas") or rec.get("world_size") or 1, rec.get("ga") or 1
+    clip = rec.get("clip") or (rec.get("config") or {}).get("clip") or 0.0
     for s in rec.get("steps") or []:
-        s["matches"] = _named(s, dtype)
+        s["matches"] = _named(s, dtype)  # the hypotheses are clipped as the engine clips (``explain``)
         s["ties"] = list((s.get("hypotheses") or {}).get("ambiguous") or [])
-        s["parts"] = part_pattern(s, dtype, rec.get("replicas") or rec.get("world_size") or 1, rec.get("ga") or 1)
+        before = unclipped(s, clip, dtype, ranks, n)  # the weights and parts up to the clip
+        s["parts"] = part_pattern(before, dtype, ranks, n)
         if s["matches"] in (None, "none") and s["parts"]:  # a whole-step name fits nothing: say what the parts did
             s["matches"] = " and ".join(s["parts"])
-        a = s.get("attribution")
+        a = before.get("attribution")
         if a and rec.get("world_size") and rec.get("ga"):
-            s["shape"] = describe_weights(a["weights"], a["expected_weights"], rec.get("replicas") or rec["world_size"],
-                                          rec["ga"])
-        off = groups_off(s, rec.get("judge_dtype") or rec.get("dtype") or "fp32")
+            s["shape"] = describe_weights(a["weights"], a["expected_weights"], ranks, rec["ga"])
+            if before is not s:
+                s["unclipped_by"] = before["unclipped_by"]
+                s["shape"] = (f"before the clip (the engine scaled its gradient of norm {s['logged_norm']:.4g} by "
+                              f"{before['unclipped_by']:.3g}): ") + s["shape"]
+        off = groups_off(before, dtype)
         if off:
             s["shape"] = "; ".join([*([s["shape"]] if s.get("shape") else []), *off])
     if rec.get("steps"):

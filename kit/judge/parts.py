@@ -1,7 +1,8 @@
 """A step's parameter groups (a frozen block, a tied weight, an expert) judged each on its own: ``judge_groups``
 (each group's error, the micro-batches that reach it, its fitted weights and what it lost), the two patterns only
-a model whose parts some micro-batches miss can show (``part_pattern``: ``PART_STALE``, ``PART_LOST``), and each
-group a step got wrong, in words (``groups_off``; a fitted weight as a multiple of its right one: ``multiple``)."""
+a model whose parts some micro-batches miss can show (``part_pattern``: ``PART_STALE``, ``PART_LOST``), each
+group a step got wrong, in words (``groups_off``; a fitted weight as a multiple of its right one: ``multiple``), and a
+clipped step's weights as they were before the clip (``unclipped``), so that a shape is named up to the clip."""
 from __future__ import annotations
 
 import math
@@ -96,6 +97,43 @@ def _group_shape(rows, weights, expected, ranks: int, n: int) -> str:
     if any(abs(v) > 0.05 for v in prev):
         text += f"; the previous step's micro-batches x{', '.join(multiple(v) for v in prev)}"
     return text
+
+
+def unclipped(step: dict, clip: float, dtype: str, ranks: int, n: int) -> dict:
+    """The step as the engine had it before its clip, where the engine clipped: the engine scales whatever it
+    accumulated by ``clip / its norm`` (the norm it logs), the reference by ``clip_coef``, so the fitted weights over
+    the expected ones are off by the ratio of the two even where the step's shape is right. Dividing each fitted
+    weight by the engine's coefficient and each expected one by the reference's gives the weights of the step before
+    the clip, so a bug's shape (a lost micro-batch, an old gradient applied again) is named with or without clipping.
+    Returns ``step`` itself where no clip acted (no clip, no logged norm, a logged norm within the clip, or an applied
+    step whose norm is not the clip: then the engine did not scale it as said); else a copy with ``attribution`` and
+    each group's rescaled (its ``lost`` and ``shape`` again) and ``unclipped_by``: the engine's coefficient."""
+    logged, coef = step.get("logged_norm"), step.get("clip_coef")
+    applied = (step.get("metrics") or {}).get("effective_norm")
+    if not clip or not coef or not isinstance(logged, (int, float)) or not math.isfinite(logged) or logged <= clip \
+            or applied is None or abs(applied - clip) > tolerance(dtype).norm_ratio * clip:
+        return step
+    engine = clip / logged
+
+    def rescale(a: dict) -> dict:
+        return {**a, "weights": [w / engine for w in a["weights"]],
+                "expected_weights": [x / coef for x in a["expected_weights"]]}
+
+    out = {**step, "unclipped_by": engine}
+    if step.get("attribution"):
+        out["attribution"] = rescale(step["attribution"])
+    groups = {}
+    for name, g in (step.get("groups") or {}).items():
+        a = g.get("attribution")
+        if a:
+            a = rescale(a)
+            lost = [q for q, w, x in zip(a["rows"], a["weights"], a["expected_weights"]) if x > 0 and w < 0.5 * x]
+            g = {**g, "attribution": a, "lost": _positions(lost, ranks, n) if lost else None,
+                 "shape": _group_shape(a["rows"], a["weights"], a["expected_weights"], ranks, n)}
+        groups[name] = g
+    if groups:
+        out["groups"] = groups
+    return out
 
 
 def part_pattern(step: dict, dtype: str, ranks: int, n: int) -> list[str]:

@@ -3,6 +3,8 @@
     gradkit bisect ds_config.json --loop manual [--from 0.14.0] [--to installed] [--steps 3] [--json out.json]
     gradkit bisect ds_config.json --releases 0.18.9,0.19.0        # exactly these releases, in this order
     gradkit bisect --probe B1 --axis transformers --releases 4.46.0,5.3.0,installed   # a probe, another package
+    gradkit bisect --probe B1 --axis deepspeed --with transformers=5.3.0    # the other package held at one release
+    gradkit bisect --known B5 [--from 0.14.4]      # a known bug, measured as its recipe says (bisect/known.py)
 
 Every release measured is ``gradkit check``'s probe on that release (the same oracle, control and fitted weights,
 one world each, the release as an overlay). A release's **result** is the loop's verdict and the step it applied
@@ -30,9 +32,10 @@ from pathlib import Path
 from kit import config as kconfig
 from kit import probes
 from kit.commands import check
-from kit.commands.bisect import diff, listing, result, search
+from kit.commands.bisect import diff, known, listing, result, search
 from kit.judge import oracle
 from kit.probes import ds_config
+from kit.stacks import versions
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="a DeepSpeed JSON config (HF Trainer's \"auto\" values allowed)")
     p.add_argument("--probe", help="instead of a config: a registered probe (B1, B2, B3, B4, DDP), its quick plan, "
                                    "judged on its measured case")
+    p.add_argument("--known", metavar="NAME", help=f"instead of a config: a known bug's recipe, one of "
+                                                   f"{', '.join(known.RECIPES)} (its configuration or probe, "
+                                                   "axis and held releases; --from defaults to its oldest)")
+    p.add_argument("--case", default=None, help="with --probe: the case judged (default: the probe's measured one)")
+    p.add_argument("--with", dest="fixed", action="append", default=[], metavar="PKG=RELEASE",
+                   help="hold another package at one release in every stack (repeatable)")
     p.add_argument("--axis", default=listing.PACKAGE, help="the package whose releases are bisected (deepspeed; with "
                                                           "--probe also transformers or accelerate, where the probe's "
                                                           "stack names it)")
@@ -72,20 +81,35 @@ def main(argv=None) -> int:
     kconfig.check_world_size(a.world_size, a.device)
     if a.json and not Path(a.json).parent.exists():
         raise kconfig.ConfigError(f"--json {a.json}: the folder {Path(a.json).parent} does not exist")
-    if bool(a.probe) == bool(a.config):
-        raise kconfig.ConfigError("give a DeepSpeed config or --probe, one of the two")
+    if sum(map(bool, (a.probe, a.config, a.known))) != 1:
+        raise kconfig.ConfigError("give a DeepSpeed config, --probe or --known, one of the three")
+    fixed = fixed_releases(a.fixed, a.axis)
     probe = None
-    if a.probe:
+    if a.known:
+        if a.known not in known.RECIPES:
+            raise kconfig.ConfigError(f"--known {a.known!r}: the recipes are {', '.join(known.RECIPES)}")
+        if a.fixed or a.case or a.axis != listing.PACKAGE or a.model:
+            raise kconfig.ConfigError("--known takes its axis, case, model and held releases from its recipe")
+        recipe = known.RECIPES[a.known]
+        a.axis, fixed, a.frm, a.loop = recipe.axis, dict(recipe.fixed), a.frm or recipe.oldest, recipe.loop
+        probe = known.probe_of(recipe)
+        measure = known.measure(recipe, a.world_size, a.device, a.timeout, a.steps)
+        what, notes = f"the known bug {recipe.name} ({recipe.probe or 'loop ' + recipe.loop})", \
+            [f"releases older than {recipe.oldest}: {recipe.older}"]
+    elif a.probe:
         probe = probes.get(a.probe)
         if a.axis not in probe.packages or a.axis == "torch":
             raise kconfig.ConfigError(f"--axis {a.axis}: the {probe.id} probe's stack names "
                                       f"{[x for x in probe.packages if x != 'torch']} (torch is the installed one)")
+        case = a.case or probe.measured_case
         measure = result.probe_measure(probe, {**probe.quick_plan(a.world_size), "device": a.device,
-                                               "timeout_s": a.timeout}, probe.measured_case, a.axis)
-        what, notes = f"the {probe.id} probe ({probe.title}), case {probe.measured_case}", []
+                                               "timeout_s": a.timeout}, case, a.axis, fixed=fixed)
+        what, notes = f"the {probe.id} probe ({probe.title}), case {case}", []
     else:
         if a.axis != listing.PACKAGE:
             raise kconfig.ConfigError(f"--axis {a.axis} needs --probe: a DeepSpeed config is bisected over DeepSpeed")
+        if a.case:
+            raise kconfig.ConfigError("--case needs --probe: a config is judged on its --loop")
         user = ds_config.load(a.config)
         model, notes = check.model_of(a.model, None)
         dtypes = check.precisions(user, a.trainer_dtype)
@@ -94,15 +118,15 @@ def main(argv=None) -> int:
                                       "with --trainer-dtype (a bisect follows one configuration)")
         cfg = ds_config.resolve(user, a.world_size, a.ga, dtypes[0])
         ds_config.plan(cfg, (a.loop,), steps=a.steps, model=model)  # bad input is refused here, before any launch
-        measure = result.measure_with(cfg, a.loop, a.world_size, a.device, a.timeout, a.steps, model)
+        measure = result.measure_with(cfg, a.loop, a.world_size, a.device, a.timeout, a.steps, model, fixed=fixed)
         what, notes = f"{a.config}: loop {a.loop}, {a.steps} judged steps each", list(cfg.notes) + notes
     order, where = listing.release_list(a.frm, a.to, a.releases, a.axis)
     print(f"gradkit bisect {what}; {len(order)} {a.axis} releases from {where} ({order[0]} .. {order[-1]}), "
           f"every {a.stride} releases first")
-    for n in notes:
+    for n in notes + [f"{p} {v} in every stack" for p, v in fixed.items()]:
         print(f"  as run: {n}")
 
-    for problem in search.prefetch(order, a.stride, progress=not a.no_progress, probe=probe, axis=a.axis):
+    for problem in search.prefetch(order, a.stride, progress=not a.no_progress, probe=probe, axis=a.axis, fixed=fixed):
         print(f"  not prepared: {problem}")
 
     def said(rel, res):
@@ -126,7 +150,8 @@ def main(argv=None) -> int:
         print("no change: every release that ran gave the same result" if len(runnable) > 1 else
               "nothing to compare: fewer than two releases ran here")
     if a.json:
-        Path(a.json).write_text(json.dumps({"config": a.config, "probe": a.probe, "axis": a.axis, "loop": a.loop,
+        Path(a.json).write_text(json.dumps({"config": a.config, "probe": a.probe, "known": a.known, "axis": a.axis,
+                                            "loop": a.loop, "with": fixed,
                                             "releases_from": where, **found},
                                            indent=1, default=str))
     if len(runnable) < 2:
@@ -134,3 +159,17 @@ def main(argv=None) -> int:
     newest = runnable[-1]  # exit 1 means a measured affected, as for gradkit check: here, on the newest that ran
     print(f"newest release that ran: {newest['release']}, {newest['verdict']}")
     return 1 if newest["verdict"] == oracle.AFFECTED else 0
+
+
+def fixed_releases(given: list[str], axis: str) -> dict:
+    """``--with PKG=RELEASE`` (repeatable) as ``{package: release}``: a package the kit overlays, not the axis."""
+    out = {}
+    for item in given:
+        pkg, _, rel = item.partition("=")
+        if pkg not in versions.PACKAGES or not rel:
+            raise kconfig.ConfigError(f"--with {item!r}: give PACKAGE=RELEASE, PACKAGE one of {', '.join(versions.PACKAGES)}")
+        if pkg == axis:
+            raise kconfig.ConfigError(f"--with {item!r}: {pkg} is the axis being bisected")
+        kconfig.check_version(rel)
+        out[pkg] = rel
+    return out

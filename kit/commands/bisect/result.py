@@ -42,10 +42,12 @@ def result_of(summary: dict, loop: str, release: str, recs: list[dict]) -> dict:
             "control": (summary.get("control") or {}).get("verdict")}
 
 
-def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float, steps: int, model=None):
-    """``measure(release) -> result``: the check's probe on that release, one world."""
+def measure_with(cfg, loop: str, world_size: int, device: str, timeout_s: float, steps: int, model=None,
+                 fixed: dict | None = None):
+    """``measure(release) -> result``: the check's probe on that release, one world (``fixed``: other packages'
+    releases held in every stack)."""
     def measure(release: str) -> dict:
-        stack = stack_of(release)
+        stack = {**(fixed or {}), **stack_of(release)}
         try:
             recs = ds_config.run(cfg, (loop,), world_size, stack, device, timeout_s, steps=steps, model=model)
         except versions.CannotRun as e:
@@ -63,16 +65,17 @@ def step_words(rec: dict) -> str | None:
     return rec.get("matches") or rec.get("shape") or "off (this probe names no step)"
 
 
-def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words=step_words):
+def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words=step_words, fixed: dict | None = None):
     """``measure(release)`` for any registered probe (``kit.probes``): ``probe.run(**run_kwargs)`` on a stack
     holding that release of ``axis`` (``deepspeed``, ``transformers`` or ``accelerate``: a package the probe's stack
     names), judged on its record of ``case`` by the probe's own verdict. This is how the known bugs' boundaries
-    are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's."""
+    are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's. ``fixed``:
+    other packages' releases held in every stack (B1's DeepSpeed side: transformers 5.3.0 throughout)."""
     if axis not in probe.packages:
         raise kconfig.ConfigError(f"the {probe.id} probe's stack names {list(probe.packages)}, not {axis!r}")
 
     def measure(release: str) -> dict:
-        stack = stack_of(release, axis)
+        stack = {**(fixed or {}), **stack_of(release, axis)}
         try:
             recs = probe.run(**run_kwargs, stacks=[stack])
         except versions.CannotRun as e:

@@ -17,11 +17,13 @@ def grid(n: int, stride: int) -> list[int]:
     return sorted({*range(0, n, max(1, stride)), n - 1})
 
 
-def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, axis: str = PACKAGE) -> list[str]:
+def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, axis: str = PACKAGE,
+             fixed: dict | None = None) -> list[str]:
     """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.stacks.prefetch``),
-    for ``probe`` (the check's by default); the binary search's few releases install as it reaches them. Returns
-    what could not be prepared (those releases are then measured ``cannot-run``, i.e. skipped)."""
-    stacks = [stack_of(order[i], axis) for i in grid(len(order), stride)]
+    for ``probe`` (the check's by default; ``fixed``: other packages' releases in every stack); the binary search's
+    few releases install as it reaches them. Returns what could not be prepared (those releases are then measured
+    ``cannot-run``, i.e. skipped)."""
+    stacks = [{**(fixed or {}), **stack_of(order[i], axis)} for i in grid(len(order), stride)]
     stacks = [st for st in stacks if st]  # the installed release needs nothing
     _, problems = kprefetch.prefetch(kprefetch.needs_of([(probe or ds_config.CHECK, st) for st in stacks]),
                                      progress=progress)
