@@ -351,16 +351,16 @@ BISECT_TARGET_S = 180.0
 
 
 def bisect_bench(json_path: str) -> int:
-    """``gradkit bisect`` of B5's config (``kit.notebooks.bisect_known``) from ``BISECT_FROM`` to the installed release, as a
+    """``gradkit bisect`` of B5's config (``kit.commands.bisect.known``) from ``BISECT_FROM`` to the installed release, as a
     user runs it: once to fill the kit's cache (overlays, comm ops; not timed), then timed with them cached."""
     import subprocess
 
-    from kit.notebooks import bisect_known
+    from kit.commands.bisect import known
 
     res = {"cpus": os.cpu_count(), "target_s": BISECT_TARGET_S}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-bisect-") as tmp:
         cfg = Path(tmp) / "b5.json"
-        user, loop = bisect_known.CONFIGS["B5"]
+        user, loop = known.RECIPES["B5"].config, known.RECIPES["B5"].loop
         cfg.write_text(json.dumps(user))
         out = Path(tmp) / "bisect.json"
         cmd = [sys.executable, "-m", "kit", "bisect", str(cfg), "--loop", loop, "--from", BISECT_FROM, "--no-progress",

@@ -113,12 +113,9 @@ def refresh_one(recipe: known.Recipe, index: list[str], full: bool, device: str,
         found = {"changes": []}
     news, anchor = new_releases(recipe, measured, order)
     changes = list(found["changes"])
-    for n in news:
-        if n["same"] is False and not any(c["after"] == n["release"] for c in changes):
-            between = [r for r in index if version_key(anchor) <= version_key(r) <= version_key(n["release"])]
-            sub = search.search(between, lambda r: measured.get(r) or measure(r), 1, confirm=False)
-            measured.update(sub["measured"])
-            changes += sub["changes"]
+    if not full and any(n["same"] is False for n in news):  # every newer release ran: the changes among them
+        newer = [anchor] + [n["release"] for n in news]
+        changes += search.search(newer, lambda r: measured[r], 1, confirm=False)["changes"]
     for ch in changes:
         opt = ch["to"].get("optimizer") or ch["from"].get("optimizer")
         ch["diff"] = diff.diff(ch["before"], ch["after"], opt, package=recipe.axis)

@@ -17,51 +17,33 @@ where the two are neighbours on the index). A boundary bisect finds that the tab
 from __future__ import annotations
 
 from kit import config as kconfig
-from kit.commands.bisect import listing, result, search
+from kit.commands.bisect import known, listing, result, search
 from kit.judge import expectations as ex
 from kit.judge import oracle
 from kit.judge.expectations import UNMANAGED_SINCE
-from kit.probes import ds_config, pipeline_ga
+from kit.probes import ds_config
 from kit.stacks.versions import version_key
 
-CONFIGS = {
-    "B4": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
-            "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 1}}, "engine"),
-    "B5": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "engine"),
-    "B3": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
-            "zero_optimization": {"stage": 1}}, "manual"),
-    "B3 opt-out": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
-                    "zero_optimization": {"stage": 1}}, "unmanaged"),
-    "B8": ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "communication_data_type": "fp32",
-            "zero_optimization": {"stage": 1, "contiguous_gradients": False}}, "engine"),
-}
-PIPELINE = {"splits": ((2, 4),), "dtypes": ("fp32",), "zero_stages": (0,)}  # B2: 2 stages, GA 4, fp32, ZeRO-0
-BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")
-
-
-def measure(bug: str, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
-    """``measure(release)`` for one known bug."""
-    if bug == "B2":
-        return result.probe_measure(pipeline_ga.PROBE, {**PIPELINE, "world_sizes": (world_size,), "device": device,
-                                                        "timeout_s": timeout_s}, "pipeline")
-    user, loop = CONFIGS[bug]
-    cfg = ds_config.resolve(user, world_size, user["gradient_accumulation_steps"], ds_config.dtype_of(user))
-    return result.measure_with(cfg, loop, world_size, device, timeout_s, steps)
+BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")  # the recipes (kit.commands.bisect.known) notebook 08 bisects
 
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
-    """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed."""
-    order, _ = listing.release_list(None, kconfig.INSTALLED, ",".join(releases))
-    return {"bug": bug, **search.search(order, measure(bug, **kw), stride)}
+    """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed, measured as
+    its recipe says (``kit.commands.bisect.known``)."""
+    recipe = known.RECIPES[bug]
+    order, _ = listing.release_list(None, kconfig.INSTALLED, ",".join(releases), recipe.axis)
+    return {"bug": bug, **search.search(order, known.measure(recipe, **kw), stride)}
 
 
 def needs(releases_by_bug: dict) -> list:
-    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.stacks.prefetch``)."""
+    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.stacks.prefetch``); "story" is a config through
+    the check's probe."""
     out = []
-    for bug, releases in releases_by_bug.items():  # "story": a config through the check's probe
-        probe = pipeline_ga.PROBE if bug == "B2" else ds_config.CHECK
-        out += [(probe, {} if r == kconfig.INSTALLED else listing.stack_of(r)) for r in releases]
+    for bug, releases in releases_by_bug.items():
+        if bug == "story":
+            out += [(ds_config.CHECK, {} if r == kconfig.INSTALLED else listing.stack_of(r)) for r in releases]
+        else:
+            out += known.needs(known.RECIPES[bug], releases)
     return out
 
 

@@ -1,0 +1,218 @@
+"""The upstream table kept true: the known bugs' recipes, the release history and the table's refresh
+(``scripts/refresh_table``), with the measure, the index and the install replaced (the measurements themselves are
+``gradkit bisect``'s, tested in test_bisect.py on real worlds)."""
+import json
+
+import pytest
+
+from kit import config as kconfig
+from kit.commands import refresh
+from kit.commands.bisect import known, listing, result, search
+from kit.judge import expectations, history, oracle
+from kit.judge.expectations import Pin
+from kit.stacks import prefetch as kprefetch
+
+GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0], "dtype": "fp32"}
+SKIP = {"verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": "does not install here"}
+
+
+def bad(step="x", ratio=0.4):
+    return {"verdict": oracle.AFFECTED, "step": step, "ratios": [ratio], "dtype": "fp32"}
+
+
+# ---------------------------------------------------------------------------------------------- the recipes
+
+def test_every_known_bug_has_a_recipe_and_every_recipe_measures_a_known_bug_on_a_package_its_probe_names():
+    assert {r.bug for r in known.RECIPES.values()} == set(expectations.KNOWN) - {"FSDP2"}  # torch: one release here
+    for r in known.RECIPES.values():
+        assert r.bug in expectations.KNOWN and bool(r.probe) != bool(r.config), r
+        probe = known.probe_of(r)
+        assert r.axis in probe.packages and all(p in probe.packages for p, _ in r.fixed), r
+        kconfig.check_version(r.oldest)
+        assert r.older, r
+        if r.config:
+            known.resolved(r)  # a config the check's probe accepts
+
+
+def test_a_recipes_stack_holds_its_release_and_what_it_keeps_fixed(monkeypatch):
+    monkeypatch.setattr(listing.versions, "installed_version", lambda p: "0.19.8")
+    r = known.RECIPES["B1 on DeepSpeed"]
+    assert known.stack_of(r, "0.18.6") == {"transformers": "5.3.0", "deepspeed": "0.18.6"}
+    assert known.stack_of(r, "0.19.8") == {"transformers": "5.3.0"}  # the installed DeepSpeed needs no overlay
+    assert known.needs(r, ["0.18.6", kconfig.INSTALLED]) == [
+        (known.probe_of(r), {"transformers": "5.3.0", "deepspeed": "0.18.6"}), (known.probe_of(r), {"transformers": "5.3.0"})]
+    assert known.command(known.RECIPES["B5"]) == "gradkit bisect --known 'B5' --from 0.14.4"
+    assert known.command(r, "0.18.0", "0.19.0") == "gradkit bisect --known 'B1 on DeepSpeed' --from 0.18.0 --to 0.19.0"
+
+
+def test_a_recipe_measures_through_the_checks_probe_or_its_own_probe_with_what_it_holds(monkeypatch):
+    made = []
+    monkeypatch.setattr(result, "measure_with", lambda cfg, loop, w, d, t, s, model, fixed: made.append(
+        ("config", loop, w, model, fixed, cfg["zero_optimization"]["stage"])))
+    monkeypatch.setattr(result, "probe_measure", lambda p, kw, case, axis, fixed: made.append(
+        ("probe", p.id, kw, case, axis, fixed)))
+    known.measure(known.RECIPES["B7"], world_size=2, device="cpu", timeout_s=9)
+    assert made[-1] == ("config", "engine", 2, "conditional", {}, 2)
+    known.measure(known.RECIPES["B1 on DeepSpeed"], timeout_s=9)
+    assert made[-1] == ("probe", "B1", {**known.RECIPES["B1 on DeepSpeed"].plan, "device": "cpu", "timeout_s": 9},
+                        "trainer", "deepspeed", {"transformers": "5.3.0"})
+    known.measure(known.RECIPES["HFT"], world_size=2, timeout_s=9)  # no plan: the probe's quick plan
+    from kit import probes
+    assert made[-1][2] == {**probes.get("HFT").quick_plan(2), "device": "cpu", "timeout_s": 9}
+
+
+# ---------------------------------------------------------------------------------------------- the history
+
+def test_the_history_keeps_one_result_per_release_and_says_what_moved(tmp_path):
+    h = history.load(tmp_path / "none.json")
+    assert h == {"series": {}}
+    moved = history.merge(h, "B5", "B5", "deepspeed", {}, {"0.19.0": GOOD, "0.15.2": bad("first and last", 0.4123456789)},
+                          "gradkit bisect --known 'B5'", "2026-11-26", result.same)
+    assert moved == []
+    s = h["series"]["B5"]
+    assert s["bug"] == "B5" and s["axis"] == "deepspeed" and s["with"] == {}
+    assert s["releases"]["0.15.2"] == {"verdict": oracle.AFFECTED, "step": "first and last", "ratios": [0.412346],
+                                       "dtype": "fp32", "by": "gradkit bisect --known 'B5'", "on": "2026-11-26"}
+    # measured again the same: nothing moved; otherwise one sentence with both results and where the old came from
+    assert history.merge(h, "B5", "B5", "deepspeed", {}, {"0.19.0": {**GOOD, "ratios": [1.00001]}}, "again",
+                         "2026-11-27", result.same) == []
+    moved = history.merge(h, "B5", "B5", "deepspeed", {}, {"0.15.2": GOOD}, "refresh", "2026-12-01", result.same)
+    assert moved == ["B5 on deepspeed 0.15.2: was affected 'first and last' ratio 0.412 (gradkit bisect --known 'B5', "
+                     "2026-11-26), now not-affected ratio 1.000"]
+    # a release that cannot run now keeps what it measured before
+    assert history.merge(h, "B5", "B5", "deepspeed", {}, {"0.15.2": SKIP, "0.14.0": SKIP}, "r", "d", result.same) == []
+    assert s["releases"]["0.15.2"]["verdict"] == oracle.NOT_AFFECTED
+    assert s["releases"]["0.14.0"]["reason"] == "does not install here"
+    assert [r for r, _ in history.releases(s)] == ["0.14.0", "0.15.2", "0.19.0"]
+    path = tmp_path / "h.json"
+    history.save(h, path)
+    assert list(json.loads(path.read_text())["series"]["B5"]["releases"]) == ["0.14.0", "0.15.2", "0.19.0"]
+    assert history.load(path) == json.loads(path.read_text())
+    history.merge(h, "B3 opt-out", "B3", "deepspeed", {}, {"0.19.4": GOOD}, "r", "d", result.same)
+    assert list(history.series(h, "B3")) == ["B3 opt-out"] and list(history.series(h)) == ["B3 opt-out", "B5"]
+
+
+def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table():
+    h = history.load()
+    for k in expectations.KNOWN.values():
+        for p in k.pins:
+            s = h["series"].get(p.series)
+            assert s is not None and s["bug"] == k.bug, (k.bug, p)
+            a, b = s["releases"].get(p.before), s["releases"].get(p.after)
+            assert a and b and not result.same(a, b), (k.bug, p, a, b)  # the pin is a measured change
+            assert a["verdict"] not in result.SKIPPED and b["verdict"] not in result.SKIPPED, (k.bug, p)
+            for rel in p.between:
+                assert s["releases"].get(rel, {}).get("verdict", oracle.CANNOT_RUN) in result.SKIPPED, (k.bug, p, rel)
+        for name, s in history.series(h, k.bug).items():
+            if s["axis"] != k.package or s["with"]:
+                continue
+            for rel, res in s["releases"].items():
+                want = k.expected_for_release(rel) if not k.rules else None
+                if want is not None and res["verdict"] not in result.SKIPPED and name == k.bug:
+                    assert res["verdict"] == want, (name, rel, res, want)
+
+
+# ---------------------------------------------------------------------------------------------- the refresh
+
+PIN = Pin("fixed", "0.18.9", "0.19.0", "B5", "gradkit bisect --known 'B5'", "copy_gradients_to_cpu")
+
+
+@pytest.fixture
+def table(monkeypatch):
+    """B5's table with one pin and newest_pinned 0.19.0; the index as given by each test."""
+    k = expectations.KNOWN["B5"]
+    monkeypatch.setitem(expectations.KNOWN, "B5", expectations.Known(
+        "B5", "deepspeed", k.report, affected_from="0.15.2", fixed_in="0.19.0", last_affected=None,
+        newest_pinned="0.19.0", pins=(PIN,)))
+    return known.RECIPES["B5"]
+
+
+def test_a_refresh_measures_both_sides_of_each_pin_the_newest_pinned_and_every_newer_release(table):
+    index = ["0.14.0", "0.14.4", "0.18.9", "0.19.0", "0.19.1", "0.20.0"]
+    assert refresh.to_measure(table, index, False) == ["0.18.9", "0.19.0", "0.19.1", "0.20.0"]
+    assert refresh.to_measure(table, index, True) == ["0.14.4", "0.18.9", "0.19.0", "0.19.1", "0.20.0"]
+    assert refresh.to_measure(table, ["0.18.9", "0.19.0"], False) == ["0.18.9", "0.19.0"]  # nothing newer
+    assert refresh.to_measure(known.RECIPES["B1 on DeepSpeed"], index, False) == []  # not the table's package: pins only
+
+
+def test_a_pin_holds_where_its_two_releases_still_differ_and_says_why_otherwise(table):
+    [c] = refresh.check_pins(table, {"0.18.9": bad(), "0.19.0": GOOD})
+    assert c["holds"] is True and c["why"] == "verdict affected -> not-affected"
+    [c] = refresh.check_pins(table, {"0.18.9": GOOD, "0.19.0": GOOD})
+    assert c["holds"] is False and c["why"] == "0.18.9 and 0.19.0 now measure the same: not-affected"
+    [c] = refresh.check_pins(table, {"0.18.9": SKIP, "0.19.0": GOOD})
+    assert c["holds"] is None and c["why"] == "not measured now: 0.18.9 cannot-run; 0.19.0 not-affected"
+    [c] = refresh.check_pins(table, {"0.19.0": GOOD})
+    assert c["holds"] is None and "0.18.9 not run" in c["why"]
+
+
+def test_a_new_release_is_compared_with_the_newest_pinned_one_and_a_different_one_is_bisected_with_its_diff(
+        table, monkeypatch):
+    index = ["0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.20.0"]
+    results = {"0.18.9": bad(), "0.19.0": GOOD, "0.19.1": GOOD, "0.19.2": bad("y"), "0.20.0": bad("y")}
+    made = []
+    monkeypatch.setattr(known, "measure", lambda r, **kw: lambda rel: made.append(rel) or {**results[rel],
+                                                                                          "release": rel})
+    monkeypatch.setattr(refresh.diff, "diff", lambda b, a, opt, package: {"before": b, "after": a, "files": [],
+                                                                          "commits": (None, None)})
+    done = refresh.refresh_one(table, index, False, "cpu", 60)
+    assert [c["holds"] for c in done["pins"]] == [True]
+    assert done["anchor"] == "0.19.0"
+    assert [(n["release"], n["same"]) for n in done["new"]] == [("0.19.1", True), ("0.19.2", False), ("0.20.0", False)]
+    assert [(c["before"], c["after"]) for c in done["changes"]] == [("0.19.1", "0.19.2")]  # once, between the two
+    assert sorted(made) == sorted(index)  # each release measured once
+    words = refresh.moved(done)
+    assert words[0].startswith("B5: 0.19.2 (newer than the table) measures otherwise than 0.19.0: verdict not-affected ->")
+    assert words[1].startswith("B5: 0.20.0 (newer than the table) measures otherwise than 0.19.0")
+    assert words[2].startswith("B5: 0.19.1 -> 0.19.2: last good 0.19.1, first bad 0.19.2") and len(words) == 3
+    text = refresh.page([done], words, "2026-11-26", 12.0, "the package index")
+    assert "| fixed | 0.18.9 | 0.19.0 | yes | verdict affected -> not-affected | `gradkit bisect --known 'B5'` " \
+           "(copy_gradients_to_cpu) |" in text
+    assert "- 0.20.0: affected: **another result**" in text and "- change: 0.19.1 -> 0.19.2" in text
+    # the same release as the table's newest: as the table says, and nothing moved
+    results.update({"0.19.2": GOOD, "0.20.0": GOOD})
+    made.clear()
+    done = refresh.refresh_one(table, index, False, "cpu", 60)
+    assert refresh.moved(done) == [] and done["new"][0]["same"] is True and done["changes"] == []
+    assert "- 0.20.0: not-affected: as the table says" in refresh.page([done], [], "d", 1.0, "idx")
+    assert "Nothing: every pin holds" in refresh.page([done], [], "d", 1.0, "idx")
+    results["0.20.0"] = SKIP  # a new release that cannot run here is said with its reason, not compared
+    done = refresh.refresh_one(table, index, False, "cpu", 60)
+    assert done["new"][-1]["same"] is None and refresh.moved(done) == []
+    assert "- 0.20.0: cannot-run (does not install here): not compared" in refresh.page([done], [], "d", 1.0, "idx")
+
+
+def test_the_refresh_command_writes_the_page_the_history_and_the_json_and_exits_1_when_something_moved(
+        table, monkeypatch, tmp_path, capsys):
+    index = ["0.18.9", "0.19.0", "0.20.0"]
+    results = {"0.18.9": bad(), "0.19.0": GOOD, "0.20.0": GOOD}
+    monkeypatch.setattr(listing, "index_releases", lambda p: (index, "the package index"))
+    monkeypatch.setattr(known, "measure", lambda r, **kw: lambda rel: {**results[rel], "release": rel})
+    seen = []
+    monkeypatch.setattr(kprefetch, "needs_of", lambda pairs: pairs)
+    monkeypatch.setattr(refresh.diff, "diff", lambda b, a, opt, package: {"before": b, "after": a, "files": [],
+                                                                          "commits": (None, None)})
+    monkeypatch.setattr(kprefetch, "prefetch", lambda needs, progress: seen.append(needs) or ({}, []))
+    args = ["--only", "B5", "--page", str(tmp_path / "p.md"), "--history", str(tmp_path / "h.json"),
+            "--json", str(tmp_path / "r.json"), "--no-progress"]
+    assert refresh.main(args) == 0
+    out = capsys.readouterr().out
+    assert "B5: 3 releases of deepspeed: 0.18.9, 0.19.0, 0.20.0" in out and "nothing moved" in out
+    assert [stack for _, stack in seen[0]] == [{"deepspeed": r} for r in index]  # installed up front, each once
+    h = json.loads((tmp_path / "h.json").read_text())
+    assert list(h["series"]["B5"]["releases"]) == index and h["series"]["B5"]["releases"]["0.20.0"]["by"] == \
+        "scripts/refresh_table"
+    assert (tmp_path / "p.md").read_text().startswith("# The upstream table, refreshed")
+    assert json.loads((tmp_path / "r.json").read_text())["recipes"][0]["recipe"] == "B5"
+    results["0.20.0"] = bad()  # a new release regresses: exit 1, and the history says the release moved
+    assert refresh.main(args) == 1
+    assert "B5 on deepspeed 0.20.0: was not-affected" in capsys.readouterr().out
+    results.update({r: SKIP for r in index})
+    assert refresh.main(args) == 3  # nothing could run
+
+
+def test_the_refresh_refuses_an_unknown_recipe_and_a_missing_folder_before_anything_runs(tmp_path):
+    with pytest.raises(kconfig.ConfigError, match="--only \\['B9'\\]: the recipes are B1"):
+        refresh.main(["--only", "B9"])
+    with pytest.raises(kconfig.ConfigError, match="does not exist"):
+        refresh.main(["--page", str(tmp_path / "no" / "p.md")])
