@@ -202,7 +202,9 @@ def test_the_refresh_command_writes_the_page_the_history_and_the_json_and_exits_
     h = json.loads((tmp_path / "h.json").read_text())
     assert list(h["series"]["B5"]["releases"]) == index and h["series"]["B5"]["releases"]["0.20.0"]["by"] == \
         "scripts/refresh_table"
-    assert (tmp_path / "p.md").read_text().startswith("# The upstream table, refreshed")
+    text = (tmp_path / "p.md").read_text()
+    assert text.startswith("# The upstream table, refreshed")
+    assert "| 0.18.9 | affected | x | 0.400 | scripts/refresh_table, " in text  # the history, every release
     assert json.loads((tmp_path / "r.json").read_text())["recipes"][0]["recipe"] == "B5"
     results["0.20.0"] = bad()  # a new release regresses: exit 1, and the history says the release moved
     assert refresh.main(args) == 1
@@ -216,3 +218,24 @@ def test_the_refresh_refuses_an_unknown_recipe_and_a_missing_folder_before_anyth
         refresh.main(["--only", "B9"])
     with pytest.raises(kconfig.ConfigError, match="does not exist"):
         refresh.main(["--page", str(tmp_path / "no" / "p.md")])
+
+
+def test_a_bugs_timeline_draws_each_release_at_its_worst_ratio_by_verdict_and_each_pin_between_its_releases():
+    from kit.notebooks import plot_style, verdict_plots
+
+    assert verdict_plots.worst_ratio({"ratios": [0.9, 0.2, 1.5]}) == 0.2
+    assert verdict_plots.worst_ratio({"ratios": [0.9, 4.0, None]}) == 4.0
+    assert verdict_plots.worst_ratio({"ratios": []}) is None and verdict_plots.worst_ratio({"ratios": [None]}) is None
+    s = {"bug": "B5", "axis": "deepspeed", "with": {"transformers": "5.3.0"}, "releases": {
+        "0.19.0": GOOD, "0.14.0": SKIP, "0.18.9": bad("first and last", 0.35)}}
+    fig = verdict_plots.timeline({"B5": s}, [PIN])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.14.0", "0.18.9", "0.19.0"]
+    marks = [(tuple(line.get_xdata()), tuple(line.get_ydata()), line.get_color()) for line in ax.lines
+             if line.get_marker() in ("o", "x")]
+    assert (1, 0.35) == (marks[1][0][0], marks[1][1][0]) and marks[1][2] == plot_style.VERDICT_COLOURS["affected"]
+    assert marks[0][1][0] == 0.35 / 2 and marks[0][2] == plot_style.VERDICT_COLOURS["cannot-run"]  # at the foot
+    assert marks[2][2] == plot_style.VERDICT_COLOURS["not-affected"]
+    assert any(tuple(line.get_xdata()) == (1.5, 1.5) for line in ax.lines)  # the pin, between 0.18.9 and 0.19.0
+    assert "B5: deepspeed releases (transformers 5.3.0 throughout)" == ax.get_title(loc="left")
+    assert plot_style.smallest_shown_points(fig)[0] >= plot_style.MIN_POINTS

@@ -135,7 +135,18 @@ def moved(done: dict) -> list[str]:
     return out
 
 
-def page(dones: list[dict], moves: list[str], day: str, took_s: float, where: str) -> str:
+def history_table(s: dict) -> list[str]:
+    """A series of the release history as markdown rows: release, verdict, the step, the ratio per step, by whom."""
+    rows = ["| release | verdict | the step is | ratio per step | measured by |", "|---|---|---|---|---|"]
+    for rel, res in history.releases(s):
+        ratios = " / ".join(f"{x:.3f}" for x in res.get("ratios") or [] if isinstance(x, (int, float))) or "-"
+        step = res.get("step") or (f"skipped: {(res.get('reason') or '')[:100]}" if res["verdict"] in result.SKIPPED
+                                   else "-")
+        rows.append(f"| {rel} | {res['verdict']} | {step} | {ratios} | {res.get('by', '-')}, {res.get('on', '-')} |")
+    return rows
+
+
+def page(dones: list[dict], moves: list[str], day: str, took_s: float, where: str, hist: dict | None = None) -> str:
     """The refresh as a markdown page of the site."""
     lines = ["# The upstream table, refreshed", "",
              "[← README](../README.md) · related: [findings and the upstream table](bugs.md), [bisect](bisect-report.md)",
@@ -166,6 +177,10 @@ def page(dones: list[dict], moves: list[str], day: str, took_s: float, where: st
         for ch in d["changes"]:
             lines += ["", f"- change: {search.describe(ch)}"] + [f"    {x}" for x in
                                                                  diff.diff_text(ch["diff"]).splitlines()[:12]]
+        s = (hist or {}).get("series", {}).get(r.name)
+        if s:
+            lines += ["", f"<details><summary>Every release of {r.axis} measured for {r.name} "
+                          f"(kit/judge/history.json)</summary>", ""] + history_table(s) + ["", "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +217,7 @@ def main(argv=None) -> int:
         dones.append(d)
     history.save(hist, a.history)
     took = time.monotonic() - t0
-    Path(a.page).write_text(page(dones, moves, day, took, "; ".join(sorted(wheres))))
+    Path(a.page).write_text(page(dones, moves, day, took, "; ".join(sorted(wheres)), hist))
     if a.json:
         Path(a.json).write_text(json.dumps({"moved": moves, "recipes": [
             {**{k: v for k, v in d.items() if k not in ("recipe", "pins")}, "recipe": d["recipe"].name,

@@ -1,12 +1,15 @@
 """The figures of verdicts side by side, each cell coloured by its verdict: the verdict matrix (bug x DeepSpeed
 release, notebook 00 and the run-all summary), a grid of records by two keys (02, 03, 07), the sweep's heatmaps (06)
-and a bisect's strip of releases (08). Each from records alone (no tensors, no re-runs).
+a bisect's strip of releases (08) and a known bug's release history as a timeline (00, 01, 07, 08 and the refresh
+page). Each from records alone (no tensors, no re-runs).
 
 Every function returns the matplotlib Figure so a notebook shows it and a script can save it. This module imports
 matplotlib at its top (0.5 s): the rest of the kit imports it only inside the functions that draw (the overview's
 ``save_matrix`` does, so that run-all can read the overview to check parameters without it).
 """
 from __future__ import annotations
+
+import math
 
 import matplotlib.pyplot as plt
 
@@ -165,5 +168,52 @@ def bisect_strip(found: dict, title: str = ""):
     ax.axis("off")
     ax.set_title(title or "releases (red affected, green not affected, grey skipped, white not run; bar: a change)",
                  fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def worst_ratio(res: dict) -> float | None:
+    """A result's ratio furthest from 1 (on a log scale) over its judged steps; None where none is a number."""
+    nums = [x for x in res.get("ratios") or [] if isinstance(x, (int, float)) and x > 0]
+    return max(nums, key=lambda x: abs(math.log(x))) if nums else None
+
+
+def timeline(series: dict, pins=(), title: str = ""):
+    """A known bug's release history (``kit.judge.history.series``): one panel per series, its releases left to
+    right, each at the norm ratio of its worst judged step (log scale; 1 is the right step) coloured by its verdict;
+    a release that cannot run here is a grey x at the panel's foot. Each pin (``kit.judge.expectations.Pin``) of the
+    series is a dashed line between its two releases, with what starts there."""
+    fig, axes = plt.subplots(max(1, len(series)), 1, figsize=(SHOWN_WIDTH_IN, 2.5 * max(1, len(series))), squeeze=False)
+    for ax, (name, s) in zip(axes[:, 0], series.items()):
+        order = sorted(s["releases"], key=versions.version_key)
+        ys = [worst_ratio(s["releases"][r]) for r in order]
+        floor = min([y for y in ys if y] + [1.0]) / 2
+        for i, (rel, y) in enumerate(zip(order, ys)):
+            verdict = s["releases"][rel]["verdict"]
+            if y is None:
+                ax.plot(i, floor, "x", color=VERDICT_COLOURS.get(verdict, "#7f7f7f"), ms=7)
+            else:
+                ax.plot(i, y, "o", color=VERDICT_COLOURS.get(verdict, "#7f7f7f"), ms=7)
+        ax.plot([i for i, y in enumerate(ys) if y], [y for y in ys if y], "-", color="#999999", lw=0.8, zorder=0)
+        ax.axhline(1.0, color="black", lw=0.6, ls=":")
+        ax.set_yscale("log")
+        for p in pins:
+            if p.series == name and p.before in order and p.after in order:
+                x = (order.index(p.before) + order.index(p.after)) / 2
+                ax.axvline(x, color="black", lw=1.2, ls="--")
+                ax.text(x, 1.0, " " + p.what.split(":")[0], rotation=90, fontsize=SMALL, va="bottom", ha="right")
+        ax.set_xticks(range(len(order)))
+        ax.set_xticklabels(order, rotation=90, fontsize=SMALL)
+        ax.tick_params(axis="y", labelsize=SMALL)
+        ax.set_xlim(-0.5, len(order) - 0.5)
+        held = ", ".join(f"{k} {v}" for k, v in (s.get("with") or {}).items())
+        ax.set_ylabel("ratio (worst step)", fontsize=SMALL)
+        ax.set_title(f"{name}: {s['axis']} releases" + (f" ({held} throughout)" if held else ""), fontsize=9, loc="left")
+    handles = [plt.Line2D([], [], marker="o", ls="", color=VERDICT_COLOURS[v], label=v)
+               for v in ("affected", "not-affected", "inconclusive")]
+    handles.append(plt.Line2D([], [], marker="x", ls="", color=VERDICT_COLOURS["cannot-run"], label="cannot run here"))
+    axes[0][0].legend(handles=handles, fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
