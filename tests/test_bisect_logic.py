@@ -732,3 +732,25 @@ def test_a_known_bug_is_bisected_by_its_recipe_from_its_oldest_release(command, 
     assert bisect.main(["--known", "B1 on DeepSpeed", "--releases", "0.14.4,0.15.2", "--no-progress"]) == 1
     assert "  as run: transformers 5.3.0 in every stack" in capsys.readouterr().out
     assert state["prefetched"][-1][-1] == {"transformers": "5.3.0"} and state["prefetched"][-1][4] == "deepspeed"
+
+
+def test_a_known_bugs_bisect_keeps_what_it_measured_in_the_release_history_when_asked(command, monkeypatch, capsys,
+                                                                                       tmp_path):
+    from kit.judge import history
+
+    cfg, state = command
+    monkeypatch.setattr(history, "PATH", tmp_path / "history.json")
+    monkeypatch.setattr(known, "measure", lambda r, *a: measuring({"0.14.4": GOOD, "0.15.2": bad("z")})[0])
+    assert bisect.main(["--known", "B5", "--releases", "0.14.4,0.15.2", "--no-progress", "--keep"]) == 1
+    text = capsys.readouterr().out
+    h = history.load(tmp_path / "history.json")
+    assert list(h["series"]["B5"]["releases"]) == ["0.14.4", "0.15.2"] and f"kept: 2 releases in {tmp_path}" in text
+    assert h["series"]["B5"]["releases"]["0.15.2"]["by"] == "gradkit bisect --known B5 --releases 0.14.4,0.15.2 " \
+                                                             "--no-progress --keep"
+    monkeypatch.setattr(known, "measure", lambda r, *a: measuring({"0.14.4": bad("z"), "0.15.2": bad("z")})[0])
+    bisect.main(["--known", "B5", "--releases", "0.14.4,0.15.2", "--no-progress", "--keep"])
+    assert "moved: B5 on deepspeed 0.14.4: was not-affected" in capsys.readouterr().out
+    bisect.main(["--known", "B5", "--releases", "0.14.4,0.15.2", "--no-progress"])  # not asked: nothing kept
+    assert "kept" not in capsys.readouterr().out
+    with pytest.raises(kconfig.ConfigError, match="--keep needs --known"):
+        bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", "--keep"])

@@ -19,21 +19,22 @@ PATH = Path(__file__).with_name("history.json")
 KEPT = ("verdict", "step", "ratios", "cosine", "misplaced_weight", "dtype", "reason")
 
 
-def load(path: Path | str = PATH) -> dict:
-    """``{"series": {name: {"bug", "axis", "with", "releases": {release: result}}}}`` (empty where there is none)."""
+def load(path: Path | str | None = None) -> dict:
+    """``{"series": {name: {"bug", "axis", "with", "releases": {release: result}}}}`` (empty where there is none);
+    ``history.json`` beside this module by default."""
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path or PATH).read_text())
     except FileNotFoundError:
         return {"series": {}}
 
 
-def save(history: dict, path: Path | str = PATH) -> None:
+def save(history: dict, path: Path | str | None = None) -> None:
     """Written sorted (series by name, releases in release order), so that a diff of the file shows what moved."""
     out = {"series": {}}
     for name in sorted(history["series"]):
         s = history["series"][name]
         out["series"][name] = {**s, "releases": {r: s["releases"][r] for r in sorted(s["releases"], key=version_key)}}
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    Path(path or PATH).write_text(json.dumps(out, indent=1) + "\n")
 
 
 def compact(res: dict, how: str, day: str) -> dict:

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+import time
 from pathlib import Path
 
 from kit import config as kconfig
 from kit import probes
 from kit.commands import check
 from kit.commands.bisect import diff, known, listing, result, search
-from kit.judge import oracle
+from kit.judge import history, oracle
 from kit.probes import ds_config
 from kit.stacks import versions
 
@@ -46,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--known", metavar="NAME", help=f"instead of a config: a known bug's recipe, one of "
                                                    f"{', '.join(known.RECIPES)} (its configuration or probe, "
                                                    "axis and held releases; --from defaults to its oldest)")
+    p.add_argument("--keep", action="store_true", help="with --known: add every release measured to the release "
+                                                       "history (kit/judge/history.json), saying what moved")
     p.add_argument("--case", default=None, help="with --probe: the case judged (default: the probe's measured one)")
     p.add_argument("--with", dest="fixed", action="append", default=[], metavar="PKG=RELEASE",
                    help="hold another package at one release in every stack (repeatable)")
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
     if sum(map(bool, (a.probe, a.config, a.known))) != 1:
         raise kconfig.ConfigError("give a DeepSpeed config, --probe or --known, one of the three")
     fixed = fixed_releases(a.fixed, a.axis)
+    if a.keep and not a.known:
+        raise kconfig.ConfigError("--keep needs --known: the release history holds the known bugs' recipes")
     probe = None
     if a.known:
         if a.known not in known.RECIPES:
@@ -154,6 +161,15 @@ def main(argv=None) -> int:
                                             "loop": a.loop, "with": fixed,
                                             "releases_from": where, **found},
                                            indent=1, default=str))
+    if a.keep:
+        recipe = known.RECIPES[a.known]
+        hist = history.load()
+        how = "gradkit bisect " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+        for line in history.merge(hist, recipe.name, recipe.bug, recipe.axis, fixed, found["measured"], how,
+                                  time.strftime("%Y-%m-%d"), result.same):
+            print("moved: " + line)
+        history.save(hist)
+        print(f"kept: {len(found['measured'])} releases in {history.PATH}")
     if len(runnable) < 2:
         return 3
     newest = runnable[-1]  # exit 1 means a measured affected, as for gradkit check: here, on the newest that ran
