@@ -22,8 +22,14 @@ SKIP = {"verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": "doe
 # ---------------------------------------------------------------------------------------------- releases
 
 def test_the_installed_release_runs_without_an_overlay_and_any_other_in_one(monkeypatch):
-    monkeypatch.setattr(versions, "installed_version", lambda p: {"deepspeed": "0.18.6+cpu", "accelerate": "1.2.0"}[p])
+    monkeypatch.setattr(versions, "installed_version", lambda p: {"deepspeed": "0.18.6+cpu", "accelerate": "1.2.0",
+                                                                  "transformers": "5.23.0"}[p])
     assert listing.stack_of("0.18.6") == {} and listing.stack_of("0.18.5") == {"deepspeed": "0.18.5"}
+    # transformers 4.45 - 4.46 import here only beside accelerate 1.0.1; 4.47.0 and later beside the installed one
+    assert listing.stack_of("4.46.3", "transformers") == {"transformers": "4.46.3", "accelerate": "1.0.1"}
+    assert listing.stack_of("4.47.0", "transformers") == {"transformers": "4.47.0"}
+    assert listing.stack_of("5.23.0", "transformers") == {}
+    assert versions.accelerate_for("4.45.2") == "1.0.1" and versions.accelerate_for("5.3.0") is None
     assert listing.stack_of("1.2.0", "accelerate") == {} and listing.stack_of("1.0.1", "accelerate") == {"accelerate": "1.0.1"}
     assert [v for v in ("0.18.6", "1.0", "0.18.6rc1", "1.0.0.dev0", "0.18.6.post1") if listing._final(v)] == ["0.18.6", "1.0"]
 
@@ -295,7 +301,10 @@ def test_the_first_pass_is_installed_up_front_for_the_probe_and_package_bisected
     assert search.prefetch(order, 2, progress=False) == ["p"]
     assert asked[-1] == ([(ds_config.CHECK, {"deepspeed": "0.0.0"}), (ds_config.CHECK, {"deepspeed": "0.2.0"})], False)
     search.prefetch(order, 4, probe="B1", axis="transformers")  # installed_version says 0.4.0 for any package
-    assert asked[-1] == ([("B1", {"transformers": "0.0.0"})], True)
+    assert asked[-1] == ([("B1", {"transformers": "0.0.0", "accelerate": "1.0.1"})], True)  # an old one's companion
+    search.prefetch(["5.3.0", "0.4.0"], 4, probe="B1", axis="transformers", fixed={"deepspeed": "0.18.6"})
+    assert asked[-1] == ([("B1", {"deepspeed": "0.18.6", "transformers": "5.3.0"}), ("B1", {"deepspeed": "0.18.6"})],
+                         True)  # the installed transformers too: the held DeepSpeed is an overlay
 
 
 def test_the_search_measures_each_release_once_tells_progress_and_reports_what_it_skipped():
@@ -398,6 +407,12 @@ def test_the_table_gives_each_releases_verdict_step_and_ratios_and_the_releases_
 
 # ---------------------------------------------------------------------------------------------- the change
 
+def test_the_trainers_accelerator_set_up_is_on_the_gradient_path():
+    src = ("class Trainer:\n    def create_accelerator_and_postprocess(self):\n        num_steps = 1\n"
+           "    def log(self):\n        pass\n")
+    assert set(diff._functions(src, "Trainer")) == {"Trainer.create_accelerator_and_postprocess"}
+
+
 def test_the_functions_on_the_gradient_path_keep_their_decorators_and_module_functions_are_read_without_a_class():
     src = ("import x\n\n@decorate\n@twice\ndef reduce_grads(a):\n    return helper(a)\n\n"
            "def helper(a):\n    return a\n\ndef describe():\n    pass\n\n"
@@ -449,6 +464,8 @@ def test_a_releases_source_is_its_resolved_stacks_package_folder_and_none_where_
     assert diff._source_root("0.17.0") == tmp_path / "deepspeed"
     assert asked == [({"deepspeed": "0.17.0"}, ("deepspeed",))]
     assert diff._source_root("0.1.0") is None and diff._source_root("0.18.6") is None  # no root said: none
+    diff._source_root("4.46.3", "transformers")  # an old transformers' source alone: no accelerate beside it
+    assert asked[-1] == ({"transformers": "4.46.3"}, ("transformers",))
 
 
 ENGINE_A = ("class DeepSpeedEngine:\n    def backward(self, loss):\n        return loss\n"
@@ -660,8 +677,8 @@ def test_the_command_refuses_bad_numbers_and_a_missing_json_folder_before_anythi
                          (["--case", "trainer"], "--case needs --probe")):
         with pytest.raises(kconfig.ConfigError, match=match):
             bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", *given])
-    with pytest.raises(kconfig.ConfigError, match="--known 'B9': the recipes are B1, B1 on DeepSpeed"):
-        bisect.main(["--known", "B9", "--releases", "0.1.0,0.2.0"])
+    with pytest.raises(kconfig.ConfigError, match="--known 'B99': the recipes are B1, B1 on DeepSpeed"):
+        bisect.main(["--known", "B99", "--releases", "0.1.0,0.2.0"])
     for extra in (["--with", "transformers=5.3.0"], ["--case", "x"], ["--model", "conditional"],
                   ["--axis", "accelerate"]):
         with pytest.raises(kconfig.ConfigError, match="--known takes its axis, case, model and held releases"):

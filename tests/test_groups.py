@@ -634,3 +634,23 @@ def test_a_record_names_a_clipped_steps_shape_before_the_clip_and_says_so():
     assert plain["matches"] == "none" and "before the clip" not in plain["shape"]
     assert naming.annotate_steps(_rec([{**_clipped_step(), "hypotheses": step["hypotheses"]}], ga=4,
                                       clip=1.0))["matches"] == parts.PART_STALE  # the clip on the record itself
+
+
+def test_the_clip_is_read_only_where_the_engine_clipped_and_a_groups_lost_rows_are_its_own_micro_batches():
+    # a logged norm exactly at the clip: the engine scaled by 1, nothing to undo
+    s = _clipped_step(logged=1.0)
+    assert parts.unclipped(s, 1.0, "fp32", 2, 4) is s
+    # the applied norm's limit is relative to the clip: at clip 4, 4 * (1 + 0.9e-4) is the clip, 4 * (1 + 1.1e-4) not
+    assert "unclipped_by" in parts.unclipped(_clipped_step(logged=8.0, applied=4.00036), 4.0, "fp32", 2, 4)
+    assert "unclipped_by" not in parts.unclipped(_clipped_step(logged=8.0, applied=4.00044), 4.0, "fp32", 2, 4)
+    # before the clip a reached micro-batch at exactly half its right weight is not lost; a previous step's row
+    # (expected 0) is never lost, whatever its weight
+    engine, coef = 0.5, 0.25
+    g = _group(rel_err=0.5)
+    g["attribution"].update(rows=[0, 2, 4], weights=[0.125 * engine, 0.0625 * engine, -0.3 * engine],
+                            expected_weights=[0.125 * coef, 0.125 * coef, 0.0])
+    step = {**_step(g), "logged_norm": 1 / engine, "clip_coef": coef, "attribution": None}
+    step["metrics"]["effective_norm"] = 1.0
+    assert parts.unclipped(step, 1.0, "fp32", 2, 2)["groups"]["expert"]["lost"] is None
+    g["attribution"]["weights"][1] = 0.0624 * engine
+    assert parts.unclipped(step, 1.0, "fp32", 2, 2)["groups"]["expert"]["lost"] == "rank 1 micro-batch 1"

@@ -205,3 +205,16 @@ def test_a_control_off_on_attribution_alone_makes_the_verdict_inconclusive():
     w[0], w[1] = w[0] + 1e-3, w[1] - 1e-3
     control = {**judged(w @ basis, ref), "attribution": oracle.attribute(w @ basis, basis, weights)}
     assert oracle.verdict(judged(ref, ref), control)[0] == oracle.INCONCLUSIVE
+
+
+def test_fp16s_subnormal_spacing_is_the_one_the_hardware_rounds_to():
+    """Below fp16's smallest normal number (2**-14) its values are spaced 2**-24 apart: the read floor of a tiny fp16
+    weight (``tolerances.SUBNORMAL``) is that spacing, the next fp16 number after 0, and half of it is the most a
+    correctly rounded value moves there."""
+    import torch
+
+    step = torch.nextafter(torch.tensor(0.0, dtype=torch.float16), torch.tensor(1.0, dtype=torch.float16)).item()
+    assert tolerances.SUBNORMAL["fp16"] == step == 2.0 ** -24
+    tiny = torch.tensor([2.41e-7, 1.0e-6, 3.3e-5], dtype=torch.float64)
+    assert float((tiny.half().double() - tiny).abs().max()) <= tolerances.SUBNORMAL["fp16"] / 2
+    assert set(tolerances.SUBNORMAL) == {"fp16"}  # bf16 has fp32's exponent range: no subnormal floor of its own

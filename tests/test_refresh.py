@@ -8,8 +8,8 @@ import pytest
 from kit import config as kconfig
 from kit.commands import refresh
 from kit.commands.bisect import known, listing, result, search
-from kit.judge import expectations, history, oracle
-from kit.judge.expectations import Pin
+from kit.judge import expectations, history, oracle, pins
+from kit.judge.pins import Pin
 from kit.stacks import prefetch as kprefetch
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0], "dtype": "fp32"}
@@ -92,24 +92,30 @@ def test_the_history_keeps_one_result_per_release_and_says_what_moved(tmp_path):
     assert list(history.series(h, "B3")) == ["B3 opt-out"] and list(history.series(h)) == ["B3 opt-out", "B5"]
 
 
-def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table():
+def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table(monkeypatch):
+    from kit.notebooks import bisect_known
+
     h = history.load()
-    for k in expectations.KNOWN.values():
-        for p in k.pins:
-            s = h["series"].get(p.series)
-            assert s is not None and s["bug"] == k.bug, (k.bug, p)
-            a, b = s["releases"].get(p.before), s["releases"].get(p.after)
-            assert a and b and not result.same(a, b), (k.bug, p, a, b)  # the pin is a measured change
-            assert a["verdict"] not in result.SKIPPED and b["verdict"] not in result.SKIPPED, (k.bug, p)
-            for rel in p.between:
-                assert s["releases"].get(rel, {}).get("verdict", oracle.CANNOT_RUN) in result.SKIPPED, (k.bug, p, rel)
-        for name, s in history.series(h, k.bug).items():
-            if s["axis"] != k.package or s["with"]:
-                continue
-            for rel, res in s["releases"].items():
-                want = k.expected_for_release(rel) if not k.rules else None
-                if want is not None and res["verdict"] not in result.SKIPPED and name == k.bug:
-                    assert res["verdict"] == want, (name, rel, res, want)
+    assert bisect_known.history_violations(h) == []
+    for b, k in expectations.KNOWN.items():  # no range left open that a release installable here could close
+        kinds = {p.what.split(":")[0] for p in k.pins}
+        assert "introduced" in kinds or b in pins.START_HIDDEN, f"{b}: its start is neither pinned nor said hidden"
+        assert k.fixed_in is None or "fixed" in kinds, f"{b}: fixed in {k.fixed_in}, but no pin says where"
+        assert "not pinned" not in k.range_text(), k.range_text()
+    # each kind of disagreement is found: a pin with one side missing, one whose sides measure the same, a release
+    # said not to run that ran, a pinned release measured otherwise than the table says
+    monkeypatch.setitem(pins.PINS, "B5", (PIN, Pin("fixed", "0.18.9", "0.19.0", "B5", "c", "f", between=("0.18.95",))))
+    fake = {"series": {"B5": {"bug": "B5", "axis": "deepspeed", "with": {}, "releases": {
+        "0.18.9": bad(), "0.19.0": GOOD, "0.18.95": GOOD, "0.16.0": GOOD}}}}
+    found = bisect_known.history_violations(fake)
+    assert "B5: 0.18.95 lies between the pin's releases as one that cannot run, but it ran" in found
+    assert "B5 on 0.16.0: the history holds not-affected, the table says affected" in found
+    fake["series"]["B5"]["releases"]["0.19.0"] = bad()
+    assert "B5: the pin 0.18.9 -> 0.19.0 is not a measured change: affected, affected" in \
+        bisect_known.history_violations(fake)
+    del fake["series"]["B5"]["releases"]["0.18.9"]
+    assert "B5: the pin 0.18.9 -> 0.19.0 has no measurement of both in series 'B5'" in \
+        bisect_known.history_violations(fake)
 
 
 # ---------------------------------------------------------------------------------------------- the refresh
@@ -123,7 +129,8 @@ def table(monkeypatch):
     k = expectations.KNOWN["B5"]
     monkeypatch.setitem(expectations.KNOWN, "B5", expectations.Known(
         "B5", "deepspeed", k.report, affected_from="0.15.2", fixed_in="0.19.0", last_affected=None,
-        newest_pinned="0.19.0", pins=(PIN,)))
+        newest_pinned="0.19.0"))
+    monkeypatch.setitem(pins.PINS, "B5", (PIN,))
     return known.RECIPES["B5"]
 
 
@@ -190,6 +197,8 @@ def test_the_refresh_command_writes_the_page_the_history_and_the_json_and_exits_
     monkeypatch.setattr(known, "measure", lambda r, **kw: lambda rel: {**results[rel], "release": rel})
     seen = []
     monkeypatch.setattr(kprefetch, "needs_of", lambda pairs: pairs)
+    wrote = []
+    monkeypatch.setattr(refresh, "write_ranges", lambda: wrote.append(1) or [])
     monkeypatch.setattr(refresh.diff, "diff", lambda b, a, opt, package: {"before": b, "after": a, "files": [],
                                                                           "commits": (None, None)})
     monkeypatch.setattr(kprefetch, "prefetch", lambda needs, progress: seen.append(needs) or ({}, []))
@@ -197,7 +206,7 @@ def test_the_refresh_command_writes_the_page_the_history_and_the_json_and_exits_
             "--json", str(tmp_path / "r.json"), "--no-progress"]
     assert refresh.main(args) == 0
     out = capsys.readouterr().out
-    assert "B5: 3 releases of deepspeed: 0.18.9, 0.19.0, 0.20.0" in out and "nothing moved" in out
+    assert "B5: 3 releases of deepspeed: 0.18.9, 0.19.0, 0.20.0" in out and "nothing moved" in out and wrote == [1]
     assert [stack for _, stack in seen[0]] == [{"deepspeed": r} for r in index]  # installed up front, each once
     h = json.loads((tmp_path / "h.json").read_text())
     assert list(h["series"]["B5"]["releases"]) == index and h["series"]["B5"]["releases"]["0.20.0"]["by"] == \
@@ -214,10 +223,10 @@ def test_the_refresh_command_writes_the_page_the_history_and_the_json_and_exits_
 
 
 def test_the_refresh_refuses_an_unknown_recipe_and_a_missing_folder_before_anything_runs(tmp_path):
-    with pytest.raises(kconfig.ConfigError, match="--only \\['B9'\\]: the recipes are B1"):
-        refresh.main(["--only", "B9"])
+    with pytest.raises(kconfig.ConfigError, match="--only \\['B99'\\]: the recipes are B1"):
+        refresh.main(["--only", "B99", "--page", str(tmp_path / "p.md"), "--history", str(tmp_path / "h.json")])
     with pytest.raises(kconfig.ConfigError, match="does not exist"):
-        refresh.main(["--page", str(tmp_path / "no" / "p.md")])
+        refresh.main(["--page", str(tmp_path / "no" / "p.md"), "--history", str(tmp_path / "h.json")])
 
 
 def test_a_bugs_timeline_draws_each_release_at_its_worst_ratio_by_verdict_and_each_pin_between_its_releases():
@@ -239,3 +248,17 @@ def test_a_bugs_timeline_draws_each_release_at_its_worst_ratio_by_verdict_and_ea
     assert any(tuple(line.get_xdata()) == (1.5, 1.5) for line in ax.lines)  # the pin, between 0.18.9 and 0.19.0
     assert "B5: deepspeed releases (transformers 5.3.0 throughout)" == ax.get_title(loc="left")
     assert plot_style.smallest_shown_points(fig)[0] >= plot_style.MIN_POINTS
+
+
+def test_the_pinned_ranges_are_written_into_each_pages_ranges_block_and_the_repositorys_are_current(tmp_path, repo):
+    (tmp_path / "docs").mkdir()
+    for name in refresh.RANGES_PAGES:
+        (tmp_path / name).write_text("head\n<!-- gradkit:table RANGES -->\nold\n<!-- /gradkit:table -->\ntail\n")
+    assert refresh.write_ranges(tmp_path) == list(refresh.RANGES_PAGES)
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("head\n<!-- gradkit:table RANGES -->\n<sub>generated by `scripts/refresh_table --ranges-only`")
+    assert expectations.ranges_table() in text and text.endswith("<!-- /gradkit:table -->\ntail\n")
+    (tmp_path / "README.md").write_text("no block\n")
+    assert refresh.write_ranges(tmp_path) == ["docs/bugs.md"]
+    for name in refresh.RANGES_PAGES:  # the repository's pages say what kit/judge/pins.py says now
+        assert expectations.ranges_table() in (repo / name).read_text(), f"{name}: run scripts/refresh_table --ranges-only"

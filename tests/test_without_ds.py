@@ -43,7 +43,8 @@ def test_the_upstream_rules_pin_cases_releases_and_the_smallest_ga():
     assert expectations.expected("ACC", {"accelerate": "0.31.0"}, case="sync_each_batch", ga=4) == oracle.NOT_AFFECTED
     assert expectations.expected("ACC", {"accelerate": "9.0.0"}, case="accumulate", ga=4) is None  # newer: a finding
     assert expectations.expected("FSDP2", {"torch": "2.13.0+cpu"}, case="sum_not_mean", ga=1) == oracle.NOT_AFFECTED
-    assert expectations.expected("HFT", {"transformers": "5.10.0"}, case="trainer", ga=4) is None  # not pinned between
+    assert expectations.expected("HFT", {"transformers": "5.9.0"}, case="trainer", ga=4) == oracle.AFFECTED  # pinned:
+    assert expectations.expected("HFT", {"transformers": "5.10.1"}, case="trainer", ga=4) == oracle.NOT_AFFECTED  # the fix
     bad, _ = expectations.mismatches("ACC", [_rec("ACC", "sync_each_batch", oracle.NOT_AFFECTED, "0.30.1")])
     assert len(bad) == 1 and "upstream says affected" in bad[0]
 

@@ -9,18 +9,25 @@ One table (``KNOWN``), read by every notebook's last cells and by the overview:
 
 Sources (upstream pull requests and issues; the releases are those that first ship each change):
 
-- B4 (``BF16_Optimizer`` averages before it adds the boundary micro-batch): reported on 0.18.6, present through
-  0.18.10-dev; deepspeedai/DeepSpeed#7985 swaps the two calls in ``_backward_epilogue``, first released in 0.19.0.
-- B2 (``PipelineEngine`` with GA > 1): up to 0.18.2 the stages sum their micro-batches; deepspeedai/DeepSpeed#7724
-  (0.18.4) makes the engine honour a per-output GAS scaling hook, after which earlier stages are divided by GA
-  twice (0.18.3 - 0.19.2, measured); deepspeedai/DeepSpeed#8154 fixes it in 0.19.3.
-- B3 (config GA = 1, N manual backwards, ZeRO-1/2 keep only the last micro-batch): not a regression but the
-  boundary bookkeeping of ZeRO-1/2; the opt-out ``"managed_gradient_accumulation": false`` arrives in 0.19.4
-  (deepspeedai/DeepSpeed#8184, #8203, #8217). The manual loop itself stays affected on every release measured.
+- B4 (``BF16_Optimizer`` averages before it adds the boundary micro-batch): reported on 0.18.6; gradkit bisect finds
+  it from 0.18.5, where deepspeedai/DeepSpeed#7788 makes this config run ``BF16_Optimizer`` again (0.17.6 - 0.18.4 run
+  ``FP16_UnfusedOptimizer``, #7515, and show B9; <= 0.17.5 ``BF16_Optimizer`` is exact); deepspeedai/DeepSpeed#7985
+  swaps the two calls in ``_backward_epilogue``, first released in 0.19.0.
+- B2 (``PipelineEngine`` with GA > 1): exact up to 0.15.4; from 0.16.0 ``engine.backward`` scales the loss by 1 / GA
+  only where it reduces gradients itself, which the pipeline never does, so the stages sum their micro-batches;
+  after the backward rework (#7665, 0.18.3) and the per-output GAS hook (#7724, 0.18.4) earlier stages are divided
+  by GA twice (measured 0.18.5 - 0.19.2; 0.18.3 - 0.18.4 refuse the pipeline's backward here);
+  deepspeedai/DeepSpeed#8154 fixes it in 0.19.3. Every boundary found by gradkit bisect (``kit.judge.pins``).
+- B3 (config GA = 1, N manual backwards, ZeRO-1/2 keep only the last micro-batch): a regression of the backward
+  rework, found by gradkit bisect: <= 0.17.5 keep every micro-batch in this loop, 0.17.6 - 0.18.2 crash in it, 0.18.3
+  is the first affected; the opt-out ``"managed_gradient_accumulation": false`` arrives in 0.19.4
+  (deepspeedai/DeepSpeed#8184, #8203, #8217). The manual loop itself stays affected on every later release.
 - B1 (HF Trainer + DeepSpeed + ``model_accepts_loss_kwargs``): reported as huggingface/transformers#45305 on
   transformers 5.3.0; 5.3.0 counts one label token too many per sequence, so every path applies
-  tokens / (tokens + sequences) of the reference; 5.23.0 (installed) is measured correct on every path. The
-  release in between that fixed it is not pinned here: such releases are findings, not assertions.
+  tokens / (tokens + sequences) of the reference. gradkit bisect over every release that runs here pins it (on a
+  tiny Llama, which every release has): 4.46.2 starts passing the count to a **kwargs model; 4.47.0 - 4.48.0 sum the
+  micro-batches, 5.2.0 - 5.5.3 divide by GA once more (0.91 -> 0.23 -> 0.91), and 5.10.1 counts the shifted
+  labels (5.9.0 the last affected); held at 5.3.0, every DeepSpeed release from 0.14.4 gives the same step.
 - B5 (ZeRO-1/2 + ``offload_optimizer`` CPU, DeepSpeed's own loop with GA > 2): found by the kit's sweep on 0.18.6,
   then traced upstream. ``async_accumulate_grad_in_cpu_via_gpu`` copies a micro-step's gradient to the CPU buffer
   only at ``micro_step_id == 0`` (deepspeedai/DeepSpeed#6550); the micro-steps between the first and the boundary
@@ -35,22 +42,31 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   initialisation; ``partition_grads`` copies into a parameter's slice at ``micro_step_id == 0`` and adds after it,
   and the epilogue rebuilds ``averaged_gradients`` from every parameter's slice, reduced in this step or not. So
   a parameter no micro-batch reached keeps, and applies again, its last gradient; one first reached after the
-  first micro-batch adds its window onto the previous window's total.
+  first micro-batch adds its window onto the previous window's total. Affected on every release that runs here
+  (from 0.14.4; gradkit bisect): its start is older.
 - B7 (``offload_optimizer`` CPU, ZeRO-1/2/3: the fp32 gradient buffer is written only for the parameters the
   boundary micro-batch reaches and never cleared): found by the kit's sweep on the same shapes (0.18.6 and
   0.19.8; no upstream report found). ``copy_grads_in_partition`` writes a parameter's slice of
   ``single_partition_of_fp32_groups[i].grad`` only when its hook fires on the boundary micro-step, and nothing
   zeroes that buffer or ``accumulated_grads_in_cpu`` between steps (ZeRO-3: ``fp32_partitioned_groups_flat[i].grad``
   and ``_offload_grad_partition_at_boundary``). A part the boundary micro-batch misses loses its window's
-  gradient and keeps its last one.
+  gradient and keeps its last one. Affected on every release from 0.14.4 (its start is older); its step changes
+  with B5's start and fix (0.15.2: the old gradient no longer applied again; 0.19.0: applied again), both found by
+  gradkit bisect. In ZeRO-1/2's manual loop every backward is a boundary, so any model shows it there.
 - B8 (DeepSpeed's CPU accelerator, ZeRO-1/2 with ``contiguous_gradients: false``: no all-reduce at all): found by the
   kit's sweep on 0.18.6 as an unknown group, its end found by ``gradkit bisect`` (0.19.7 affected, 0.19.8 exact;
-  measured affected on 0.18.3 - 0.19.7 wherever those run here) and its change read in the two releases' sources
+  measured affected on every release from 0.14.4 that runs here: its start is older) and its change read in the two releases' sources
   (notebook 08). ``buffered_reduce_fallback`` sorts the gradients with ``split_half_float_double``, which compares
   ``t.type()`` with ``"torch.{device}.FloatTensor"``; on the CPU accelerator that is ``"torch.cpu.FloatTensor"``,
   which no CPU tensor's type (``"torch.FloatTensor"``) matches, so no bucket is reduced and each rank steps its
   partition with its own local gradient. deepspeedai/DeepSpeed#8382 compares ``t.dtype`` instead, first released in
   0.19.8. A GPU run matches ``"torch.cuda.FloatTensor"`` and is not affected.
+
+- B9 (``FP16_UnfusedOptimizer``, a torch optimizer without a ZeRO optimizer): from 0.18.3 (#7665) ``engine.backward``
+  scales the loss only for a ZeRO optimizer while the optimizer's ``step`` still divides by its loss scale, so every
+  update is 1 / loss_scale (deepspeedai/DeepSpeed#8393, open; #7839 fixed the bf16 ZeRO-0 case in 0.18.6); before it
+  the logged grad norm is the scaled one (#8588, open). Found by gradkit check on a shipped fp16 ZeRO-0 config; B4's
+  config runs this optimizer on 0.17.6 - 0.18.4 (#7515 until #7788).
 
 The paths without DeepSpeed (notebook 07) are pinned case by case (``Known.rules``): their cases are correct paths,
 loop bugs the oracle must see, and documented behaviours.
@@ -67,35 +83,21 @@ loop bugs the oracle must see, and documented behaviours.
   documented (huggingface/accelerate#1847). Token-level losses need the item count gathered over every process, as
   Accelerate's gradient-accumulation guide does.
 - HFT (transformers, the Trainer on several ranks without DeepSpeed): before 4.46.0 each micro-batch's mean loss
-  is divided by GAS (huggingface/transformers#34191, #34198, first in 4.46.0); 4.46 - 5.3 count labels before the
-  shift (one token per sequence too many, B1's count) and ``average_tokens_across_devices`` (from 4.46.3) defaults
-  off until 5.0; 5.23.0 is exact. 4.45.2 is the oldest release measured; it runs on torch 2.13 with accelerate 1.0.1.
+  is divided by GAS (huggingface/transformers#34191, #34198, first in 4.46.0); from 4.46 the labels are counted
+  before the shift (one token per sequence too many, B1's count) and ``average_tokens_across_devices`` (from 4.46.2)
+  defaults off until 5.0. On the way (gradkit bisect over all 86 releases, ``kit.judge.pins``): 4.46.2 leaves the
+  wrong micro-batch out of ``no_sync``, 4.47.0 - 4.48.0 sum the micro-batches, 5.2.0 - 5.5.3 divide by GA once more;
+  5.10.1 is exact. 4.45.2 is the oldest release that runs here, with accelerate 1.0.1 beside it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kit.judge import oracle
+from kit.judge import oracle, pins
 from kit.judge.parts import PART_LOST, PART_STALE
 from kit.stacks.versions import version_key
 
 AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
-
-
-@dataclass(frozen=True)
-class Pin:
-    """One boundary of a bug's range, found by the kit's own bisect: the last release with the old result and the
-    first with the new one, both measured (adjacent on the index, or with the releases between them that cannot run
-    here in ``between``); the series of the release history (``kit/judge/history.json``) that holds both results,
-    the command that found it and the code that changed between them (the diff's functions)."""
-
-    what: str  # what starts at ``after``: "introduced", "fixed", "the step changes: ...", "the opt-out key arrives"
-    before: str
-    after: str
-    series: str  # the recipe measured (kit.commands.bisect.known.RECIPES) and its series in the history
-    found_by: str  # the gradkit bisect command line
-    code: str  # the function(s) whose change the diff between the two releases shows
-    between: tuple = ()  # releases between ``before`` and ``after`` that cannot run here
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,11 @@ class Known:
     # what the bug looks like in ``gradkit check`` and its fix there (the case that re-runs it): (what the engine does,
     # the step it leaves: a named hypothesis or a tuple of the parts' patterns any of which it may be, the fix text)
     explains: tuple = ()
-    pins: tuple = ()  # the boundaries the kit's bisect found (``Pin``), oldest first
-    # where the oldest release that runs here is already affected: why the start cannot be pinned here
-    start_hidden: str | None = None
+
+    @property
+    def pins(self) -> tuple:
+        """The boundaries of this bug's range the kit's own bisect found (``kit.judge.pins``), oldest first."""
+        return pins.PINS.get(self.bug, ())
 
     def rule_for(self, case: str | None, version: str, ga: int | None = None) -> str | None:
         """The verdict a rule gives ``case`` on ``version`` at ``ga`` (None: no rule covers them, or newer than
@@ -150,27 +154,68 @@ class Known:
             return None  # between the last release known affected and the fix: not pinned
         return AFFECTED
 
+    def range_text(self) -> str:
+        """Where this bug starts and ends in ``package``'s releases, from its pins: each boundary with the release on
+        either side; a start older than what runs here and a bug no release fixes said as such."""
+        parts = []
+        if not any(p.what.startswith("introduced") for p in self.pins):
+            hidden = pins.START_HIDDEN.get(self.bug)
+            parts.append(hidden or (f"affected from {self.affected_from} (not pinned by a bisect)" if self.affected_from
+                                    else "start not pinned"))
+        for p in self.pins:
+            gap = f"; {', '.join(p.between)} cannot run here" if p.between else ""
+            kind, _, detail = p.what.partition(": ")
+            detail = f": {detail}" if detail else ""
+            if p.series != self.bug:  # another recipe of the same bug (a case of its own): named
+                detail += f" [{p.series}]"
+            if kind == "introduced":
+                parts.append(f"introduced in {p.after} ({p.before} without it{gap}){detail}")
+            elif kind == "fixed":
+                parts.append(f"fixed in {p.after} ({p.before} with it{gap}){detail}")
+            else:
+                parts.append(f"from {p.after} ({p.before} before{gap}) {p.what}" + (f" [{p.series}]" if p.series !=
+                                                                                  self.bug else ""))
+        if self.fixed_in is None:
+            parts.append(f"no release fixes it (measured up to {self.newest_pinned})")
+        elif not any(p.what.startswith("fixed") for p in self.pins):
+            parts.append(f"fixed in {self.fixed_in} (not pinned by a bisect)")
+        return f"{self.bug} ({self.package}): " + "; ".join(parts)
+
     def fix_text(self) -> str:
         where = f"fixed in {self.package} {self.fixed_in}" if self.fixed_in else "no release fixes it"
         return where + (f" ({', '.join(self.prs)})" if self.prs else "")
 
 
 KNOWN = {k.bug: k for k in (
-    Known("B1", "transformers", "huggingface/transformers#45305", affected_from=None, fixed_in="5.23.0",
-          last_affected="5.3.0", newest_pinned="5.23.0", prs=("huggingface/transformers#45305 (report)",),
-          notes=("fixed somewhere in 5.4 - 5.23: not pinned", "the report's DeepSpeed is 0.18.9")),
-    Known("B2", "deepspeed", "deepspeedai/DeepSpeed#8154", affected_from=None, fixed_in="0.19.3", last_affected=None,
+    Known("B1", "transformers", "huggingface/transformers#45305", affected_from="4.46.2", fixed_in="5.10.1",
+          last_affected=None, newest_pinned="5.23.0", prs=("huggingface/transformers#45305 (report)",),
+          introduced_in="4.46.2",
+          notes=("4.46.2: a model with a **kwargs forward gets num_items_in_batch, counted before the shift (0.91)",
+                 "4.47.0 - 4.48.0 sum the micro-batches (4.0); 5.2.0 - 5.5.3 divide by GA once more (0.23)",
+                 "fixed in 5.10.1: Trainer._get_num_items_in_batch counts the shifted labels (gradkit bisect)",
+                 "the report's DeepSpeed is 0.18.9; with transformers 5.3.0 every DeepSpeed release from 0.14.4 gives "
+                 "the same step (gradkit bisect --known 'B1 on DeepSpeed'): the count is the Trainer's")),
+    Known("B2", "deepspeed", "deepspeedai/DeepSpeed#8154", affected_from="0.16.0", fixed_in="0.19.3", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8154", "deepspeedai/DeepSpeed#7724 (0.18.4)"),
-          notes=("<= 0.18.2: every stage sums (x GA)", "0.18.3 - 0.19.2: earlier stages divided by GA twice")),
+          notes=("<= 0.15.4: exact; 0.16.0 - 0.18.2: every stage sums (x GA)",
+                 "0.18.5 - 0.19.2: earlier stages divided by GA twice (0.18.3 - 0.18.4 refuse the pipeline's backward "
+                 "here: cannot-run)"),
+          introduced_in="0.16.0"),
     Known("B3", "deepspeed", "allenai/open-instruct#1498", affected_from="0.18.3", fixed_in=None, last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8184", "#8203", "#8217 (managed_gradient_accumulation, 0.19.4)"),
-          notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch", "0.18.0 - 0.18.2 crash in the manual loop"),
+          notes=("ZeRO-1/2 only; ZeRO-0/3 keep every micro-batch",
+                 "<= 0.17.5 keep every micro-batch in the manual loop; 0.17.6 - 0.18.2 crash in it (TypeError)"),
+          introduced_in="0.18.3",
           explains=("ZeRO-1/2 with config GA = 1 and several backward() per step(): every backward is a boundary, the "
                     "accumulator is reset", "last micro-batch / N",
                     "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward (or put N in "
                     "gradient_accumulation_steps; from 0.19.4 \"managed_gradient_accumulation\": false)")),
-    Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.6", fixed_in="0.19.0", last_affected=None,
+    Known("B4", "deepspeed", "deepspeedai/DeepSpeed#7985", affected_from="0.18.5", fixed_in="0.19.0", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7985",),
+          notes=("<= 0.17.5 BF16_Optimizer is exact on this config; 0.17.6 - 0.18.4 the config runs "
+                 "FP16_UnfusedOptimizer instead (deepspeedai/DeepSpeed#7515) and shows B9, not B4; "
+                 "deepspeedai/DeepSpeed#7788 (0.18.5) chooses BF16_Optimizer again, and B4 with it",),
+          introduced_in="0.18.5",
           explains=("BF16_Optimizer averages its fp32 accumulator before the boundary micro-batch is added",
                     "own rank's boundary micro-batch",
                     "set \"bf16\": {\"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0")),
@@ -183,7 +228,7 @@ KNOWN = {k.bug: k for k in (
           explains=("ZeRO-1/2 with offload_optimizer copies a micro-step's gradient to the CPU buffer only on the first "
                     "micro-step; the ones between it and the boundary are lost", "first and last micro-batch",
                     "upgrade to DeepSpeed >= 0.19.0, or keep GA <= 2 with optimizer offload")),
-    Known("B6", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
+    Known("B6", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from=None,
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("ZeRO-3; only a model whose parameters some step or micro-batch does not reach shows it",),
           explains=("ZeRO-3 never zeroes its reduced-gradient partitions (grad_partitions_flat_buffer): a parameter no "
@@ -192,7 +237,7 @@ KNOWN = {k.bug: k for k in (
                     "no release fixes it: give every parameter a gradient in every micro-batch (e.g. multiply an "
                     "unused module's output by 0 and add it), or zero optimizer.grad_partitions_flat_buffer after "
                     "each step")),
-    Known("B7", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from="0.18.6",
+    Known("B7", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from=None,
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
                  "shows it in DeepSpeed's own loop",),
@@ -228,21 +273,34 @@ KNOWN = {k.bug: k for k in (
                  "(huggingface/accelerate#1847; documented behaviour)",
                  "micro-batches of different sizes (tokens): mean losses weigh them alike; Accelerate documents the "
                  "normalisation by the window's item count gathered over every process (tokens_global)")),
-    Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in="4.46.0", last_affected=None,
+    Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in="5.10.1", last_affected=None,
           newest_pinned="5.23.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
                                        "huggingface/transformers#45305 (the label count, B1)"),
-          rules=(("harness", NOT_AFFECTED, None, None), ("gas1", AFFECTED, None, "5.4.0"),
-                 ("gas1", NOT_AFFECTED, "5.23.0", None),
-                 ("trainer", AFFECTED, None, "4.46.0"), ("trainer", AFFECTED, "4.46.0", "5.4.0"),
-                 ("trainer", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_on", AFFECTED, "4.46.3", "5.4.0"),
-                 ("avg_tokens_on", NOT_AFFECTED, "5.23.0", None), ("avg_tokens_off", AFFECTED, "4.46.3", None),
+          rules=(("harness", NOT_AFFECTED, None, None), ("gas1", AFFECTED, None, "5.10.1"),
+                 ("gas1", NOT_AFFECTED, "5.10.1", None),
+                 ("trainer", AFFECTED, None, "5.10.1"), ("trainer", NOT_AFFECTED, "5.10.1", None),
+                 ("avg_tokens_on", AFFECTED, "4.46.2", "5.10.1"),
+                 ("avg_tokens_on", NOT_AFFECTED, "5.10.1", None), ("avg_tokens_off", AFFECTED, "4.46.2", None),
                  ("sum_not_mean", AFFECTED, None, None, 2)),
           notes=("< 4.46.0: each micro-batch's mean loss / GAS (micro-batches weighted by their own token counts); "
                  "at GAS 1 on 2 ranks each rank's mean, averaged (ranks weighted by their token counts)",
                  "4.46 - 5.3: num_items_in_batch counts unshifted labels, one per sequence too many (B1)",
-                 "average_tokens_across_devices: from 4.46.3 (default off), default on in 5.x; off, each rank "
+                 "average_tokens_across_devices: from 4.46.2 (default off), default on in 5.x; off, each rank "
                  "divides by its own count (documented)")),
-    Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from="0.18.3", fixed_in="0.19.8", last_affected=None,
+    Known("B9", "deepspeed", "deepspeedai/DeepSpeed#8393", affected_from="0.18.3", fixed_in=None, last_affected=None,
+          newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#7665 (the regression, 0.18.3)",
+                                       "deepspeedai/DeepSpeed#7839 (bf16 on ZeRO-0 only, 0.18.6)",
+                                       "deepspeedai/DeepSpeed#8588 (the logged norm, open)"),
+          notes=("FP16_UnfusedOptimizer (a torch optimizer, no ZeRO optimizer: fp16 at ZeRO-0; bf16 at ZeRO-1 with "
+                 "grad_accum_dtype fp32 on 0.17.6 - 0.18.4, deepspeedai/DeepSpeed#7515 until #7788)",
+                 "from 0.18.3 engine.backward scales the loss only for a ZeRO optimizer, while "
+                 "FP16_UnfusedOptimizer.step still divides by its loss scale: every update is 1 / loss_scale",
+                 "before it the step is right but the logged grad norm is the scaled one (x loss_scale)",
+                 "fp16 at ZeRO-0 runs here from 0.16.8 (0.14.4 - 0.16.7 refuse fp16 gradients on the CPU "
+                 "accelerator): 0.16.8 - 0.18.2 step right, the logged norm x loss_scale",
+                 "found by gradkit check on a shipped fp16 ZeRO-0 config; its start by gradkit bisect"),
+          introduced_in="0.18.3"),
+    Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from=None, fixed_in="0.19.8", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
           notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",
                  "found by gradkit's sweep (0.18.6), its fix release by gradkit bisect (notebook 08)")),
@@ -319,3 +377,14 @@ def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where
         elif word == "finding":
             found.append(text)
     return sorted(set(bad)), sorted(set(found))
+
+
+def ranges_table() -> str:
+    """Every known bug's pinned range as a markdown table (the README's and the bugs page's ``RANGES`` block): the
+    bug, its package, each boundary with the command that found it."""
+    rows = ["| bug | package | range (each boundary: the last release before, the first after, both measured) | found by |",
+            "|---|---|---|---|"]
+    for k in KNOWN.values():
+        found = "; ".join(sorted({f"`{p.found_by}`" for p in k.pins})) or "-"
+        rows.append(f"| {k.bug} | {k.package} | {k.range_text().split(': ', 1)[1]} | {found} |")
+    return "\n".join(rows)

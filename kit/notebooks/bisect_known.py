@@ -54,18 +54,16 @@ def _expected(bug: str, release: str) -> str | None:
 
 
 def _boundaries(bug: str) -> list[tuple[str, str]]:
-    """The releases where the table says the result changes: ``(release, what)``, what starts there."""
-    k = ex.KNOWN["B3" if bug.startswith("B3") else bug]
-    out = []
-    if bug == "B2":
-        out.append(("0.18.3", "the earlier stage divided by GA twice instead of every stage summed"))
+    """The releases where the table says the result changes: ``(release, what)``, what starts there: the pins of
+    the bug's series (``kit.judge.pins``), else its ``introduced_in`` and ``fixed_in``."""
+    k = ex.KNOWN[known.RECIPES[bug].bug]
+    mine = [(p.after, p.what) for p in k.pins if p.series == bug]
+    if mine:
+        return mine
     if bug == "B3 opt-out":
         return [(ex.UNMANAGED_SINCE, "the opt-out key exists")]
-    if k.introduced_in:
-        out.append((k.introduced_in, "introduced"))
-    if k.fixed_in:
-        out.append((k.fixed_in, "fixed"))
-    return out
+    return [*([(k.introduced_in, "introduced")] if k.introduced_in else []),
+            *([(k.fixed_in, "fixed")] if k.fixed_in else [])]
 
 
 def violations(found: dict) -> list[str]:
@@ -96,6 +94,32 @@ def violations(found: dict) -> list[str]:
                 continue  # below the key the loop cannot run at all: skipped, so no change can be seen there
             out.append(f"{bug}: the table's boundary at {b} ({what}) lies between releases that ran, but no change "
                        "was found there")
+    return out
+
+
+def history_violations(hist: dict) -> list[str]:
+    """Where the release history (``kit.judge.history``) and the table disagree: a pin whose two releases are not
+    both in its series, measured and different; a release between a pin's two that ran after all; a release of a
+    bug's own series (its package, nothing held) whose verdict is not the one the table pins for it."""
+    out = []
+    for k in ex.KNOWN.values():
+        for p in k.pins:
+            s = hist["series"].get(p.series)
+            a, b = ((s or {}).get("releases", {}).get(r) for r in (p.before, p.after))
+            if not s or s["bug"] != k.bug or a is None or b is None:
+                out.append(f"{k.bug}: the pin {p.before} -> {p.after} has no measurement of both in series {p.series!r}")
+            elif a["verdict"] in result.SKIPPED or b["verdict"] in result.SKIPPED or result.same(a, b):
+                out.append(f"{k.bug}: the pin {p.before} -> {p.after} is not a measured change: {a['verdict']}, "
+                           f"{b['verdict']}")
+            for rel in p.between:
+                if (s or {}).get("releases", {}).get(rel, {}).get("verdict", oracle.CANNOT_RUN) not in result.SKIPPED:
+                    out.append(f"{k.bug}: {rel} lies between the pin's releases as one that cannot run, but it ran")
+        s = hist["series"].get(k.bug)
+        if s and s["axis"] == k.package and not s.get("with") and not k.rules:
+            for rel, res in s["releases"].items():
+                want = k.expected_for_release(rel)
+                if want is not None and res["verdict"] not in result.SKIPPED and res["verdict"] != want:
+                    out.append(f"{k.bug} on {rel}: the history holds {res['verdict']}, the table says {want}")
     return out
 
 

@@ -45,7 +45,7 @@ from kit import config as kconfig
 from kit.judge import oracle, tolerances
 from kit.probes import runner
 from kit.probes.probe import Probe
-from kit.probes.ranks.trainer_ga import PATHS
+from kit.probes.ranks.trainer_ga import ARCHS, PATHS
 from kit.stacks import versions
 from kit.stacks.versions import PACKAGES
 
@@ -62,9 +62,12 @@ HARNESS_PATH = "harness"  # the plain-PyTorch control runs outside every Trainer
 
 
 def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global_batch: int = 8,
-         seed: int = 0) -> list[dict]:
+         seed: int = 0, arch: str = "qwen3") -> list[dict]:
     """Per GAS the plain-PyTorch ``harness`` control; per path the GAS = 1 baseline, then every case at every GAS > 1
-    (micro-batch = global_batch / GAS)."""
+    (micro-batch = global_batch / GAS). ``arch``: the tiny model (Qwen3, as the report; ``llama`` runs on every
+    transformers release the kit installs, Qwen3 from 4.51.0 only)."""
+    if arch not in ARCHS:
+        raise kconfig.ConfigError(f"unknown B1 model {arch!r}; known: {list(ARCHS)}")
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise kconfig.ConfigError(f"unknown B1 path(s) {sorted(unknown)}; known: {list(PATHS)}")
@@ -77,17 +80,18 @@ def plan(paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), global
         if global_batch % gas:
             raise kconfig.ConfigError(f"GAS {gas} does not divide the global batch {global_batch}")
         out.append({"name": "harness", **CASES["harness"], "path": HARNESS_PATH, "zero_stage": None,
-                    "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed})
+                    "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed, "arch": arch})
     for path in paths:
         out.append({"name": "gas1", **CASES["gas1"], "path": path, "zero_stage": PATHS[path],
-                    "dtype": "fp32", "micro_batch": global_batch, "ga": 1, "seed": seed})
+                    "dtype": "fp32", "micro_batch": global_batch, "ga": 1, "seed": seed, "arch": arch})
         for gas in gas_values:
             if gas == 1:
                 continue
             for name in cases:
                 if name not in ("gas1", "harness"):
                     out.append({"name": name, **CASES[name], "path": path, "zero_stage": PATHS[path],
-                                "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed})
+                                "dtype": "fp32", "micro_batch": global_batch // gas, "ga": gas, "seed": seed,
+                                "arch": arch})
     return out
 
 
@@ -161,7 +165,7 @@ def stack_label(stack: dict) -> str:
 
 def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(CASES), world_size: int = 1,
         global_batch: int = 8, seed: int = 0, device: str = "cpu",
-        timeout_s: float = 600) -> list[dict]:
+        timeout_s: float = 600, arch: str = "qwen3") -> list[dict]:
     """Every path x case x GAS under every version stack ({package: version}, {} = installed); one world each.
 
     Each record carries two verdicts: ``verdict`` (matches the reference; control: the plain-PyTorch ``harness``
@@ -171,7 +175,7 @@ def run(stacks=({},), paths=tuple(PATHS), gas_values=(1, 2, 4, 8), cases=tuple(C
     divided twice).
     """
     validate(stacks, paths, gas_values, cases, world_size, global_batch, device, timeout_s)
-    todo = plan(paths, gas_values, cases, global_batch, seed)
+    todo = plan(paths, gas_values, cases, global_batch, seed, arch)
     return runner.run(PROBE, todo, [dict(st) for st in stacks], (world_size,), device, timeout_s, meta={"seed": seed},
                       label=stack_label)
 

@@ -33,6 +33,17 @@ PACKAGES = ("deepspeed", "transformers", "accelerate")
 # Libraries a transformers release pins and checks at import time; an overlay of an older transformers
 # gets a companion overlay of each whose installed version falls outside that release's range.
 COMPANIONS = ("tokenizers", "huggingface-hub", "safetensors")
+# transformers releases that import only beside an older accelerate on this torch: (first release that does not
+# need it, the accelerate release it needs). transformers 4.45 - 4.46 run with accelerate 1.0.1 here.
+ACCELERATE_FOR = (("4.47.0", "1.0.1"),)
+
+
+def accelerate_for(transformers: str) -> str | None:
+    """The accelerate release an older ``transformers`` release needs beside it here (None: the installed one)."""
+    for below, accelerate in ACCELERATE_FOR:
+        if version_key(transformers) < version_key(below):
+            return accelerate
+    return None
 INSTALL_TIMEOUT_S = 900
 MANIFEST = ".manifest.json"  # {relative path: [size, sha256]} of every file an overlay install wrote
 _NOT_ON_INDEX = ("No matching distribution found", "Could not find a version that satisfies")

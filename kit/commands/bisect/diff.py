@@ -23,8 +23,12 @@ ENGINE = ("runtime/engine.py", "DeepSpeedEngine")
 AXIS_FILES = {"transformers": [("trainer.py", "Trainer")], "accelerate": [("accelerator.py", "Accelerator")]}
 # A function is on the gradient path when its name says it touches gradients, their reduction, the boundary,
 # the accumulation or the offload, or it is the step itself.
+# "accelerator": the Trainer's create_accelerator_and_postprocess sets Accelerate's accumulation steps (B1's 5.5.4
+# change: num_steps 1, so Accelerate no longer divides by GA a second time); "training_loop": the Trainer's
+# _inner_training_loop decides which micro-batch syncs (HFT's 4.46.2 -> 4.46.3 change: i == last -> i != last).
 GRADIENT_PATH = ("grad", "reduce", "boundary", "accumul", "offload", "partition", "average", "allreduce", "backward",
-                 "step", "epilogue", "ipg", "bucket", "copy", "zero_", "loss", "num_items", "sync")
+                 "step", "epilogue", "ipg", "bucket", "copy", "zero_", "loss", "num_items", "sync", "accelerator",
+                 "training_loop")
 
 
 def _functions(source: str, cls: str | None) -> dict[str, str]:
@@ -53,7 +57,8 @@ def _functions(source: str, cls: str | None) -> dict[str, str]:
 
 def _source_root(release: str, package: str = PACKAGE) -> Path | None:
     try:
-        root = versions.resolve_stack(stack_of(release, package), (package,)).roots.get(package)
+        own = {k: v for k, v in stack_of(release, package).items() if k == package}  # its source alone, no companion
+        root = versions.resolve_stack(own, (package,)).roots.get(package)
     except versions.CannotRun:
         return None
     return Path(root) / versions.module_name(package) if root else None

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from kit import config as kconfig
 from kit import probes
-from kit.commands.bisect import listing, result
+import kit.commands.bisect.listing as listing
+import kit.commands.bisect.result as result
 from kit.probes import ds_config
 
 
@@ -33,10 +34,12 @@ class Recipe:
 
 
 MB4 = {"train_micro_batch_size_per_gpu": 4}
+TF_OLDEST = ("4.45.2", "transformers before 4.45 is not installable beside torch 2.13 and accelerate 1.0.1 here")
 DS_OLDEST = ("0.14.4", "DeepSpeed 0.14.0 - 0.14.3 do not import on torch 2.13 (gradkit bisect, B5's search)")
 RECIPES = {r.name: r for r in (
-    Recipe("B1", "B1", "transformers", "4.45.2", "transformers before 4.45 is not installable beside torch 2.13 and "
-           "accelerate 1.0.1 here", probe="B1", case="trainer"),
+    Recipe("B1", "B1", "transformers", *TF_OLDEST, probe="B1", case="trainer",  # Llama: Qwen3 arrives in 4.51.0
+           plan={"paths": ("no_ds", "ds_zero0"), "gas_values": (1, 4), "cases": ("trainer",), "world_size": 1,
+                 "arch": "llama"}),
     Recipe("B1 on DeepSpeed", "B1", "deepspeed", *DS_OLDEST, probe="B1", case="trainer",
            plan={"paths": ("ds_zero0",), "gas_values": (4,), "cases": ("trainer",), "world_size": 1},
            fixed=(("transformers", "5.3.0"),)),
@@ -44,8 +47,9 @@ RECIPES = {r.name: r for r in (
            plan={"splits": ((2, 4),), "dtypes": ("fp32",), "zero_stages": (0,), "world_sizes": (2,)}),
     Recipe("B3", "B3", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4,
                                                         "zero_optimization": {"stage": 1}}, loop="manual"),
-    Recipe("B3 opt-out", "B3", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4,
-                                                                "zero_optimization": {"stage": 1}}, loop="unmanaged"),
+    Recipe("B3 opt-out", "B3", "deepspeed", "0.19.0", "the key \"managed_gradient_accumulation\" arrives in 0.19.4 "
+           "(deepspeedai/DeepSpeed#8184): the check runs its loop from there only", config={
+               **MB4, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}}, loop="unmanaged"),
     Recipe("B4", "B4", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
                                                         "data_types": {"grad_accum_dtype": "fp32"},
                                                         "zero_optimization": {"stage": 1}}),
@@ -58,11 +62,15 @@ RECIPES = {r.name: r for r in (
     Recipe("B8", "B8", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4,
                                                         "communication_data_type": "fp32",
                                                         "zero_optimization": {"stage": 1, "contiguous_gradients": False}}),
+    Recipe("B9", "B9", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 16}}),
     Recipe("ACC", "ACC", "accelerate", "0.27.0", "accelerate before 0.27 is not installed here (sync_each_batch "
            "arrives in 0.28.0)", probe="ACC", case="sync_each_batch",
            plan={"world_sizes": (2,), "ga_values": (4,), "cases": ("control", "sync_each_batch")}),
-    Recipe("HFT", "HFT", "transformers", "4.45.2", "transformers before 4.45 is not installable beside torch 2.13 and "
-           "accelerate 1.0.1 here", probe="HFT", case="trainer"),
+    Recipe("HFT", "HFT", "transformers", *TF_OLDEST, probe="HFT", case="trainer"),
+    Recipe("HFT gas1", "HFT", "transformers", *TF_OLDEST, probe="HFT", case="gas1"),
+    Recipe("HFT avg_tokens_on", "HFT", "transformers", *TF_OLDEST, probe="HFT", case="avg_tokens_on",
+           plan={"world_sizes": (2,), "gas_values": (4,), "cases": ("trainer", "avg_tokens_on")}),
 )}
 
 

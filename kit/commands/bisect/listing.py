@@ -17,8 +17,12 @@ INDEX_MAX_AGE_S = 24 * 3600
 
 
 def stack_of(release: str, package: str = PACKAGE) -> dict:
-    """The world stack that runs ``release`` of ``package``: ``{}`` for the installed release, else its overlay."""
-    return {} if release == versions.installed_version(package).split("+")[0] else {package: release}
+    """The world stack that runs ``release`` of ``package``: ``{}`` for the installed release, else its overlay (an
+    older transformers with the accelerate it needs here: ``versions.accelerate_for``)."""
+    if release == versions.installed_version(package).split("+")[0]:
+        return {}
+    companion = versions.accelerate_for(release) if package == "transformers" else None
+    return {package: release, **({"accelerate": companion} if companion else {})}
 
 
 def _final(v: str) -> bool:
