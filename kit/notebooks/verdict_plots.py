@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import matplotlib.pyplot as plt
+from matplotlib import transforms
 
 from kit import probes
 from kit.judge import records
@@ -197,11 +198,13 @@ def timeline(series: dict, pins=(), title: str = ""):
         ax.plot([i for i, y in enumerate(ys) if y], [y for y in ys if y], "-", color="#999999", lw=0.8, zorder=0)
         ax.axhline(1.0, color="black", lw=0.6, ls=":")
         ax.set_yscale("log")
+        foot = transforms.blended_transform_factory(ax.transData, ax.transAxes)  # x in releases, y in the panel
         for p in pins:
             if p.series == name and p.before in order and p.after in order:
                 x = (order.index(p.before) + order.index(p.after)) / 2
                 ax.axvline(x, color="black", lw=1.2, ls="--")
-                ax.text(x, 1.0, " " + p.what.split(":")[0], rotation=90, fontsize=SMALL, va="bottom", ha="right")
+                ax.text(x, 0.97, p.what.split(":")[0].replace("the step changes", "step changes") + " ",
+                        rotation=90, fontsize=SMALL, va="top", ha="right", transform=foot)
         ax.set_xticks(range(len(order)))
         ax.set_xticklabels(order, rotation=90, fontsize=SMALL)
         ax.tick_params(axis="y", labelsize=SMALL)
