@@ -379,9 +379,24 @@ def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where
     return sorted(set(bad)), sorted(set(found))
 
 
+def ranges_short() -> str:
+    """Every known bug's range in one short row (the README's ``RANGES`` block): where it starts, where it ends, how
+    many other changes of its step lie between (each in ``ranges_table``)."""
+    rows = ["| bug | package | starts | ends | other changes of the step |", "|---|---|---|---|---|"]
+    for k in KNOWN.values():
+        mine = [p for p in k.pins if p.series == k.bug]
+        first = next((p for p in mine if p.what.startswith("introduced")), None)
+        last = next((p for p in mine if p.what.startswith("fixed")), None)
+        start = f"{first.after} ({first.before} without it)" if first else pins.START_SHORT.get(k.bug, "not pinned")
+        end = f"{last.after} ({last.before} with it)" if last else "no release fixes it"
+        others = len([p for p in mine if p not in (first, last)])
+        rows.append(f"| {k.bug} | {k.package} | {start} | {end} | {others or '-'} |")
+    return "\n".join(rows)
+
+
 def ranges_table() -> str:
-    """Every known bug's pinned range as a markdown table (the README's and the bugs page's ``RANGES`` block): the
-    bug, its package, each boundary with the command that found it."""
+    """Every known bug's pinned range as a markdown table (the bugs page's ``RANGES`` block): the bug, its package,
+    each boundary with the command that found it."""
     rows = ["| bug | package | range (each boundary: the last release before, the first after, both measured) | found by |",
             "|---|---|---|---|"]
     for k in KNOWN.values():

@@ -154,3 +154,10 @@ START_HIDDEN: dict[str, str] = {
     "B7": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B8": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
 }
+# the same in a few words (the README's short table)
+START_SHORT: dict[str, str] = {
+    "ACC": "0.28.0, with the feature (0.27.x cannot run it)",
+    "HFT": "before 4.45.2, the oldest that runs here",
+    "FSDP2": "only torch 2.13.0 runs here",
+    **{bug: "before 0.14.4, the oldest that runs here" for bug in ("B6", "B7", "B8")},
+}
