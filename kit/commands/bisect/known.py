@@ -80,7 +80,8 @@ def stack_of(recipe: Recipe, release: str) -> dict:
     return {**dict(recipe.fixed), **listing.stack_of(release, recipe.axis)}
 
 
-def measure(recipe: Recipe, world_size: int = 2, device: str = "cpu", timeout_s: float = 600, steps: int = 2):
+def measure(recipe: Recipe, world_size: int = 2, device: str = "cpu", timeout_s: float = 600,
+            steps: int = ds_config.STEPS):
     """``measure(release) -> result`` for ``recipe`` (``kit.commands.bisect.result``)."""
     if recipe.probe:
         probe = probes.get(recipe.probe)
