@@ -188,7 +188,7 @@ class Known:
 
 KNOWN = {k.bug: k for k in (
     Known("B1", "transformers", "huggingface/transformers#45305", affected_from="4.46.2", fixed_in="5.10.1",
-          last_affected=None, newest_pinned="5.23.0", prs=("huggingface/transformers#45305 (report)",),
+          last_affected=None, newest_pinned="5.24.0", prs=("huggingface/transformers#45305 (report)",),
           introduced_in="4.46.2",
           notes=("4.46.2: a model with a **kwargs forward gets num_items_in_batch, counted before the shift (0.91)",
                  "4.47.0 - 4.48.0 sum the micro-batches (4.0); 5.2.0 - 5.5.3 divide by GA once more (0.23)",
@@ -274,7 +274,7 @@ KNOWN = {k.bug: k for k in (
                  "micro-batches of different sizes (tokens): mean losses weigh them alike; Accelerate documents the "
                  "normalisation by the window's item count gathered over every process (tokens_global)")),
     Known("HFT", "transformers", "huggingface/transformers#34191", affected_from=None, fixed_in="5.10.1", last_affected=None,
-          newest_pinned="5.23.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
+          newest_pinned="5.24.0", prs=("huggingface/transformers#34191", "#34198 (the accumulation loss fix, 4.46.0)",
                                        "huggingface/transformers#45305 (the label count, B1)"),
           rules=(("harness", NOT_AFFECTED, None, None), ("gas1", AFFECTED, None, "5.10.1"),
                  ("gas1", NOT_AFFECTED, "5.10.1", None),
