@@ -183,6 +183,8 @@ def test_a_new_release_is_compared_with_the_newest_pinned_one_and_a_different_on
     assert refresh.moved(done) == [] and done["new"][0]["same"] is True and done["changes"] == []
     assert "- 0.20.0: not-affected: as the table says" in refresh.page([done], [], "d", 1.0, "idx")
     assert "Nothing: every pin holds" in refresh.page([done], [], "d", 1.0, "idx")
+    news, anchor = refresh.new_releases(table, {"0.19.0": GOOD, "0.20.0": GOOD}, ["0.19.0", "0.19.1", "0.20.0"])
+    assert anchor == "0.19.0" and [n["release"] for n in news] == ["0.20.0"]  # one the search passed by: not said
     results["0.20.0"] = SKIP  # a new release that cannot run here is said with its reason, not compared
     done = refresh.refresh_one(table, index, False, "cpu", 60)
     assert done["new"][-1]["same"] is None and refresh.moved(done) == []

@@ -116,7 +116,7 @@ def new_releases(recipe: known.Recipe, measured: dict, order: list[str]) -> tupl
     anchor = older[-1] if older else None
     out = []
     for r in order:
-        if version_key(r) > version_key(k.newest_pinned):
+        if version_key(r) > version_key(k.newest_pinned) and r in measured:  # --full's search may pass one by
             res = measured[r]
             out.append({"release": r, "result": res, "same": None if anchor is None or res["verdict"] in result.SKIPPED
                         else result.same(measured[anchor], res)})
