@@ -191,6 +191,9 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", optimizer="BF16_Optimizer", version="0.19.0"), []),
     (_ds("engine", optimizer="BF16_Optimizer", version="0.20.0"), []),  # newer than the table, but fixed
     (_ds("engine", optimizer="BF16_Optimizer", ds={"bf16": {"immediate_grad_update": True}}), []),
+    (_ds("engine", optimizer="FP16_UnfusedOptimizer", stage=0), ["B9"]),  # a torch optimizer, no ZeRO optimizer
+    (_ds("engine", optimizer="FP16_UnfusedOptimizer", stage=0, version="0.18.2"), []),  # before B9's start
+    (_ds("engine", optimizer="FP16_Optimizer", stage=0), []),
     (_ds("engine", ds=OFFLOAD), ["B5"]),
     (_ds("engine", ds=OFFLOAD, model="conditional"), ["B5", "B7"]),
     (_ds("engine", ds={"zero_optimization": {"cpu_offload": True}}, model="conditional"), ["B5", "B7"]),  # legacy key

@@ -17,7 +17,8 @@ ACTIONABLE = ("could not run: the optimizer", "could not run: compile.deepcompil
               "could not run: tensor_parallel.autotp_size", "DeepSpeed 0.19.8 refuses this config itself")
 # fp16 with a client optimizer at ZeRO-0: DeepSpeed 0.19.8's engine.backward scales the loss only for a ZeRO optimizer
 # while FP16_UnfusedOptimizer.step still divides by the scale (upstream deepspeedai/DeepSpeed#8393, open): every
-# update is 1 / loss_scale of the right one. Measured independently by a one-rank script outside the kit.
+# update is 1 / loss_scale of the right one. Measured independently by a one-rank script outside the kit; the kit's
+# B9 (kit/judge/expectations.py), from 0.18.3.
 FP16_ZERO0 = "dsexamples__bingbertsquad_bsz24.json"
 
 
@@ -33,6 +34,7 @@ def test_the_corpus_is_judged_in_the_loops_frameworks_run_and_only_a_real_bug_is
     assert affected == {FP16_ZERO0}, affected
     fp16 = [r for r in doc["rows"] if r["config"].endswith(FP16_ZERO0)]
     assert all(r["ratio"] < 0.01 and r["cosine"] > 0.9999 for r in fp16), fp16  # 1 / 128 of the step, right direction
+    assert all(r["bug_or_reason"].startswith("B9") for r in fp16), fp16  # named: the mean / the optimizer's loss scale
     judged = [n for n, c in configs.items() if c["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED)]
     assert len(judged) >= 0.8 * len(configs), sorted(set(configs) - set(judged))
     for r in doc["rows"]:

@@ -260,3 +260,33 @@ def test_violations_accept_a_point_below_its_floor_but_not_one_whose_control_was
     assert not [b for b in sweep_notebook.violations(spec, [rec], {"stacks": []}) if "inconclusive" in b]
     off = {**rec, "below_floor": False, "reason": "the control is off the reference itself"}
     assert [b for b in sweep_notebook.violations(spec, [off], {"stacks": []}) if "inconclusive" in b]
+
+
+def test_a_step_divided_by_the_optimizers_loss_scale_is_named_where_the_optimizer_has_one():
+    """B9: FP16_UnfusedOptimizer divides by its loss scale (256 in the check) a loss the engine did not scale; the
+    hypothesis exists only where the optimizer's scale is above 1, and a step 1/256 of the mean is that one alone."""
+    w, n = 2, 4
+    assert ds_ranks.UNSCALED not in ds_ranks.hypothesis_weights(w, n)
+    assert ds_ranks.UNSCALED not in ds_ranks.hypothesis_weights(w, n, loss_scale=1.0)
+    hyp = ds_ranks.hypothesis_weights(w, n, loss_scale=256.0)
+    assert hyp[ds_ranks.UNSCALED] == [1 / (8 * 256)] * 8
+    basis = _basis(w * n)
+    h = naming.explain(torch.tensor(hyp[ds_ranks.UNSCALED], dtype=torch.float64) @ basis, basis, hyp, "fp16")
+    assert naming.step_name(h) == ds_ranks.UNSCALED
+    exact = naming.explain(torch.tensor(hyp["global mean"], dtype=torch.float64) @ basis, basis, hyp, "fp16")
+    assert naming.step_name(exact) == "global mean"
+    rec = {"config": {"loop": "engine", "ds_config": {}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 0,
+           "optimizer": "FP16_UnfusedOptimizer", "ga": n, "matches": ds_ranks.UNSCALED}
+    bug, why = check.explain(rec)
+    assert bug == "B9" and why.startswith("B9 (deepspeedai/DeepSpeed#8393): FP16_UnfusedOptimizer divides")
+
+
+def test_an_optimizers_own_loss_scale_is_read_from_its_property_or_its_older_attributes():
+    from types import SimpleNamespace as NS
+
+    assert ds_ranks.own_loss_scale(NS(loss_scale=256.0, cur_scale=2.0)) == 256.0  # the property first
+    assert ds_ranks.own_loss_scale(NS(cur_scale=65536.0)) == 65536.0  # 0.18's attribute
+    assert ds_ranks.own_loss_scale(NS(loss_scale_config=NS(cur_scale=128.0))) == 128.0  # 0.19's config
+    assert ds_ranks.own_loss_scale(NS(loss_scale=None, cur_scale=64.0)) == 64.0  # not a number: the next one
+    assert ds_ranks.own_loss_scale(None) == 1.0 and ds_ranks.own_loss_scale(NS()) == 1.0  # none: 1
+    assert ds_ranks.own_loss_scale(NS(loss_scale=0.0)) == 1.0

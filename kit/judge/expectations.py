@@ -299,7 +299,11 @@ KNOWN = {k.bug: k for k in (
                  "fp16 at ZeRO-0 runs here from 0.16.8 (0.14.4 - 0.16.7 refuse fp16 gradients on the CPU "
                  "accelerator): 0.16.8 - 0.18.2 step right, the logged norm x loss_scale",
                  "found by gradkit check on a shipped fp16 ZeRO-0 config; its start by gradkit bisect"),
-          introduced_in="0.18.3"),
+          introduced_in="0.18.3",
+          explains=("FP16_UnfusedOptimizer divides every update by its loss scale, which engine.backward no longer "
+                    "applied to the loss (it scales it for a ZeRO optimizer only)", "global mean / loss scale",
+                    "no release fixes it: run ZeRO stage 1 or more (a ZeRO optimizer scales the loss itself), or "
+                    "a DeepSpeed release before 0.18.3")),
     Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from=None, fixed_in="0.19.8", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
           notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",

@@ -62,6 +62,8 @@ def candidates(rec: dict) -> list[str]:
         out.append("B3")
     if rec.get("optimizer") == "BF16_Optimizer" and expected_here("B4", versions):
         out.append("B4")
+    if rec.get("optimizer") == "FP16_UnfusedOptimizer" and expected_here("B9", versions):
+        out.append("B9")
     zero = (rec["config"].get("ds_config") or {}).get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu" or zero.get("cpu_offload") is True
     if (stage in (1, 2) and offload and rec["ga"] > 2 and loop in ("engine", "boundary")

@@ -21,9 +21,14 @@ STALE_FAULT_KEY = "gradkit_fault_keep_grads"  # tests: the plain-torch loop forg
 LOOP_FAULT_KEY = "gradkit_fault_loop"
 
 
-def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False) -> dict:
+UNSCALED = "global mean / loss scale"  # B9: the optimizer unscales a loss the engine did not scale
+
+
+def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, loss_scale: float = 1.0) -> dict:
     """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``;
-    ``previous``: the basis goes on with the previous step's micro-batches (weight 0 unless a hypothesis says)."""
+    ``previous``: the basis goes on with the previous step's micro-batches (weight 0 unless a hypothesis says).
+    ``loss_scale``: the optimizer's own loss scale (an fp16 optimizer's ``cur_scale``); above 1, the step it gives
+    when it divides by a scale the loss never got (``UNSCALED``) is a hypothesis too."""
     k = w * n
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
@@ -33,7 +38,21 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False) -> 
                                 ends)))
     if previous:
         out[STALE] = [1.0 / k] * (2 * k)
+    if loss_scale > 1.0:
+        out[UNSCALED] = [1.0 / (k * loss_scale)] * k
     return out
+
+
+def own_loss_scale(optimizer) -> float:
+    """An fp16 optimizer's own loss scale: its ``loss_scale`` property (FP16_(Unfused)Optimizer, every release), else
+    ``cur_scale`` (older ones) or ``loss_scale_config.cur_scale`` (0.19); 1 where it has none (not a number)."""
+    for get in (lambda o: o.loss_scale, lambda o: o.cur_scale, lambda o: o.loss_scale_config.cur_scale):
+        try:
+            value = float(get(optimizer))
+        except (AttributeError, TypeError, ValueError):
+            continue
+        return value if value > 0 else 1.0
+    return 1.0
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
@@ -214,6 +233,7 @@ def run_case(case: dict) -> dict:
             judging.release(engine)
             raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
     dev = c.device()
+    optimizer_scale = own_loss_scale(getattr(engine, "optimizer", None))
     held, state = {}, {"skipped": 0}  # held: BF16_Optimizer's own fp32 accumulator on this rank, going into the step
 
     def take(s, batches):
@@ -240,7 +260,8 @@ def run_case(case: dict) -> dict:
     read = loop.read if engine is None else lambda: reader(engine.module, case.get("judge_dtype", case["dtype"]))
     out = judging.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
                         dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
-                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev), shape=shape,
+                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev,
+                                                                           loss_scale=optimizer_scale), shape=shape,
                         masters_dtype=case.get("masters_dtype", "fp32"), data_rank=r // tp, replicas=w // tp)
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
