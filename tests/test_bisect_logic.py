@@ -266,6 +266,9 @@ def test_a_change_is_a_change_of_verdict_of_the_steps_shape_or_of_the_measured_s
     assert not result.same({**off, "dtype": "bf16"}, {**off, "ratios": [0.26, 0.25]})
     big = {**off, "ratios": [3.0]}  # a ratio far from 1: the tolerance is relative to it
     assert result.same(big, {**big, "ratios": [3.00029]}) and not result.same(big, {**big, "ratios": [3.00031]})
+    # relative to the larger of the two, whichever side it is on (3.0003 vs 3.0 differ by just over 3.0 x 1e-4)
+    assert result.same({**big, "ratios": [3.0003]}, big) and result.same(big, {**big, "ratios": [3.0003]})
+    assert not result._apart(0.0, 1e-4, 1e-4) and result._apart(0.0, 2e-4, 1e-4)  # at the limit: the same
     assert result.differences(off, {**off, "ratios": [0.227]}) == ["2 judged steps -> 1"]
     assert result.differences(off, {**off, "cosine": 0.89}) == ["cosine 0.90000 -> 0.89000"]
     assert result.same(off, {**off, "cosine": 0.90009})
