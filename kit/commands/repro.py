@@ -15,16 +15,12 @@ shape, only an off step of the same shape.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import launch, shapes
+from kit import shapes
+from kit.launch import scripts
 from kit.judge import tolerances
 from kit.probes.ranks import ds_config
-from kit.stacks import versions as kversions
 
 TEMPLATE = '''"""{title}
 
@@ -193,26 +189,12 @@ def reproduced(rc: int, output: str, shape: dict | None = None, tol: float = 0.1
 
 def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "cpu", timeout_s: float = 300):
     """Run the script as a user would (torchrun, W ranks); ``(exit status, output)``. 1 means reproduced."""
-    resolved = kversions.resolve_stack(stack or {}, ("deepspeed",))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(resolved.pythonpath), OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=str(kconfig.cache_dir() / "torch_extensions" / resolved.extensions_key))
-    if device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", str(path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(Path(path).parent), preexec_fn=launch.die_with_parent)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each rank in a session of its own: killing torchrun alone would leave them running
-        launch.kill_tree(proc.pid)
-        stdout, _ = proc.communicate()
+    rc, stdout, stderr = scripts.torchrun(path, world_size=world_size, stack=stack, device=device, timeout_s=timeout_s)
+    if rc == 124:
         return 124, f"timed out after {timeout_s:g} s: {stdout[-2000:]!r}"
-    finally:  # the script's DeepSpeed world on CPU leaves its comm op's shared memory behind, as every one does
-        launch.remove_orphan_segments(grace_s=5.0)
     text = "\n".join(line for line in (stdout + stderr).splitlines()
                      if "REPRODUCED" in line or "reproduced" in line or line.startswith("{\"deepspeed\""))
-    return proc.returncode, text or unjudged(stdout + stderr)
+    return rc, text or unjudged(stdout + stderr)
 
 
 TRACEBACK = "Traceback (most recent call last)"

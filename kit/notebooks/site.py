@@ -41,7 +41,7 @@ CONTENTS_DEPTH = 2  # headings listed in a page's contents: # and ##
 _ID = re.compile(r'<h\d id="([^"]+)"')
 DOCS = kconfig.REPO_ROOT / "docs"
 # the order of the docs pages on the index (a page not named here follows, by name)
-DOCS_ORDER = ("check", "sweep", "bisect-report", "refresh", "run-all", "judge", "bugs", "layout", "speed", "gpus", "tests")
+DOCS_ORDER = ("check", "watch", "sweep", "bisect-report", "refresh", "run-all", "judge", "bugs", "layout", "speed", "gpus", "tests")
 BACK = "[← this run's index: its notebooks and the docs pages](index.html)"
 _HREF = re.compile(r'(<a\s[^>]*?href=")([^"]*)(")')
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")

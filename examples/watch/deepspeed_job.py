@@ -1,0 +1,55 @@
+"""A DeepSpeed training job with gradkit's watch on it: the one line is ``watch_engine``.
+
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/watch/deepspeed_job.py --stage 2 --loop manual
+
+``--loop engine``: DeepSpeed's own loop (``backward`` and ``step`` every micro-batch, GA in the config);
+``--loop manual``: GA 1 in the config, GA ``backward`` calls, then one ``step`` (ZeRO-1/2 before 0.19.4+'s
+fix keep only the last micro-batch there: B3). AdamW and dropout, as a real job has them.
+"""
+import argparse
+
+import deepspeed
+import torch
+import torch.nn as nn
+
+from kit.watch import watch_engine
+
+p = argparse.ArgumentParser()
+p.add_argument("--stage", type=int, default=2)
+p.add_argument("--loop", choices=("engine", "manual"), default="engine")
+p.add_argument("--ga", type=int, default=4)
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), help="bf16 + ZeRO-0 + fp32 here: BF16_Optimizer")
+p.add_argument("--out", default="gradkit-watch")
+args = p.parse_args()
+
+deepspeed.init_distributed(dist_backend="gloo")
+rank = torch.distributed.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
+config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": args.ga if args.loop == "engine" else 1,
+          "zero_optimization": {"stage": args.stage}, "gradient_clipping": 0.0,
+          "bf16": {"enabled": args.dtype == "bf16"}}
+if args.grad_accum_dtype:
+    config["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  config=config)
+criterion = nn.MSELoss()
+engine = watch_engine(engine, criterion=criterion, out=args.out, every=0)  # <- gradkit's one line
+
+data = torch.Generator().manual_seed(100 + rank)
+dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+for step in range(args.steps):
+    for i in range(args.ga):
+        n = 4
+        x, y = torch.randn(n, 8, generator=data).to(dtype), torch.randn(n, 4, generator=data).to(dtype)
+        loss = criterion(engine(x), y)
+        if args.loop == "engine":
+            engine.backward(loss)
+            engine.step()
+        else:
+            engine.backward(loss / args.ga)
+    if args.loop == "manual":
+        engine.step()
+torch.distributed.destroy_process_group()

@@ -1,0 +1,44 @@
+"""A user's own script on W ranks, as the user runs it (``torchrun --standalone``), under a stack of releases: the
+standalone reproductions (``kit.commands.repro``) and the watch's example jobs (``examples/watch``) run this way.
+The script's ranks start in sessions of their own: a timeout kills the whole tree, and the shared-memory segments
+DeepSpeed's CPU comm op leaves behind are removed."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kit import config as kconfig
+from kit.launch.cleanup import remove_orphan_segments
+from kit.launch.processes import die_with_parent, kill_tree
+from kit.stacks import versions
+
+
+def torchrun(path, args=(), world_size: int = 2, stack: dict | None = None, packages=("deepspeed",),
+             device: str = "cpu", timeout_s: float = 300, cwd=None, env: dict | None = None,
+             kit_on_path: bool = False) -> tuple[int, str, str]:
+    """``(exit status, stdout, stderr)`` of ``torchrun --standalone --nproc_per_node=W path args``; 124 and what it
+    printed so far (its whole tree killed) where it ran past ``timeout_s``. ``stack`` pins releases (``{"deepspeed": "0.18.9"}``), the
+    others of ``packages`` are the installed ones. ``kit_on_path``: the script imports the kit (the watch's jobs); a
+    standalone reproduction does not, and runs without it."""
+    resolved = versions.resolve_stack(stack or {}, tuple(packages))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*resolved.pythonpath, *([str(kconfig.REPO_ROOT)] if kit_on_path else [])]),
+               OMP_NUM_THREADS="1", **(env or {}),
+               TORCH_EXTENSIONS_DIR=str(kconfig.cache_dir() / "torch_extensions" / resolved.extensions_key))
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", str(path),
+           *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=str(cwd or Path(path).parent), preexec_fn=die_with_parent)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: killing torchrun alone would leave them running
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        return 124, stdout, stderr
+    finally:
+        remove_orphan_segments(grace_s=5.0)
+    return proc.returncode, stdout, stderr

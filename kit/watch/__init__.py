@@ -1,0 +1,21 @@
+"""``gradkit watch``: the oracle inside the user's own training job, on their real model and data.
+
+One line in the job, in each ecosystem's own convention:
+
+    watch = Watch(model, optimizer)                        # a plain torch loop (DDP, no_sync)
+    engine = watch_engine(engine)                           # a DeepSpeed engine, any of its loops
+
+At a judged step (the first two, then every 100th, or on request) the gradient the optimizer consumes is judged
+against the exact gradient of the global batch as the user's loss defines it, per micro-batch and rank, with the
+kit's tolerances; one line goes to the training log and one record to ``gradkit-watch/watch.jsonl``.
+
+Where things are: ``schedule`` (which steps), ``capture`` (what each micro-batch was fed), ``losses`` (the loss the
+reference is the gradient of), ``reference`` (the reference copy, its gradients and the collectives), ``sketch``
+(the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
+``judge`` (the judgement and its control), ``core`` (``Watch``), ``deepspeed`` (the engine's adapter).
+"""
+from kit.watch.core import Affected, Watch
+from kit.watch.deepspeed import watch_engine
+from kit.watch.losses import Criterion, Returned, Tokens
+
+__all__ = ["Affected", "Criterion", "Returned", "Tokens", "Watch", "watch_engine"]

@@ -1,0 +1,257 @@
+"""``Watch``: the oracle inside the user's own training job. Hooks on the user's model (what each micro-batch was
+fed) and on the innermost optimizer (the gradient it consumes, read just before it steps); at a judged step the
+reference is computed beside the job (``kit.watch.reference``), the consumed gradient is judged against it
+(``kit.watch.judge``), one line goes to the training log and one record to ``<out>/watch.jsonl``. Unjudged steps
+cost a counter and two hook calls that return at once.
+
+The ecosystems' own conventions wrap this: ``kit.watch.deepspeed.watch_engine`` (a DeepSpeed engine, any loop),
+``kit.watch.hf.Callback`` (the HF Trainer and TRL), and ``Watch(model, optimizer, ...)`` itself for a plain torch
+loop (DDP ``no_sync`` included)."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kit.judge import oracle
+from kit.watch import judge as wjudge
+from kit.watch import losses, reference
+from kit.watch.capture import Recorder
+from kit.watch.reads import Layout, innermost
+from kit.watch.schedule import Schedule
+from kit.watch.sketch import SIZE, Sketch
+
+RECORDS = "watch.jsonl"
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+PARTITIONS_FITTED = 8  # up to this many ranks, each rank's partition of a partitioned read is fitted on its own
+
+
+class Affected(RuntimeError):
+    """Raised on every rank after a judged step is ``affected``, where the watch was asked to stop the job."""
+
+
+class Watch:
+    """Judges chosen optimizer steps of a training job against the exact gradient of their global batch.
+
+    ``model``: the user's module (unwrapped: what the forward of each micro-batch goes through); ``optimizer``: what
+    the loop steps (a torch optimizer, or a wrapper holding one: Accelerate's, DeepSpeed's); ``loss``: how the user
+    means the loss over the global batch (``kit.watch.losses``: ``Tokens()``, ``Criterion(fn)``, ``Returned()``;
+    None: guessed from the first micro-batch, or ``Criterion(criterion)`` where a criterion is given, whose calls
+    give each micro-batch its targets); ``clip``: the norm the engine clips at (its expected step is the reference
+    clipped the same way); ``dtype``: the precision to judge at (None: the model's or autocast's); ``layers``: judge
+    only the parameters whose names start with one of these; ``stop``: raise ``Affected`` after an affected step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer, loss=None, criterion=None, first: int = 2, every: int = 100,
+                 steps=(), poll: int = 10, out="gradkit-watch", clip: float | None = None, dtype: str | None = None,
+                 layers=None, stop: bool = False, sketch_size: int = SIZE, log=print, context: dict | None = None,
+                 finalize_on_post: bool = True, known=None):
+        while isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        self.model, self.wrapper, self.basic = model, optimizer, innermost(optimizer)
+        self.loss, self.criterion, self.clip, self.dtype, self.stop = loss, criterion, clip, dtype, stop
+        self.layers = tuple(layers) if layers else None
+        self.schedule = Schedule(first=first, every=every, steps=set(steps), poll=poll)
+        self.out = Path(out)
+        self.log, self.context = log, dict(context or {})
+        self.sketch_size, self.known = sketch_size, known
+        self.step = 0  # optimizer steps taken (consumed or skipped)
+        self.records: list[dict] = []
+        self.layout: Layout | None = None
+        self._pending = None  # the judged step being read: its tally and reference
+        self._prev_basis = None  # the previous step's basis, where it was judged
+        self._clone = None
+        self._consumed = False  # the optimizer consumed a gradient since the last step end
+        self._recorder = Recorder(model, criterion)
+        self._handles = [self.basic.register_step_pre_hook(self._pre)]
+        if finalize_on_post:
+            self._handles.append(self.basic.register_step_post_hook(lambda *a: self.step_end()))
+        self._arm()
+
+    # ------------------------------------------------------------ the step's life
+
+    def _arm(self) -> None:
+        """Decide whether the next step is judged (every rank the same way) and record its window if so."""
+        nxt = self.step + 1
+        asked = False
+        if self.schedule.polls(nxt):
+            flag = torch.tensor([1.0 if reference.world()[0] == 0 and Schedule.file_request(self.out) else 0.0])
+            reference.all_sum(flag, dist.ReduceOp.MAX)
+            asked = bool(flag.item())
+            if asked and reference.world()[0] == 0:
+                Schedule.take_file(self.out)
+        if self.schedule.judged(nxt, asked):
+            self._recorder.start()
+        else:
+            self._recorder.take()
+
+    def _pre(self, optimizer, args, kwargs) -> None:
+        """Just before the innermost optimizer steps (DeepSpeed's ZeRO-1/2 step it once per parameter group)."""
+        self._consumed = True
+        if self._pending is None and self._recorder.recording:
+            self._pending = self._reference(self._recorder.take())
+        if self._pending is not None:
+            current = [q for g in optimizer.param_groups for q in g["params"]]
+            tally = self._pending["tally"]
+            for t, start, values in self.layout.fragments(current):
+                if t in self._pending["judged"]:
+                    tally.add(t, start, values)
+
+    def step_end(self, skipped: bool = False) -> dict | None:
+        """After the step (the optimizer's post-hook, or the engine's step): judge what was read, arm the next."""
+        consumed, self._consumed = self._consumed, False
+        self.step += 1
+        rec = None
+        if self._pending is not None:
+            rec = self._finish(self._pending)
+        elif self._recorder.recording and not consumed and skipped:
+            rec = self._record({"step": self.step, "verdict": "skipped",
+                                "why": "the engine skipped this step (an overflow of the loss scale): nothing was "
+                                       "applied, nothing to judge"})
+            self._prev_basis = None
+        else:
+            self._prev_basis = None
+        self._pending = None
+        self._arm()
+        if rec and rec.get("verdict") == oracle.AFFECTED and self.stop:
+            raise Affected(rec["line"])
+        return rec
+
+    # ------------------------------------------------------------ reference and judgement
+
+    def _reference(self, window) -> dict:
+        if self.layout is None:
+            self.layout = Layout(self.model, self.wrapper, self.basic)
+        names = [n for n, _ in self.model.named_parameters()]
+        covered = torch.zeros(len(names))
+        covered[list(self.layout.covered())] = 1.0
+        reference.all_sum(covered, dist.ReduceOp.MAX)
+        judged = {t for t in range(len(names)) if covered[t] > 0
+                  and (self.layers is None or names[t].startswith(self.layers))}
+        if self._clone is None:
+            self._clone = reference.copy_of(self.model)
+        else:
+            reference.load(self._clone, self.model)
+        params = list(self._clone.parameters())
+        for t, p in enumerate(params):
+            p.requires_grad_(t in judged)
+        if self.loss is None and window.micro_batches:
+            self.loss = losses.guess(window.micro_batches[0], self.criterion)
+        sketch = Sketch([p.numel() for p in params], self.sketch_size, device=params[0].device)
+        partitions = None
+        if not self.layout.replicated and 1 < reference.world()[1] <= PARTITIONS_FITTED:
+            mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
+            partitions = [None] * reference.world()[1]
+            dist.all_gather_object(partitions, mine)
+        local = reference.run_window(self._clone, window, self.loss, sketch, partitions)
+        info = reference.gathered(local, sketch)
+        total = float(sum(info["counts"])) or 1.0
+        ref = []
+        rr, top = 0.0, 0.0
+        for t, p in enumerate(params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if t in judged:
+                reference.all_sum(g)  # a collective on every rank, in module order
+                g.div_(total)
+                rr += float(g.double().pow(2).sum())
+                top = max(top, float(g.abs().max()) if g.numel() else 0.0)
+            ref.append(g)
+        coef = reference.clip_coef(rr ** 0.5, self.clip)
+        dtype = self.dtype or _dtype(self.model, window)
+        return {"tally": wjudge.Tally(ref, coef, sketch), "judged": judged, "rr": rr, "maxref": top, "info": info,
+                "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch}
+
+    def _finish(self, p: dict) -> dict:
+        tally, info = p["tally"], p["info"]
+        own = tally.finish(self.layout.replicated)
+        if not p["rr"]:
+            out = {"verdict": oracle.INCONCLUSIVE, "why": "the reference gradient is zero on every judged parameter"}
+        else:
+            out = wjudge.judgement(tally, p["rr"], p["maxref"], info["basis"], info["counts"], info["per_rank"],
+                                   p["dtype"], own, self._prev_basis, self.context.get("loss_scale", 1.0),
+                                   info.get("parts"))
+        total = float(sum(info["counts"])) or 1.0
+        rows = info["basis"]
+        self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
+                            [n / total for n in info["counts"]]) if len(rows) else None
+        self._release()
+        rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
+               "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
+               "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef}
+        if rec["verdict"] == oracle.AFFECTED and self.known:
+            rec["known"] = self.known({**self.context, **rec})
+        return self._record(rec)
+
+    def _release(self) -> None:
+        for q in self._clone.parameters():
+            q.grad = None
+
+    def _record(self, rec: dict) -> dict:
+        rank, w = reference.world()
+        rec = {"probe": "watch", "role": "measured", "case": f"step {rec['step']}", "world_size": w, **self.context,
+               **rec, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host": platform.node()}
+        rec["line"] = line(rec)
+        self.records.append(rec)
+        if rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / RECORDS, "a") as f:
+                f.write(json.dumps(_plain(rec), sort_keys=True) + "\n")
+            if self.log:
+                self.log(rec["line"])
+        return rec
+
+    def request(self) -> None:
+        """Judge the next step (call on every rank)."""
+        self.schedule.request()
+
+    def remove(self) -> None:
+        """Takes every hook off the model and the optimizer."""
+        self._recorder.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def line(rec: dict) -> str:
+    """The training log's line for a judged step."""
+    head = f"gradkit watch: step {rec['step']}: {rec['verdict']}"
+    m = ((rec.get("measured") or {}).get("metrics")) or {}
+    if not m:
+        return f"{head} ({rec.get('why', '')})"
+    att = (rec.get("measured") or {}).get("attribution") or {}
+    text = (f"{head} (ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e}, "
+            f"misplaced weight {att.get('misplaced_weight', float('nan')):.2e}; {rec['ga']} micro-batches x "
+            f"{rec['world_size']} ranks, {rec['loss']} over {rec['global_count']:g})")
+    if rec["verdict"] == oracle.AFFECTED:
+        text += f"; the step is {rec.get('matches')!r}: {rec.get('shape')}"
+        if rec.get("known"):
+            text += f"; {rec['known']}"
+    elif rec["verdict"] != oracle.NOT_AFFECTED:
+        text += f"; {rec['why']}"
+    return text
+
+
+def _dtype(model: nn.Module, window) -> str:
+    autocast = next((mb.autocast for mb in window.micro_batches if mb.autocast), None)
+    if autocast:
+        return autocast
+    dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return DTYPES.get(dt, "fp32")
+
+
+def _plain(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and x != x:
+        return None
+    return x

@@ -1,0 +1,150 @@
+"""The watch's judgement of one consumed step, the oracle's way (``kit.judge.oracle``): the exact numbers of the
+verdict (norm ratio, cosine, rel. L2 error, max rel. error) from dot products taken piece by piece where the
+optimizer holds the gradient (``Tally``), the fitted weights from the sketches (``kit.watch.sketch``), the ranks'
+agreement, and a **control** in the same world: the reference itself sent through the very same read (the same
+pieces, offsets, sums over ranks and sketch) must come out as the reference, so a read that misses, repeats or
+misplaces a piece, or a basis the sketch cannot tell apart, makes the verdict ``inconclusive``, never ``affected``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from kit.judge import naming, oracle
+from kit.watch.reference import all_gather, all_sum, world
+from kit.watch.sketch import Sketch
+
+_CHUNK = 1 << 22
+STALE = "the previous step's gradient applied again"
+
+
+class Tally:
+    """Sums over the pieces of a consumed gradient, against the reference (``ref``: one tensor per parameter, the
+    global-batch gradient; ``coef``: the clip coefficient the engine should apply to it)."""
+
+    def __init__(self, ref: list, coef: float, sketch: Sketch):
+        self.ref, self.coef, self.sketch = ref, coef, sketch
+        self.ee = self.er = self.dd = self.rr = 0.0
+        self.maxdiff, self.numel = 0.0, 0
+        self.se, self.sr = sketch.zeros(), sketch.zeros()
+
+    def add(self, t: int, start: int, values: torch.Tensor) -> None:
+        r_all = self.ref[t].reshape(-1)
+        n = values.numel()
+        for lo in range(0, n, _CHUNK):
+            v = values[lo:lo + _CHUNK].double()
+            r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
+            d = v - self.coef * r
+            self.ee += float(v @ v)
+            self.er += float(v @ r)
+            self.dd += float(d @ d)
+            self.rr += float(r @ r)
+            self.maxdiff = max(self.maxdiff, float(d.abs().max()) if d.numel() else 0.0)
+        self.numel += n
+        self.sketch.add(self.se, t, values, start)
+        self.sketch.add(self.sr, t, r_all[start:start + n], start)
+
+    def finish(self, replicated: bool) -> list:
+        """Sums over the ranks where each holds its own pieces (a collective). Returns every rank's own sketch of
+        what it read: with a replicated read, for the ranks' agreement; with a partitioned one, each partition's
+        step, fitted on its own (a leak in one rank's accumulator shows in its partition only)."""
+        own = all_gather(self.se)
+        if replicated:
+            return own
+        nums = torch.tensor([self.ee, self.er, self.dd, self.rr, float(self.numel)], dtype=torch.float64)
+        all_sum(nums)
+        self.ee, self.er, self.dd, self.rr, numel = nums.tolist()
+        self.numel = int(numel)
+        self.maxdiff = float(all_sum(torch.tensor([self.maxdiff], dtype=torch.float64), dist.ReduceOp.MAX))
+        all_sum(self.se)
+        all_sum(self.sr)
+        return own
+
+
+def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.0, previous=None,
+               own: int | None = None) -> dict:
+    """Named steps as weights over the rank-major basis (each micro-batch's mean-loss gradient), from the
+    micro-batches' counts: the global mean (each n_k / N), only each rank's last micro-batch, every micro-batch's
+    mean summed (1/W each: a missing division by the accumulation), each micro-batch's mean averaged equally (a
+    mean over micro-batches, not over samples or tokens), each rank's own count (a per-rank mean, then averaged),
+    the global mean over the loss scale, the previous step's gradient applied again, and, seen from partition
+    ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4)."""
+    total = float(sum(counts)) or 1.0
+    w = len(per_rank)
+    k = len(counts)
+    starts = [sum(per_rank[:r]) for r in range(w)]
+    last = {starts[r] + per_rank[r] - 1 for r in range(w) if per_rank[r]}
+    rank_of = [r for r in range(w) for _ in range(per_rank[r])]
+    rank_total = [sum(counts[s:s + n]) or 1.0 for s, n in zip(starts, per_rank)]
+    live = [c > 0 for c in counts]
+    n_live = sum(live) or 1
+    out = {"global mean": [c / total for c in counts],
+           "last micro-batch / N": [c / total if i in last else 0.0 for i, c in enumerate(counts)],
+           "sum of micro-batches": [1.0 / w if live[i] else 0.0 for i in range(k)],
+           "mean of micro-batch means": [1.0 / n_live if live[i] else 0.0 for i in range(k)],
+           "each rank's own mean": [counts[i] / (w * rank_total[rank_of[i]]) for i in range(k)]}
+    if own is not None and w > 1:
+        out["own rank's boundary micro-batch"] = [
+            (w * counts[i] / total if rank_of[i] == own else 0.0) if i in last else counts[i] / total for i in range(k)]
+    if loss_scale > 1.0:
+        out["global mean / loss scale"] = [c / (total * loss_scale) for c in counts]
+    out = {name: [x * coef for x in ws] for name, ws in out.items()}
+    if previous is not None and len(previous):  # the previous step's own weights over its micro-batches
+        out[STALE] = out["global mean"] + [coef * float(x) for x in previous]
+    return out
+
+
+def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, counts: list, per_rank: list,
+              dtype: str, own_sketches: list, prev: tuple | None = None, loss_scale: float = 1.0,
+              parts: torch.Tensor | None = None) -> dict:
+    """``{"measured", "control", "verdict", "why", "attribution", "explained", "shape"}`` of one consumed step.
+    ``rr_all``: the squared norm of the reference over every parameter the optimizer steps; ``maxref`` its largest
+    entry; ``basis``: each micro-batch's sketch of its summed-loss gradient (rank-major); ``prev``: the previous
+    step's ``(rows, weights)`` where it was judged too (its micro-batches' mean-loss sketches and right weights);
+    ``parts``: where each rank's optimizer holds its own partition, the basis restricted to each partition (each
+    partition is then fitted and named on its own, ``rank_buffers``), and ``own_sketches`` each partition's read."""
+    c = tally.coef
+    rn = c * math.sqrt(rr_all)
+    en = math.sqrt(max(tally.ee, 0.0))
+    missing = max(rr_all - tally.rr, 0.0) * c * c  # the reference where no piece was read (a read that misses parts)
+    metrics = {"norm_ratio": en / rn, "cosine": c * tally.er / (en * rn) if en > 0 else 0.0,
+               "rel_l2": math.sqrt(max(tally.dd + missing, 0.0)) / rn, "max_rel_err": tally.maxdiff / (c * maxref),
+               "effective_norm": en, "reference_norm": rn}
+    total = float(sum(counts)) or 1.0
+    rows = torch.stack([b / n if n else b for b, n in zip(basis, counts)]) if len(basis) else basis
+    expected = torch.tensor([c * n / total for n in counts], dtype=torch.float64)
+    full, want = rows, expected
+    if prev is not None and len(prev[0]):
+        full = torch.cat([rows, prev[0]])
+        want = torch.cat([expected, torch.zeros(len(prev[0]), dtype=torch.float64)])
+    attribution = oracle.attribute(tally.se, full, want)
+    measured = {"metrics": metrics, "dtype": dtype, "attribution": attribution}
+    part_names = []
+    if parts is not None:
+        measured["rank_buffers"] = []
+        for q, (mine, rows_q) in enumerate(zip(own_sketches, parts)):
+            basis_q = torch.stack([b / n if n else b for b, n in zip(rows_q, counts)])
+            measured["rank_buffers"].append({"attribution": oracle.attribute(mine, basis_q, expected)})
+            h = naming.explain(mine, basis_q, hypotheses(counts, per_rank, c, loss_scale, own=q), dtype)
+            part_names.append(naming.step_name(h))
+    elif len(own_sketches) > 1:
+        measured["rank_spread"] = {"consumed gradients": oracle.spread(own_sketches)}
+    through = math.sqrt(tally.rr / rr_all) if rr_all else 0.0
+    control = {"metrics": {"norm_ratio": through, "cosine": through if through <= 1 else 1 / through,
+                           "rel_l2": math.sqrt(abs(rr_all - tally.rr) / rr_all) if rr_all else math.inf,
+                           "max_rel_err": 0.0},
+               "dtype": "fp32", "attribution": oracle.attribute(c * tally.sr, full, want)}
+    word, why = oracle.verdict(measured, control)
+    cands = hypotheses(counts, per_rank, c, loss_scale, prev[1] if prev is not None else None)
+    explained = naming.explain(tally.se, full, cands, dtype)
+    n = max(per_rank) if per_rank else 1
+    shape = naming.describe_weights(attribution["weights"], want.tolist(), len(per_rank), n)
+    matches = naming.step_name(explained)
+    if matches == "none" and part_names and len(set(part_names)) == 1 and part_names[0] not in (None, "none"):
+        matches = part_names[0]  # every partition is the same named step, each from its own rank's view
+    if part_names and matches != naming.step_name(explained):
+        shape += "; per partition: " + ", ".join(f"rank {q}'s {n!r}" for q, n in enumerate(part_names))
+    return {"measured": measured, "control": control, "verdict": word, "why": why, "explained": explained,
+            "matches": matches, "shape": shape, "partitions": part_names}

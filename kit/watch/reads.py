@@ -1,0 +1,115 @@
+"""Where the watch reads the gradient an optimizer step consumes: in the innermost ``torch.optim.Optimizer`` (the
+one that turns a gradient into an update), just before it steps, from the ``.grad`` of the tensors it steps. That
+is the gradient after everything the engine did to it (accumulation, reduction, loss-scale division, clipping), and
+before the optimizer's own arithmetic; buffers that carry state between steps are seen because their effect is in
+it.
+
+What those tensors are depends on the engine, and each is mapped back to the model's parameters (module order):
+- a plain loop, DDP, Accelerate, the Trainer without DeepSpeed: the model's own parameters (an FSDP2 ``DTensor``
+  gathered with ``full_tensor()``); every rank holds the whole gradient (``replicated``);
+- DeepSpeed ZeRO-1/2 and its ``BF16_Optimizer``: each rank's fp32 partition of a flat group, mapped by the
+  fragment links DeepSpeed keeps on each parameter (``_hp_mapping``: where a parameter's piece sits in the partition
+  and in the parameter); each rank holds its own pieces (``partitioned``);
+- DeepSpeed's ``FP16_Optimizer`` (one fp32 flat per group) and ``FP16_UnfusedOptimizer`` (one fp32 master per
+  parameter), every rank the whole;
+- DeepSpeed ZeRO-0 with fp32: the model's parameters, as a plain loop.
+
+``Layout.fragments(current)`` gives, for the tensors the optimizer is about to step (``current``), pieces
+``(t, start, values)``: coordinates ``start ..`` of parameter ``t``'s flat gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class Piece:
+    t: int  # the parameter's index in module order
+    start: int  # where the piece starts in the parameter's flat
+    hp_start: int  # where it starts in the consumed tensor's flat
+    numel: int
+
+
+def innermost(optimizer):
+    """The ``torch.optim.Optimizer`` at the bottom of the wrappers (Accelerate's, DeepSpeed's, the Trainer's)."""
+    seen = set()
+    while not isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"gradkit watch: found no torch.optim.Optimizer inside {type(optimizer).__name__}")
+    return optimizer
+
+
+class Layout:
+    """Which consumed tensor holds which piece of which parameter's gradient."""
+
+    def __init__(self, model: nn.Module, wrapper, basic: torch.optim.Optimizer):
+        self.params = list(model.parameters())
+        self.kind, self.replicated, self.by_tensor = self._map(wrapper, basic)
+
+    def _map(self, wrapper, basic):
+        index = {id(p): t for t, p in enumerate(self.params)}
+        stepped = [q for g in basic.param_groups for q in g["params"]]
+        if any(id(q) in index for q in stepped):  # the optimizer steps the model's own parameters
+            return "parameters", True, {id(q): [Piece(index[id(q)], 0, 0, q.numel())] for q in stepped
+                                        if id(q) in index}
+        if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # ZeRO-1/2, BF16_Optimizer
+            return "fp32 partitions", False, self._hp_pieces(stepped)
+        if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # FP16_Optimizer
+            out = {}
+            for flat, group in zip(wrapper.fp32_groups_flat, wrapper.fp16_groups):
+                k, pieces = 0, []
+                for p in group:
+                    pieces.append(Piece(index[id(p)], 0, k, p.numel()))
+                    k += p.numel()
+                out[id(flat)] = pieces
+            return "fp32 flat groups", True, out
+        if hasattr(wrapper, "fp32_groups") and hasattr(wrapper, "fp16_groups"):  # FP16_UnfusedOptimizer
+            return "fp32 masters", True, {id(m): [Piece(index[id(p)], 0, 0, p.numel())]
+                                          for ms, ps in zip(wrapper.fp32_groups, wrapper.fp16_groups)
+                                          for m, p in zip(ms, ps)}
+        raise TypeError(f"gradkit watch: cannot map what {type(wrapper).__name__} steps back to the model's "
+                        "parameters (ZeRO-3 and offloaded optimizers are not read yet)")
+
+    def _hp_pieces(self, stepped) -> dict:
+        """DeepSpeed's fragment links: for each parameter with a piece on this rank, the flat fp32 partition that
+        holds it (found by address) and the piece's place in both."""
+        out: dict = {}
+        spans = [(q.data_ptr(), q.data_ptr() + q.numel() * q.element_size(), q) for q in stepped]
+        for t, p in enumerate(self.params):
+            m = getattr(p, "_hp_mapping", None)
+            if m is None:
+                continue
+            frag = m.hp_fragment
+            owner = next((q for lo, hi, q in spans if lo <= frag.data_ptr() < hi), None)
+            if owner is None:
+                raise TypeError("gradkit watch: a parameter's fp32 fragment is in no tensor the optimizer steps")
+            hp, lp = m.get_hp_fragment_address(), m.lp_fragment_address
+            out.setdefault(id(owner), []).append(Piece(t, int(lp.start), int(hp.start), int(hp.numel)))
+        return out
+
+    def covered(self) -> set[int]:
+        """The parameters some consumed tensor holds a piece of (on some rank: a collective is not needed, every
+        rank maps every parameter it steps; a parameter no optimizer steps is nowhere)."""
+        return {piece.t for pieces in self.by_tensor.values() for piece in pieces}
+
+    def fragments(self, current) -> list[tuple[int, int, torch.Tensor]]:
+        """``(t, start, values)`` of the tensors in ``current`` (what the optimizer steps now) that have a gradient."""
+        out = []
+        for q in current:
+            pieces = self.by_tensor.get(id(q))
+            if not pieces or q.grad is None:
+                continue
+            g = q.grad
+            if hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            flat = g.detach().reshape(-1)
+            out.extend((pc.t, pc.start, flat.narrow(0, pc.hp_start, pc.numel)) for pc in pieces)
+        return out

@@ -1,0 +1,217 @@
+"""The reference of a judged step, computed beside the user's job: an fp32 copy of the user's model holding the
+step's starting weights, fed each micro-batch this rank recorded (same inputs, same random-number state), its loss
+taken by the user's loss definition (``kit.watch.losses``), one backward each. The copy's ``.grad`` accumulates the
+sum of the micro-batches' summed-loss gradients; after each one the *sketch* of what it added is taken (the
+micro-batch's own gradient, for the fitted weights). Memory: the copy's weights and its gradient, two copies of one
+gradient in fp32, and the sketches.
+
+The copy is made by ``copy.deepcopy`` with every parameter replaced by a fresh fp32 one (never copied from the
+engine's, which under ZeRO-3 is an empty placeholder) and every module hook dropped (DeepSpeed's and FSDP's
+gathering hooks belong to the code under test); an FSDP2 module goes back to its own class. The starting weights
+are read without the engine: a ZeRO-3 partition is gathered from every rank's ``ds_tensor`` with plain
+``torch.distributed``, an FSDP2 ``DTensor`` by ``full_tensor()``.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kit.watch.sketch import Sketch
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+              "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as the model computes with it, whole, on every rank (a collective where it is partitioned)."""
+    if hasattr(p, "ds_tensor"):  # ZeRO-3: each rank holds a partition
+        parts = all_gather(p.ds_tensor.detach().reshape(-1))
+        return torch.cat(parts)[:p.ds_numel].reshape(p.ds_shape)
+    if hasattr(p, "full_tensor"):  # an FSDP2 / tensor-parallel DTensor
+        return p.full_tensor().detach()
+    return p.detach()
+
+
+def _fsdp_class(cls):
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule":
+        return bases[1]
+    return cls
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    """An fp32 copy of ``model`` that shares nothing with it: fresh parameters holding its weights (gathered where
+    they are partitioned), no hooks, each module of its own class."""
+    params = list(model.parameters())
+    memo: dict = {}
+    for p in params:
+        w = whole(p).float().clone()
+        memo[id(p)] = nn.Parameter(w, requires_grad=p.requires_grad)
+    for sub in model.modules():
+        for name in HOOK_DICTS:
+            d = sub.__dict__.get(name)
+            if d is not None:
+                memo[id(d)] = collections.OrderedDict()
+    clone = copy.deepcopy(model, memo)
+    for sub in clone.modules():
+        sub.__class__ = _fsdp_class(type(sub))
+    for name, b in list(clone.named_buffers()):
+        if b.is_floating_point() and b.dtype != torch.float32:
+            owner = clone.get_submodule(name.rpartition(".")[0]) if "." in name else clone
+            owner._buffers[name.rpartition(".")[2]] = b.float()
+    return clone
+
+
+def load(clone: nn.Module, model: nn.Module) -> nn.Module:
+    """``clone`` holding ``model``'s current weights (the next judged step's starting weights)."""
+    with torch.no_grad():
+        for c, p in zip(clone.parameters(), model.parameters()):
+            c.copy_(whole(p))
+    return clone
+
+
+def _moved(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_moved(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _moved(v, device) for k, v in x.items()}
+    return x
+
+
+def _floated(x):
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.float()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_floated(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _floated(v) for k, v in x.items()}
+    return x
+
+
+def restricted(sketch: Sketch, grads: list, partitions: list) -> torch.Tensor:
+    """One sketch per partition (``partitions[q]``: the ``(t, start, numel)`` pieces rank q's optimizer holds) of the
+    vector ``grads``: (W x size). The partitions do not overlap, so this is one pass over the vector."""
+    out = torch.zeros(len(partitions), sketch.size, dtype=torch.float64, device=sketch.device)
+    for q, pieces in enumerate(partitions):
+        for t, start, numel in pieces:
+            if grads[t] is not None:
+                sketch.add(out[q], t, grads[t].reshape(-1)[start:start + numel], start)
+    return out
+
+
+def run_window(clone: nn.Module, window, loss, sketch: Sketch, partitions: list | None = None) -> dict:
+    """This rank's micro-batches through ``clone``: ``{"sketches": [one per micro-batch, of its summed-loss
+    gradient], "counts": [its count], "sums": [its loss sum]}``, and with ``partitions`` (where each rank's optimizer
+    holds its own pieces) ``"parts"``: per micro-batch its sketch restricted to each rank's pieces (W x size);
+    ``clone``'s ``.grad`` holds the sum of those gradients afterwards. The forward runs with the micro-batch's own
+    random-number state (dropout as it was) and without autocast (fp32)."""
+    device = next(clone.parameters()).device
+    params = list(clone.parameters())
+    for p in params:
+        p.grad = None
+    clone.train()
+    before, out = sketch.zeros(), {"sketches": [], "counts": [], "sums": [], "parts": []}
+    parts_before = None if partitions is None else torch.zeros(len(partitions), sketch.size, dtype=torch.float64,
+                                                               device=sketch.device)
+    for mb in window.micro_batches:
+        args, kwargs = loss.inputs(mb)
+        devices = [device] if device.type == "cuda" else []
+        # the optimizer's hook may run under no_grad (DeepSpeed's optimizers step inside one)
+        with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), torch.enable_grad():
+            torch.set_rng_state(mb.rng["cpu"])
+            if devices and mb.rng.get("cuda") is not None:
+                torch.cuda.set_rng_state(mb.rng["cuda"], device)
+            output = clone(*_floated(_moved(args, device)), **_floated(_moved(kwargs, device)))
+            total, count = loss.sum_and_count(output, mb)
+            total.backward()
+        grads = [p.grad for p in params]
+        if partitions is None:
+            after = sketch.of(grads)
+        else:
+            parts_after = restricted(sketch, grads, partitions)
+            out["parts"].append(parts_after - parts_before)
+            parts_before, after = parts_after, parts_after.sum(0)
+        out["sketches"].append(after - before)
+        out["counts"].append(count)
+        out["sums"].append(float(total.detach()))
+        before = after
+    return out
+
+
+def gathered(local: dict, sketch: Sketch) -> dict:
+    """Every rank's ``run_window`` answer, rank-major (a collective): ``counts`` and ``sums`` as flat lists,
+    ``basis`` the micro-batch sketches as a (W x n) x size tensor, ``per_rank`` the micro-batches each rank had,
+    ``parts`` (where partitions were given) a W x (W x n) x size tensor: per partition, the basis restricted to it.
+    A rank with fewer micro-batches than another sends padding rows, dropped again here."""
+    rank, w = world()
+    k = len(local["counts"])
+    rows = torch.stack(local["sketches"]) if k else torch.zeros(0, sketch.size, dtype=torch.float64)
+    nums = torch.tensor([[c, s] for c, s in zip(local["counts"], local["sums"])], dtype=torch.float64).reshape(-1, 2)
+    parts = torch.stack(local["parts"]).cpu() if local.get("parts") else None  # k x W x size
+    if w == 1:
+        return {"basis": rows, "counts": nums[:, 0].tolist(), "sums": nums[:, 1].tolist(), "per_rank": [k],
+                "parts": None if parts is None else parts.transpose(0, 1)}
+    ks = [int(x) for x in all_gather(torch.tensor([k], dtype=torch.int64))]
+    most = max(ks)
+    pad = lambda t, width: torch.cat([t, torch.zeros(most - len(t), width, dtype=t.dtype)])  # noqa: E731
+    all_rows = all_gather(pad(rows.cpu(), sketch.size))
+    all_nums = all_gather(pad(nums, 2))
+    basis = torch.cat([r[:n] for r, n in zip(all_rows, ks)])
+    nums = torch.cat([r[:n] for r, n in zip(all_nums, ks)])
+    out = {"basis": basis, "counts": nums[:, 0].tolist(), "sums": nums[:, 1].tolist(), "per_rank": ks, "parts": None}
+    if parts is not None:  # per partition q: every micro-batch's sketch restricted to q's pieces, rank-major
+        padded = torch.cat([parts, torch.zeros(most - k, w, sketch.size, dtype=torch.float64)])
+        every = all_gather(padded.reshape(most, -1))
+        out["parts"] = torch.cat([e.reshape(most, w, -1)[:n] for e, n in zip(every, ks)]).transpose(0, 1)
+    return out
+
+
+def comm_device() -> torch.device:
+    """Where a collective's tensors must be: the GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_sum(t: torch.Tensor, op=None) -> torch.Tensor:
+    """``t`` reduced over every rank in place (a sum, or ``op``), moved to where the collective needs it and back."""
+    if world()[1] == 1:
+        return t
+    dev = comm_device()
+    moved = t if t.device == dev else t.to(dev)
+    dist.all_reduce(moved, op=op or dist.ReduceOp.SUM)
+    if moved is not t:
+        t.copy_(moved)
+    return t
+
+
+def all_gather(t: torch.Tensor) -> list:
+    """Every rank's ``t`` (same shape on every rank), on ``t``'s device."""
+    if world()[1] == 1:
+        return [t]
+    dev = comm_device()
+    moved = t.to(dev).contiguous()
+    rows = [torch.empty_like(moved) for _ in range(world()[1])]
+    dist.all_gather(rows, moved)
+    return [r.to(t.device) for r in rows]
+
+
+def clip_coef(norm: float, clip: float | None) -> float:
+    """The coefficient an engine clipping at ``clip`` applies to a gradient of norm ``norm`` (torch's and
+    DeepSpeed's ``clip / (norm + 1e-6)``, never above 1)."""
+    if not clip or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, clip / (norm + 1e-6))

@@ -1,0 +1,143 @@
+"""The watch in one process (no world): a user's own torch loop, correct or with a defect planted in the loop, judged
+step by step against the exact gradient of its global batch; the schedule; the records; the sketch's fitted weights
+against exact ones; the control catching a read that misses or misplaces a piece. The watch on DeepSpeed's engines,
+in real 2-rank jobs, is tests/test_watch_jobs.py."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from kit.judge import oracle
+from kit.watch import Affected, Watch, reads
+from kit.watch.judge import STALE
+from kit.watch.sketch import Sketch
+
+
+def _job(defect=None, steps=3, ga=4, tmp=None, **watch):
+    """A small regression job: AdamW, dropout, micro-batches of 3..6 samples, loss = each micro-batch's mean weighted
+    by its share of the window's samples (a mean over samples), ``defect`` planted in the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    crit = nn.MSELoss()
+    w = Watch(model, opt, criterion=crit, out=tmp or "gradkit-watch-test", **{"log": None, **watch})
+    data = torch.Generator().manual_seed(1)
+    sizes = [3 + m for m in range(ga)]
+    for step in range(steps):
+        for m in range(ga):
+            x, y = torch.randn(sizes[m], 8, generator=data), torch.randn(sizes[m], 2, generator=data)
+            loss = crit(model(x), y)
+            (loss if defect == "sum" else loss * sizes[m] / sum(sizes)).backward()
+        if defect == "request" and step == 3:
+            w.request()
+        opt.step()
+        if defect != "keep":
+            opt.zero_grad()
+    return w
+
+
+def test_a_correct_loop_is_not_affected_on_every_signal_at_every_judged_step(tmp_path):
+    w = _job(tmp=tmp_path, every=3, steps=4)
+    assert [r["step"] for r in w.records] == [1, 2, 3]
+    for r in w.records:
+        m = r["measured"]["metrics"]
+        assert r["verdict"] == oracle.NOT_AFFECTED, r["line"]
+        assert abs(m["norm_ratio"] - 1) < 1e-5 and m["cosine"] > 1 - 1e-9 and m["rel_l2"] < 1e-5
+        assert r["measured"]["attribution"]["misplaced_weight"] < 1e-5  # dropout replayed: the same masks
+        assert r["global_count"] == 3 + 4 + 5 + 6 and r["ga"] == 4 and r["loss"] == "mean over samples"
+
+
+def test_a_loop_that_sums_its_micro_batches_is_affected_and_its_step_named(tmp_path):
+    w = _job("sum", tmp=tmp_path, steps=2)
+    for r in w.records:
+        assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]
+        weights = r["measured"]["attribution"]["weights"]
+        assert weights[:4] == pytest.approx([1.0] * 4, abs=1e-5)  # each micro-batch's mean, whole
+        assert "micro-batch" in r["shape"] and "ratio" in r["line"]
+
+
+def test_a_gradient_kept_into_the_next_step_is_named_there(tmp_path):
+    w = _job("keep", tmp=tmp_path, steps=2)
+    assert [r["verdict"] for r in w.records] == [oracle.NOT_AFFECTED, oracle.AFFECTED]
+    assert w.records[1]["matches"] == STALE
+    weights = w.records[1]["measured"]["attribution"]["weights"]
+    assert weights[4:] == pytest.approx([n / 18 for n in (3, 4, 5, 6)], abs=1e-5)  # the previous step's, whole
+
+
+def test_only_the_chosen_steps_are_judged_and_a_request_adds_the_next(tmp_path):
+    w = _job("request", tmp=tmp_path, steps=9, every=4, first=1, poll=0)
+    assert [r["step"] for r in w.records] == [1, 4, 5, 8]  # step 5 on request (asked during step 4)
+    (tmp_path / "judge-next").write_text("")
+    w2 = _job(tmp=tmp_path / "b", steps=3, every=0, first=1, poll=1)
+    assert [r["step"] for r in w2.records] == [1]
+    (tmp_path / "b" / "judge-next").write_text("")
+    w3 = _job(tmp=tmp_path / "b", steps=3, every=0, first=0, poll=1)
+    assert [r["step"] for r in w3.records] == [1] and not (tmp_path / "b" / "judge-next").exists()
+
+
+def test_each_judged_step_is_one_record_and_one_log_line(tmp_path):
+    lines = []
+    w = _job(tmp=tmp_path, steps=2, log=lines.append)
+    recs = [json.loads(x) for x in (tmp_path / "watch.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2] and lines == [r["line"] for r in w.records]
+    assert lines[0].startswith("gradkit watch: step 1: not-affected (ratio 1.0000")
+
+
+def test_an_affected_step_stops_the_job_where_asked(tmp_path):
+    with pytest.raises(Affected, match="step 1: affected"):
+        _job("sum", tmp=tmp_path, stop=True)
+
+
+def test_a_subset_of_layers_is_judged_alone(tmp_path):
+    w = _job(tmp=tmp_path, steps=1, layers=("0.",))
+    assert w.records[0]["judged_parameters"] == 2 and w.records[0]["verdict"] == oracle.NOT_AFFECTED
+    w = _job("sum", tmp=tmp_path, steps=1, layers=("3.",))
+    assert w.records[0]["judged_parameters"] == 2 and w.records[0]["verdict"] == oracle.AFFECTED
+
+
+def test_the_sketched_fit_is_the_exact_fit(tmp_path):
+    """Fitted weights from 4096-number sketches of 12 gradients of 200k coordinates against the exact least squares:
+    equal to 1e-9 where the vector is a combination of them (as every accumulation bug leaves it), and within 1e-3
+    with noise of 1e-2 of its norm on top (bf16's size)."""
+    torch.manual_seed(0)
+    numels = [150_000, 50_000]
+    s = Sketch(numels)
+    basis = torch.randn(12, sum(numels), dtype=torch.float64)
+    true = torch.rand(12, dtype=torch.float64)
+    for noise, tol in ((0.0, 1e-9), (1e-2, 1e-3)):
+        v = true @ basis
+        v = v + noise * v.norm() / v.numel() ** 0.5 * torch.randn_like(v)
+        exact = torch.linalg.lstsq(basis.T, v.unsqueeze(1)).solution.squeeze(1)
+        sk = lambda x: s.of(list(x.split(numels)))  # noqa: E731
+        fit = oracle.attribute(sk(v), torch.stack([sk(b) for b in basis]), true)["weights"]
+        assert fit == pytest.approx(exact.tolist(), abs=tol)
+
+
+@pytest.mark.parametrize("fault", ["shifted", "missing"])
+def test_the_control_catches_a_read_that_misplaces_or_misses_a_piece(tmp_path, monkeypatch, fault):
+    real = reads.Layout.fragments
+
+    def wrong(self, current):
+        out = real(self, current)
+        if fault == "missing":
+            return out[1:]
+        t, start, v = out[0]
+        return [(t, start + 1, v[:-1])] + out[1:]
+
+    monkeypatch.setattr(reads.Layout, "fragments", wrong)
+    w = _job(tmp=tmp_path, steps=1)
+    assert w.records[0]["verdict"] == oracle.INCONCLUSIVE and "control" in w.records[0]["why"]
+
+
+def test_the_consumed_gradient_is_read_in_the_innermost_torch_optimizer():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1)
+
+    class Wrapper:
+        def __init__(self, o):
+            self.optimizer = o
+
+    assert reads.innermost(Wrapper(Wrapper(opt))) is opt
+    with pytest.raises(TypeError, match="no torch.optim.Optimizer"):
+        reads.innermost(object())
