@@ -14,8 +14,9 @@ JOBS = Path(__file__).resolve().parent.parent / "examples" / "watch"
 
 def _run(tmp_path, script, *args, stack=None):
     out = tmp_path / "watch"
+    packages = ("transformers", "accelerate") if script == "trainer_job.py" else ("deepspeed",)
     rc, stdout, stderr = scripts.torchrun(JOBS / script, [*args, "--out", out], stack=stack, kit_on_path=True,
-                                          timeout_s=240)
+                                          timeout_s=240, packages=packages)
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (out / "watch.jsonl").read_text().splitlines()]
     lines = [x for x in stdout.splitlines() if x.startswith("gradkit watch: ")]
@@ -47,3 +48,38 @@ def test_bf16_optimizer_leaks_on_0_18_9_in_each_ranks_partition_and_not_on_the_i
     new = _run(tmp_path / "new", "deepspeed_job.py", *args)
     assert [r["verdict"] for r in new] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in new]
     assert all(r["dtype"] == "bf16" for r in new)
+
+
+def _verdicts(recs, logged: bool = False) -> list:
+    return [r["verdict"] for r in recs if ("logged_norm" in r) == logged]
+
+
+@pytest.mark.world
+def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_and_4_46_3_miscounts(tmp_path):
+    now = _run(tmp_path / "now", "trainer_job.py", "--collator", "pad")
+    assert _verdicts(now) == _verdicts(now, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in now]
+    assert all(r["loss"] == "mean over label tokens" and r["read"] == "parameters" for r in now if "ga" in r)
+    old = _run(tmp_path / "old", "trainer_job.py", "--collator", "pad",
+               stack={"transformers": "4.46.3", "accelerate": "1.0.1"})
+    assert _verdicts(old) == _verdicts(old, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in old]
+    ratio = old[0]["measured"]["metrics"]["norm_ratio"]
+    assert 0.85 < ratio < 0.95  # unshifted labels counted: one more per row in the divisor
+
+
+@pytest.mark.world
+def test_a_compute_loss_that_forgets_to_divide_is_affected_at_every_judged_step(tmp_path):
+    """Clipping (the Trainer's max_grad_norm 1.0) makes a step whose gradient is only too large right where the
+    reference is clipped too (step 2 here); the norm the Trainer logs for it is ~N/W times the reference's."""
+    recs = _run(tmp_path, "trainer_job.py", "--collator", "pad", "--custom-loss")
+    assert _verdicts(recs, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in recs]
+    assert _verdicts(recs)[0] == oracle.AFFECTED
+    assert all(r["logged_norm"] / r["reference_norm"] > 30 for r in recs if "logged_norm" in r)
+
+
+@pytest.mark.world
+def test_a_packing_collator_is_exact_where_its_token_count_is_right_and_affected_where_it_is_not(tmp_path):
+    right = _run(tmp_path / "right", "trainer_job.py", "--collator", "packed")
+    assert _verdicts(right) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in right]
+    wrong = _run(tmp_path / "wrong", "trainer_job.py", "--collator", "packed-wrong")
+    assert _verdicts(wrong) == [oracle.AFFECTED] * 2, [r["line"] for r in wrong]
+    assert all(r["measured"]["metrics"]["cosine"] < 0.99 for r in wrong if "measured" in r)

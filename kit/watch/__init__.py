@@ -4,6 +4,7 @@ One line in the job, in each ecosystem's own convention:
 
     watch = Watch(model, optimizer)                        # a plain torch loop (DDP, no_sync)
     engine = watch_engine(engine)                           # a DeepSpeed engine, any of its loops
+    trainer = Trainer(..., callbacks=[Callback()])          # the HF Trainer and TRL (kit.watch.hf)
 
 At a judged step (the first two, then every 100th, or on request) the gradient the optimizer consumes is judged
 against the exact gradient of the global batch as the user's loss defines it, per micro-batch and rank, with the
@@ -12,10 +13,19 @@ kit's tolerances; one line goes to the training log and one record to ``gradkit-
 Where things are: ``schedule`` (which steps), ``capture`` (what each micro-batch was fed), ``losses`` (the loss the
 reference is the gradient of), ``reference`` (the reference copy, its gradients and the collectives), ``sketch``
 (the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
-``judge`` (the judgement and its control), ``core`` (``Watch``), ``deepspeed`` (the engine's adapter).
+``judge`` (the judgement and its control), ``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``hf`` (the
+Trainer's callback; imported when ``Callback`` is first asked for, so that a job without transformers never imports
+it).
 """
 from kit.watch.core import Affected, Watch
 from kit.watch.deepspeed import watch_engine
 from kit.watch.losses import Criterion, Returned, Tokens
 
-__all__ = ["Affected", "Criterion", "Returned", "Tokens", "Watch", "watch_engine"]
+__all__ = ["Affected", "Callback", "Criterion", "Returned", "Tokens", "Watch", "watch_engine"]
+
+
+def __getattr__(name):
+    if name == "Callback":
+        from kit.watch.hf import Callback
+        return Callback
+    raise AttributeError(f"module 'kit.watch' has no attribute {name!r}")

@@ -3,10 +3,14 @@ got them, and the random-number state it ran with, so that dropout draws the sam
 user's criterion got for it. Nothing is kept on a window that is not judged: the hooks return at once."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+
+LABELS = ("labels", "shift_labels")
 
 
 @dataclass
@@ -60,6 +64,7 @@ class Recorder:
     def __init__(self, model: nn.Module, criterion: nn.Module | None = None):
         self.recording = False
         self.window = Window()
+        self.batches: collections.deque = collections.deque()  # what a data loader yielded, one per forward (fed())
         self.forwards = 0  # training forwards since the last consumed step, recorded or not
         self._handles = [model.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
         if isinstance(criterion, nn.Module):
@@ -69,9 +74,20 @@ class Recorder:
         if not (module.training and torch.is_grad_enabled()):
             return None
         self.forwards += 1
+        batch = self.batches.popleft() if self.batches else None
         if self.recording:
-            self.window.micro_batches.append(MicroBatch(_detached(args), _detached(kwargs), rng_state(), _autocast()))
+            mb = MicroBatch(_detached(args), _detached(kwargs), rng_state(), _autocast())
+            for key in LABELS:  # a compute_loss that takes the labels out before the forward: from the batch
+                if key not in mb.kwargs and isinstance(batch, dict) and batch.get(key) is not None:
+                    mb.kwargs[key] = _detached(batch[key])
+            self.window.micro_batches.append(mb)
         return None
+
+    def fed(self, batch) -> None:
+        """A data loader yielded ``batch`` for the next training forward (the Trainer's, wrapped by its callback)."""
+        self.batches.append({k: batch[k] for k in LABELS if hasattr(batch, "get") and batch.get(k) is not None})
+        while len(self.batches) > 64:  # forwards that never came (an evaluation loop's data): keep the newest
+            self.batches.popleft()
 
     def _on_criterion(self, module, args, kwargs):
         if self.recording and self.window.micro_batches and torch.is_grad_enabled():

@@ -22,7 +22,7 @@ from kit.judge import oracle
 from kit.watch import judge as wjudge
 from kit.watch import losses, reference
 from kit.watch.capture import Recorder
-from kit.watch.reads import Layout, innermost
+from kit.watch.reads import Layout, chain
 from kit.watch.schedule import Schedule
 from kit.watch.sketch import SIZE, Sketch
 
@@ -53,7 +53,8 @@ class Watch:
                  finalize_on_post: bool = True, known=None):
         while isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        self.model, self.wrapper, self.basic = model, optimizer, innermost(optimizer)
+        wrappers = chain(optimizer)  # the engine's own optimizer is the one just above the torch one
+        self.model, self.wrapper, self.basic = model, wrappers[-2] if len(wrappers) > 1 else optimizer, wrappers[-1]
         self.loss, self.criterion, self.clip, self.dtype, self.stop = loss, criterion, clip, dtype, stop
         self.layers = tuple(layers) if layers else None
         self.schedule = Schedule(first=first, every=every, steps=set(steps), poll=poll)
@@ -62,12 +63,13 @@ class Watch:
         self.sketch_size, self.known = sketch_size, known
         self.step = 0  # optimizer steps taken (consumed or skipped)
         self.records: list[dict] = []
+        self.norms: dict[int, tuple] = {}  # judged step -> (the reference's norm before any clip, dtype)
         self.layout: Layout | None = None
         self._pending = None  # the judged step being read: its tally and reference
         self._prev_basis = None  # the previous step's basis, where it was judged
         self._clone = None
         self._consumed = False  # the optimizer consumed a gradient since the last step end
-        self._recorder = Recorder(model, criterion)
+        self.recorder = Recorder(model, criterion)
         self._handles = [self.basic.register_step_pre_hook(self._pre)]
         if finalize_on_post:
             self._handles.append(self.basic.register_step_post_hook(lambda *a: self.step_end()))
@@ -86,15 +88,15 @@ class Watch:
             if asked and reference.world()[0] == 0:
                 Schedule.take_file(self.out)
         if self.schedule.judged(nxt, asked):
-            self._recorder.start()
+            self.recorder.start()
         else:
-            self._recorder.take()
+            self.recorder.take()
 
     def _pre(self, optimizer, args, kwargs) -> None:
         """Just before the innermost optimizer steps (DeepSpeed's ZeRO-1/2 step it once per parameter group)."""
         self._consumed = True
-        if self._pending is None and self._recorder.recording:
-            self._pending = self._reference(self._recorder.take())
+        if self._pending is None and self.recorder.recording:
+            self._pending = self._reference(self.recorder.take())
         if self._pending is not None:
             current = [q for g in optimizer.param_groups for q in g["params"]]
             tally = self._pending["tally"]
@@ -102,14 +104,17 @@ class Watch:
                 if t in self._pending["judged"]:
                     tally.add(t, start, values)
 
-    def step_end(self, skipped: bool = False) -> dict | None:
-        """After the step (the optimizer's post-hook, or the engine's step): judge what was read, arm the next."""
+    def step_end(self, skipped: bool | None = None) -> dict | None:
+        """After the step (the optimizer's post-hook, the engine's step, the Trainer's step end): judge what was read,
+        arm the next. ``skipped``: the engine says it skipped the step (None: skipped where nothing was consumed)."""
         consumed, self._consumed = self._consumed, False
+        if skipped is None:
+            skipped = not consumed
         self.step += 1
         rec = None
         if self._pending is not None:
             rec = self._finish(self._pending)
-        elif self._recorder.recording and not consumed and skipped:
+        elif self.recorder.recording and not consumed and skipped:
             rec = self._record({"step": self.step, "verdict": "skipped",
                                 "why": "the engine skipped this step (an overflow of the loss scale): nothing was "
                                        "applied, nothing to judge"})
@@ -180,6 +185,7 @@ class Watch:
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
                             [n / total for n in info["counts"]]) if len(rows) else None
         self._release()
+        self.norms[self.step] = (p["rr"] ** 0.5, p["dtype"])
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef}
@@ -206,13 +212,24 @@ class Watch:
                 self.log(rec["line"])
         return rec
 
+    def judge_logged_norm(self, step: int, logged: float) -> dict | None:
+        """The grad norm the engine logged for a judged ``step`` (what the user's curves show, before clipping)
+        against the reference's: a second verdict beside the applied step's, which clipping can make right
+        whatever the scale of the gradient was (``oracle.norm_verdict``). None where ``step`` was not judged."""
+        if step not in self.norms:
+            return None
+        norm, dtype = self.norms.pop(step)
+        word, why = oracle.norm_verdict(logged, norm, dtype)
+        return self._record({"step": step, "case": f"step {step} logged grad norm", "verdict": word, "why": why,
+                             "logged_norm": logged, "reference_norm": norm, "dtype": dtype})
+
     def request(self) -> None:
         """Judge the next step (call on every rank)."""
         self.schedule.request()
 
     def remove(self) -> None:
         """Takes every hook off the model and the optimizer."""
-        self._recorder.remove()
+        self.recorder.remove()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -220,6 +237,8 @@ class Watch:
 
 def line(rec: dict) -> str:
     """The training log's line for a judged step."""
+    if "logged_norm" in rec:
+        return f"gradkit watch: step {rec['step']}: logged grad norm {rec['verdict']}: {rec['why']}"
     head = f"gradkit watch: step {rec['step']}: {rec['verdict']}"
     m = ((rec.get("measured") or {}).get("metrics")) or {}
     if not m:

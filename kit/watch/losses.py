@@ -7,7 +7,8 @@ loss is taken here, in fp32.
 
 - ``Tokens()``: a causal language model's mean over label tokens, across every rank and micro-batch (what the HF
   Trainer and TRL mean since transformers 4.46): the labels shifted by one (or the ``shift_labels`` the batch
-  carries), -100 ignored, cross entropy summed; the count is the label tokens left.
+  carries), -100 ignored, and in packed rows (``position_ids``) no token predicted across the start of a sequence;
+  cross entropy summed; the count is the label tokens left.
 - ``Criterion(fn)``: the user's own mean loss ``fn(output, *targets)`` of a micro-batch (e.g. ``nn.MSELoss()``),
   its targets taken from the user's own call of that criterion: a mean over samples (the count is the targets'
   first dimension; for ``nn.CrossEntropyLoss`` the targets not ignored).
@@ -63,6 +64,10 @@ class Tokens:
                                  "defined; pass loss=gradkit.watch.Criterion(fn) or loss=gradkit.watch.Returned()")
             labels = labels.to(logits.device)
             target = F.pad(labels, (0, 1), value=self.ignore_index)[..., 1:]
+            pos = mb.kwargs.get("position_ids")
+            if pos is not None:  # packed rows: a token that starts a sequence is never predicted from the one before
+                starts = F.pad(pos.to(logits.device)[..., 1:] == 0, (0, 1), value=True)
+                target = target.masked_fill(starts, self.ignore_index)
         flat = target.reshape(-1)
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, ignore_index=self.ignore_index,
                                 reduction="sum")

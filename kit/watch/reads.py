@@ -33,18 +33,23 @@ class Piece:
     numel: int
 
 
-def innermost(optimizer):
-    """The ``torch.optim.Optimizer`` at the bottom of the wrappers (Accelerate's, DeepSpeed's, the Trainer's)."""
-    seen = set()
-    while not isinstance(optimizer, torch.optim.Optimizer) and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
+def chain(optimizer) -> list:
+    """The optimizer and the ones it wraps (``.optimizer``: Accelerate's, DeepSpeed's, the Trainer's), down to the
+    ``torch.optim.Optimizer`` that steps: ``[outermost, ..., innermost]``."""
+    out = [optimizer]
+    while True:  # Accelerate's wrapper is a torch Optimizer subclass that wraps one: go down while there is one
+        inner = getattr(out[-1], "optimizer", None)
+        if inner is None or any(inner is o for o in out):
             break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
+        out.append(inner)
+    if not isinstance(out[-1], torch.optim.Optimizer):
         raise TypeError(f"gradkit watch: found no torch.optim.Optimizer inside {type(optimizer).__name__}")
-    return optimizer
+    return out
+
+
+def innermost(optimizer):
+    """The ``torch.optim.Optimizer`` at the bottom of the wrappers."""
+    return chain(optimizer)[-1]
 
 
 class Layout:
