@@ -83,3 +83,13 @@ def test_a_packing_collator_is_exact_where_its_token_count_is_right_and_affected
     wrong = _run(tmp_path / "wrong", "trainer_job.py", "--collator", "packed-wrong")
     assert _verdicts(wrong) == [oracle.AFFECTED] * 2, [r["line"] for r in wrong]
     assert all(r["measured"]["metrics"]["cosine"] < 0.99 for r in wrong if "measured" in r)
+
+
+@pytest.mark.world
+def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_path):
+    recs = _run(tmp_path, "deepspeed_job.py", "--stage", "3", "--loop", "engine", "--model", "heads")
+    assert [r["verdict"] for r in recs] == [oracle.NOT_AFFECTED, oracle.AFFECTED], [r["line"] for r in recs]
+    step2 = recs[1]
+    assert step2["read"] == "fp32 partitions" and step2["known"].startswith("B6 (")
+    stale = [g for g in step2["measured"]["groups"] if "no gradient of its own" in g]
+    assert sorted(g.split(" (")[0] for g in stale) == ["heads.1.bias", "heads.1.weight"]

@@ -22,6 +22,8 @@ p.add_argument("--loop", choices=("engine", "manual"), default="engine")
 p.add_argument("--ga", type=int, default=4)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+p.add_argument("--model", choices=("mlp", "heads"), default="mlp",
+               help="heads: a trunk and two heads; step 1 uses both, later steps only the first (ZeRO-3: B6)")
 p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), help="bf16 + ZeRO-0 + fp32 here: BF16_Optimizer")
 p.add_argument("--out", default="gradkit-watch")
 args = p.parse_args()
@@ -29,7 +31,20 @@ args = p.parse_args()
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 4))
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+        self.heads = nn.ModuleList([nn.Linear(32, 4), nn.Linear(32, 4)])
+
+    def forward(self, x, head: int = 0):
+        return self.heads[head](self.trunk(x))
+
+
+model = Heads() if args.model == "heads" else nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1),
+                                                             nn.Linear(32, 4))
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": args.ga if args.loop == "engine" else 1,
           "zero_optimization": {"stage": args.stage}, "gradient_clipping": 0.0,
           "bf16": {"enabled": args.dtype == "bf16"}}
@@ -46,7 +61,8 @@ for step in range(args.steps):
     for i in range(args.ga):
         n = 4
         x, y = torch.randn(n, 8, generator=data).to(dtype), torch.randn(n, 4, generator=data).to(dtype)
-        loss = criterion(engine(x), y)
+        kwargs = {"head": i % 2 if step == 0 else 0} if args.model == "heads" else {}
+        loss = criterion(engine(x, **kwargs), y)
         if args.loop == "engine":
             engine.backward(loss)
             engine.step()

@@ -123,6 +123,8 @@ class Watch:
             self._prev_basis = None
         self._pending = None
         self._arm()
+        if not self.recorder.recording:
+            self._clone = None  # nothing held between judged steps: the copy is made again for the next one
         if rec and rec.get("verdict") == oracle.AFFECTED and self.stop:
             raise Affected(rec["line"])
         return rec
@@ -179,7 +181,7 @@ class Watch:
         else:
             out = wjudge.judgement(tally, p["rr"], p["maxref"], info["basis"], info["counts"], info["per_rank"],
                                    p["dtype"], own, self._prev_basis, self.context.get("loss_scale", 1.0),
-                                   info.get("parts"))
+                                   info.get("parts"), [n for n, _ in self.model.named_parameters()])
         total = float(sum(info["counts"])) or 1.0
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),

@@ -30,7 +30,9 @@ def settings(engine) -> dict:
 def explain(rec: dict) -> str | None:
     """The known bug the step matches on this engine, with its fix, or a sentence saying none does."""
     loop = "manual" if rec.get("engine_ga") == 1 and rec.get("ga", 1) > 1 else "engine"
-    as_check = {**rec, "config": {"loop": loop, "ds_config": rec.get("ds_config") or {}}, "ga": rec.get("ga")}
+    # the user's own model: whether a step reaches every parameter is not known, so B6 and B7 stay candidates
+    as_check = {**rec, "config": {"loop": loop, "ds_config": rec.get("ds_config") or {}, "model_config": "user's"},
+                "ga": rec.get("ga")}
     bug, why = kknown.explain(as_check)
     return why if bug is None else f"{why}"
 

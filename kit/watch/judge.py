@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kit.judge import naming, oracle
+from kit.judge.parts import PART_LOST, PART_STALE
 from kit.watch.reference import all_gather, all_sum, world
 from kit.watch.sketch import Sketch
 
@@ -27,6 +28,7 @@ class Tally:
     def __init__(self, ref: list, coef: float, sketch: Sketch):
         self.ref, self.coef, self.sketch = ref, coef, sketch
         self.ee = self.er = self.dd = self.rr = 0.0
+        self.per = torch.zeros(len(ref), 2, dtype=torch.float64)  # per parameter: consumed and reference norm**2
         self.maxdiff, self.numel = 0.0, 0
         self.se, self.sr = sketch.zeros(), sketch.zeros()
 
@@ -38,6 +40,8 @@ class Tally:
             r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
             d = v - self.coef * r
             self.ee += float(v @ v)
+            self.per[t, 0] += float(v @ v)
+            self.per[t, 1] += float(r @ r)
             self.er += float(v @ r)
             self.dd += float(d @ d)
             self.rr += float(r @ r)
@@ -60,6 +64,7 @@ class Tally:
         self.maxdiff = float(all_sum(torch.tensor([self.maxdiff], dtype=torch.float64), dist.ReduceOp.MAX))
         all_sum(self.se)
         all_sum(self.sr)
+        all_sum(self.per)
         return own
 
 
@@ -96,15 +101,31 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     return out
 
 
+def _parts(tally: Tally, names: list, whole_norm: float) -> tuple[dict, dict]:
+    """``({name: share}, {name: share})``: the parameters stepped without a gradient of their own (reference 0, the
+    consumed gradient not), and those reached but given nothing; each with its share of the whole step's norm."""
+    stale, lost = {}, {}
+    for t, (ee, rr) in enumerate(tally.per.tolist()):
+        name = names[t] if t < len(names) else f"parameter {t}"
+        if rr == 0.0 and ee > 0.0:
+            stale[name] = ee ** 0.5 / whole_norm
+        elif rr > 0.0 and ee == 0.0:
+            lost[name] = tally.coef * rr ** 0.5 / whole_norm
+    return stale, lost
+
+
 def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, counts: list, per_rank: list,
               dtype: str, own_sketches: list, prev: tuple | None = None, loss_scale: float = 1.0,
-              parts: torch.Tensor | None = None) -> dict:
+              parts: torch.Tensor | None = None, names: list | None = None) -> dict:
     """``{"measured", "control", "verdict", "why", "attribution", "explained", "shape"}`` of one consumed step.
     ``rr_all``: the squared norm of the reference over every parameter the optimizer steps; ``maxref`` its largest
     entry; ``basis``: each micro-batch's sketch of its summed-loss gradient (rank-major); ``prev``: the previous
     step's ``(rows, weights)`` where it was judged too (its micro-batches' mean-loss sketches and right weights);
     ``parts``: where each rank's optimizer holds its own partition, the basis restricted to each partition (each
-    partition is then fitted and named on its own, ``rank_buffers``), and ``own_sketches`` each partition's read."""
+    partition is then fitted and named on its own, ``rank_buffers``), and ``own_sketches`` each partition's read;
+    ``names``: the parameters' names, for the parts a step got wrong on their own: a parameter no micro-batch reached
+    that was stepped anyway (an old gradient: ``PART_STALE``), one that was reached and got nothing (``PART_LOST``),
+    each judged as its share of the whole step (``groups``)."""
     c = tally.coef
     rn = c * math.sqrt(rr_all)
     en = math.sqrt(max(tally.ee, 0.0))
@@ -121,6 +142,11 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
         want = torch.cat([expected, torch.zeros(len(prev[0]), dtype=torch.float64)])
     attribution = oracle.attribute(tally.se, full, want)
     measured = {"metrics": metrics, "dtype": dtype, "attribution": attribution}
+    stale, lost = _parts(tally, names or [], rn)
+    if stale or lost:
+        measured["groups"] = {f"{n} ({why})": {"rel_err": share} for why, found in
+                              (("no gradient of its own, stepped", stale), ("reached, given nothing", lost))
+                              for n, share in found.items()}
     part_names = []
     if parts is not None:
         measured["rank_buffers"] = []
@@ -142,6 +168,10 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
     n = max(per_rank) if per_rank else 1
     shape = naming.describe_weights(attribution["weights"], want.tolist(), len(per_rank), n)
     matches = naming.step_name(explained)
+    whole = " and ".join(w for w, found in ((PART_STALE, stale), (PART_LOST, lost)) if found)
+    if matches == "none" and whole:
+        matches = whole  # the step is right but for parts: named by what those parts got
+        shape += f"; {whole}: " + ", ".join(list(stale) + list(lost))
     if matches == "none" and part_names and len(set(part_names)) == 1 and part_names[0] not in (None, "none"):
         matches = part_names[0]  # every partition is the same named step, each from its own rank's view
     if part_names and matches != naming.step_name(explained):

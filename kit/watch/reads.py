@@ -10,6 +10,7 @@ What those tensors are depends on the engine, and each is mapped back to the mod
 - DeepSpeed ZeRO-1/2 and its ``BF16_Optimizer``: each rank's fp32 partition of a flat group, mapped by the
   fragment links DeepSpeed keeps on each parameter (``_hp_mapping``: where a parameter's piece sits in the partition
   and in the parameter); each rank holds its own pieces (``partitioned``);
+- DeepSpeed ZeRO-3: each rank's fp32 partition of a sub-group, its parameters' partitions one after another;
 - DeepSpeed's ``FP16_Optimizer`` (one fp32 flat per group) and ``FP16_UnfusedOptimizer`` (one fp32 master per
   parameter), every rank the whole;
 - DeepSpeed ZeRO-0 with fp32: the model's parameters, as a plain loop.
@@ -65,6 +66,8 @@ class Layout:
         if any(id(q) in index for q in stepped):  # the optimizer steps the model's own parameters
             return "parameters", True, {id(q): [Piece(index[id(q)], 0, 0, q.numel())] for q in stepped
                                         if id(q) in index}
+        if hasattr(wrapper, "fp32_partitioned_groups_flat") and hasattr(wrapper, "fp16_partitioned_groups"):  # ZeRO-3
+            return "fp32 partitions", False, self._zero3_pieces(wrapper, index)
         if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # ZeRO-1/2, BF16_Optimizer
             return "fp32 partitions", False, self._hp_pieces(stepped)
         if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # FP16_Optimizer
@@ -81,7 +84,30 @@ class Layout:
                                           for ms, ps in zip(wrapper.fp32_groups, wrapper.fp16_groups)
                                           for m, p in zip(ms, ps)}
         raise TypeError(f"gradkit watch: cannot map what {type(wrapper).__name__} steps back to the model's "
-                        "parameters (ZeRO-3 and offloaded optimizers are not read yet)")
+                        "parameters")
+
+    @staticmethod
+    def _zero3_pieces(wrapper, index) -> dict:
+        """ZeRO-3: each sub-group's fp32 flat partition is its parameters' partitions one after another (each the
+        parameter's ``ds_tensor``, ``ds_numel`` long, padded); this rank's partition of a parameter holds the
+        parameter's coordinates from rank x partition size on."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank(group=wrapper.dp_process_group) if hasattr(wrapper, "dp_process_group") else \
+            dist.get_rank()
+        out = {}
+        for flat, params, parts in zip(wrapper.fp32_partitioned_groups_flat, wrapper.fp16_groups,
+                                       wrapper.fp16_partitioned_groups):
+            k, pieces = 0, []
+            for p, part in zip(params, parts):
+                size = int(part.ds_numel)
+                start = rank * size
+                numel = max(0, min(size, int(p.ds_numel) - start))
+                if numel and id(p) in index:
+                    pieces.append(Piece(index[id(p)], start, k, numel))
+                k += size
+            out[id(flat)] = pieces
+        return out
 
     def _hp_pieces(self, stepped) -> dict:
         """DeepSpeed's fragment links: for each parameter with a piece on this rank, the flat fp32 partition that
