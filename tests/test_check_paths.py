@@ -57,6 +57,7 @@ def test_the_trainer_on_two_ranks_is_exact_as_shipped_and_affected_with_per_rank
     (["--path", "trainer", "--transformers", "latest"], "latest"),
     (["--path", "fsdp2", "--world-size", "1"], "hides every bug"),
     ([], "needs a DeepSpeed config file"),
+    (["a.yaml", "b.yaml", "--path", "accelerate"], "at most one config file"),  # two files: refused, not the first read
 ])
 def test_bad_path_input_exits_2_before_anything_launches(monkeypatch, argv, needle):
     monkeypatch.setattr(launch, "run_world", lambda *a, **k: pytest.fail("a world was launched"))
