@@ -14,7 +14,8 @@ JOBS = Path(__file__).resolve().parent.parent / "examples" / "watch"
 
 def _run(tmp_path, script, *args, stack=None):
     out = tmp_path / "watch"
-    packages = ("transformers", "accelerate") if script == "trainer_job.py" else ("deepspeed",)
+    packages = {"trainer_job.py": ("transformers", "accelerate"), "accelerate_job.py": ("accelerate",)}.get(
+        script, ("deepspeed",))
     rc, stdout, stderr = scripts.torchrun(JOBS / script, [*args, "--out", out], stack=stack, kit_on_path=True,
                                           timeout_s=240, packages=packages)
     assert rc == 0, (stdout + stderr)[-3000:]
@@ -93,3 +94,14 @@ def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_
     assert step2["read"] == "fp32 partitions" and step2["known"].startswith("B6 (")
     stale = [g for g in step2["measured"]["groups"] if "no gradient of its own" in g]
     assert sorted(g.split(" (")[0] for g in stale) == ["heads.1.bias", "heads.1.weight"]
+
+
+@pytest.mark.world
+def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0_31_0_does_not(tmp_path):
+    old = _run(tmp_path / "old", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
+    for r in old:
+        assert r["verdict"] == oracle.AFFECTED and r["matches"] == "global mean / GA", r["line"]
+        assert r["ga"] == 1 and "after 1 of the 4" in r["short_window"] and r["known"].startswith("ACC (")
+        assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.25, abs=1e-5)
+    new = _run(tmp_path / "new", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.31.0"})
+    assert [r["verdict"] for r in new] == [oracle.NOT_AFFECTED] * 2 and all(r["ga"] == 4 for r in new)

@@ -5,6 +5,7 @@ One line in the job, in each ecosystem's own convention:
     watch = Watch(model, optimizer)                        # a plain torch loop (DDP, no_sync)
     engine = watch_engine(engine)                           # a DeepSpeed engine, any of its loops
     trainer = Trainer(..., callbacks=[Callback()])          # the HF Trainer and TRL (kit.watch.hf)
+    watch = watch_accelerate(accelerator, model, optimizer) # an Accelerate loop (kit.watch.accelerate)
 
 At a judged step (the first two, then every 100th, or on request) the gradient the optimizer consumes is judged
 against the exact gradient of the global batch as the user's loss defines it, per micro-batch and rank, with the
@@ -13,19 +14,23 @@ kit's tolerances; one line goes to the training log and one record to ``gradkit-
 Where things are: ``schedule`` (which steps), ``capture`` (what each micro-batch was fed), ``losses`` (the loss the
 reference is the gradient of), ``reference`` (the reference copy, its gradients and the collectives), ``sketch``
 (the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
-``judge`` (the judgement and its control), ``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``hf`` (the
-Trainer's callback; imported when ``Callback`` is first asked for, so that a job without transformers never imports
-it).
+``judge`` (the judgement and its control), ``known`` (the Trainer's and Accelerate's known bugs from the table),
+``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``accelerate`` and ``hf`` (the Accelerate wrapper and the
+Trainer's callback; imported when first asked for, so that a job without them never imports Accelerate or
+transformers).
 """
 from kit.watch.core import Affected, Watch
 from kit.watch.deepspeed import watch_engine
 from kit.watch.losses import Criterion, Returned, Tokens
 
-__all__ = ["Affected", "Callback", "Criterion", "Returned", "Tokens", "Watch", "watch_engine"]
+__all__ = ["Affected", "Callback", "Criterion", "Returned", "Tokens", "Watch", "watch_accelerate", "watch_engine"]
 
 
 def __getattr__(name):
     if name == "Callback":
         from kit.watch.hf import Callback
         return Callback
+    if name == "watch_accelerate":
+        from kit.watch.accelerate import watch_accelerate
+        return watch_accelerate
     raise AttributeError(f"module 'kit.watch' has no attribute {name!r}")

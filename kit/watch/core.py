@@ -181,7 +181,8 @@ class Watch:
         else:
             out = wjudge.judgement(tally, p["rr"], p["maxref"], info["basis"], info["counts"], info["per_rank"],
                                    p["dtype"], own, self._prev_basis, self.context.get("loss_scale", 1.0),
-                                   info.get("parts"), [n for n, _ in self.model.named_parameters()])
+                                   info.get("parts"), [n for n, _ in self.model.named_parameters()],
+                                   self.context.get("declared_ga"))
         total = float(sum(info["counts"])) or 1.0
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
@@ -191,6 +192,10 @@ class Watch:
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef}
+        declared = self.context.get("declared_ga")
+        if declared and max(info["per_rank"]) < declared:
+            rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "
+                                   "micro-batches the loop accumulates")
         if rec["verdict"] == oracle.AFFECTED and self.known:
             rec["known"] = self.known({**self.context, **rec})
         return self._record(rec)
@@ -249,6 +254,8 @@ def line(rec: dict) -> str:
     text = (f"{head} (ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e}, "
             f"misplaced weight {att.get('misplaced_weight', float('nan')):.2e}; {rec['ga']} micro-batches x "
             f"{rec['world_size']} ranks, {rec['loss']} over {rec['global_count']:g})")
+    if rec.get("short_window"):
+        text += f"; {rec['short_window']}"
     if rec["verdict"] == oracle.AFFECTED:
         text += f"; the step is {rec.get('matches')!r}: {rec.get('shape')}"
         if rec.get("known"):

@@ -18,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from kit.judge import oracle
+from kit.watch import known
 from kit.watch.core import Watch
 from kit.watch.losses import Tokens
 
@@ -71,7 +72,8 @@ class Callback(TrainerCallback):
         context = {"versions": versions(), "trainer_ga": args.gradient_accumulation_steps,
                    "average_tokens_across_devices": getattr(args, "average_tokens_across_devices", None),
                    **opts.pop("context", {})}
-        self.watch = Watch(model, optimizer, finalize_on_post=False, context=context, **opts)
+        self.watch = Watch(model, optimizer, finalize_on_post=False, context=context,
+                           known=lambda rec: known.from_table(rec, "trainer"), **opts)
         loader = kwargs.get("train_dataloader")
         if loader is not None:
             feed(loader, self.watch.recorder.fed)

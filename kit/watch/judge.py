@@ -69,13 +69,14 @@ class Tally:
 
 
 def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.0, previous=None,
-               own: int | None = None) -> dict:
+               own: int | None = None, declared_ga: int | None = None) -> dict:
     """Named steps as weights over the rank-major basis (each micro-batch's mean-loss gradient), from the
     micro-batches' counts: the global mean (each n_k / N), only each rank's last micro-batch, every micro-batch's
     mean summed (1/W each: a missing division by the accumulation), each micro-batch's mean averaged equally (a
     mean over micro-batches, not over samples or tokens), each rank's own count (a per-rank mean, then averaged),
     the global mean over the loss scale, the previous step's gradient applied again, and, seen from partition
-    ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4)."""
+    ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4), and where
+    the step came after fewer micro-batches than the ``declared_ga`` the loop divides by, the mean / that GA."""
     total = float(sum(counts)) or 1.0
     w = len(per_rank)
     k = len(counts)
@@ -93,6 +94,8 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     if own is not None and w > 1:
         out["own rank's boundary micro-batch"] = [
             (w * counts[i] / total if rank_of[i] == own else 0.0) if i in last else counts[i] / total for i in range(k)]
+    if declared_ga and declared_ga > max(per_rank or [0]):
+        out["global mean / GA"] = [c / (total * declared_ga) for c in counts]
     if loss_scale > 1.0:
         out["global mean / loss scale"] = [c / (total * loss_scale) for c in counts]
     out = {name: [x * coef for x in ws] for name, ws in out.items()}
@@ -116,7 +119,7 @@ def _parts(tally: Tally, names: list, whole_norm: float) -> tuple[dict, dict]:
 
 def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, counts: list, per_rank: list,
               dtype: str, own_sketches: list, prev: tuple | None = None, loss_scale: float = 1.0,
-              parts: torch.Tensor | None = None, names: list | None = None) -> dict:
+              parts: torch.Tensor | None = None, names: list | None = None, declared_ga: int | None = None) -> dict:
     """``{"measured", "control", "verdict", "why", "attribution", "explained", "shape"}`` of one consumed step.
     ``rr_all``: the squared norm of the reference over every parameter the optimizer steps; ``maxref`` its largest
     entry; ``basis``: each micro-batch's sketch of its summed-loss gradient (rank-major); ``prev``: the previous
@@ -163,7 +166,8 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
                            "max_rel_err": 0.0},
                "dtype": "fp32", "attribution": oracle.attribute(c * tally.sr, full, want)}
     word, why = oracle.verdict(measured, control)
-    cands = hypotheses(counts, per_rank, c, loss_scale, prev[1] if prev is not None else None)
+    cands = hypotheses(counts, per_rank, c, loss_scale, prev[1] if prev is not None else None,
+                       declared_ga=declared_ga)
     explained = naming.explain(tally.se, full, cands, dtype)
     n = max(per_rank) if per_rank else 1
     shape = naming.describe_weights(attribution["weights"], want.tolist(), len(per_rank), n)

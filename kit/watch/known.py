@@ -1,0 +1,34 @@
+"""Which known bug an affected step of a Trainer or Accelerate job is: the bug table (``kit.judge.expectations``)
+asked whether each candidate bug is expected on the job's releases. These bugs have no named step of their own to
+match (their steps vary by release, see each bug's notes), so every bug expected there is said, all of them where
+several are: a tie is never resolved by the order of a list."""
+from __future__ import annotations
+
+from kit.judge import expectations, oracle
+
+CANDIDATES = {"trainer": ("B1", "HFT"), "accelerate": ("ACC",)}
+
+
+def case_of(bug: str, rec: dict) -> str | None:
+    """The bug table's case a job is: the Trainer's own loop for HFT; for ACC, Accelerate's plugin setting."""
+    if bug == "HFT":
+        return "trainer"
+    if bug == "ACC":
+        return "sync_each_batch" if rec.get("sync_each_batch") else "accumulate"
+    return None
+
+
+def from_table(rec: dict, path: str) -> str:
+    versions = rec.get("versions") or {}
+    ga = rec.get("declared_ga") or rec.get("trainer_ga")
+    expected = [b for b in CANDIDATES[path]
+                if expectations.expected(b, versions, case=case_of(b, rec), ga=ga) == oracle.AFFECTED]
+    if not expected:
+        on = ", ".join(f"{expectations.KNOWN[b].package} {versions.get(expectations.KNOWN[b].package, '?')}"
+                       for b in CANDIDATES[path])
+        return (f"not explained by a known bug: {', '.join(CANDIDATES[path])} not expected on {on} "
+                f"(the step is {rec.get('matches')!r}); look at your own loss, collator and loop")
+    said = [f"{b} ({expectations.KNOWN[b].report}) is expected on {expectations.KNOWN[b].package} "
+            f"{versions.get(expectations.KNOWN[b].package)}: {expectations.KNOWN[b].fix_text()}" for b in expected]
+    return ("; ".join(said) if len(said) == 1 else
+            "several known bugs are expected here and the measurement does not tell them apart: " + "; ".join(said))
