@@ -9,6 +9,7 @@ are in scripts/bench_runs.py, the performance table in scripts/bench_table.py; t
     .venv/bin/python scripts/bench.py --suite      # the test command (bash scripts/test.sh), timed (runs/bench_suite.json)
     python3 scripts/bench.py --suite --repeat 5    # in a fresh clone: five runs in a row, each timed
     .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
+    .venv/bin/python scripts/bench.py --watch      # the watch's cost on a tiny Llama (runs/bench_watch.json)
     .venv/bin/python scripts/bench.py --readme docs/speed.md   # the performance table of docs/speed.md from those files
 
 Measures, side by side in one run, on this machine:
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from bench_runs import (REPO, bisect_bench, corpus_bench, noise, paths_bench, profile, runall_bench, suite_bench,
                         sweep_bench, timed)
+from bench_watch import watch_bench
 from bench_table import PERF_PAGE, perf_table, write_readme  # noqa: F401 (perf_table: tests/test_docs.py reads it here)
 
 
@@ -60,7 +62,11 @@ def main() -> int:
                     help="only time gradkit check --path fsdp2|accelerate|trainer (runs/bench_paths.json)")
     ap.add_argument("--readme", nargs="?", const=str(REPO / PERF_PAGE), metavar="FILE",
                     help=f"write the performance table of FILE (default {PERF_PAGE}) from the JSON files in runs/")
+    ap.add_argument("--watch", action="store_true",
+                    help="only time the watch: unjudged and judged steps against none (runs/bench_watch.json)")
     a = ap.parse_args()
+    if a.watch:
+        return watch_bench(a.json or str(REPO / "runs" / "bench_watch.json"))
     if a.paths:
         return paths_bench(a.json or str(REPO / "runs" / "bench_paths.json"))
     if a.corpus:

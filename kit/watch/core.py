@@ -108,6 +108,7 @@ class Watch:
         """After the step (the optimizer's post-hook, the engine's step, the Trainer's step end): judge what was read,
         arm the next. ``skipped``: the engine says it skipped the step (None: skipped where nothing was consumed)."""
         consumed, self._consumed = self._consumed, False
+        self.recorder.forwards = 0
         if skipped is None:
             skipped = not consumed
         self.step += 1
@@ -169,9 +170,13 @@ class Watch:
                 top = max(top, float(g.abs().max()) if g.numel() else 0.0)
             ref.append(g)
         coef = reference.clip_coef(rr ** 0.5, self.clip)
+        held = {"copy": sum(q.numel() * q.element_size() for q in params),
+                "gradient": sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None),
+                "sketches": info["basis"].numel() * 8 + (0 if info.get("parts") is None else info["parts"].numel() * 8),
+                "inputs": sum(_bytes(mb.args) + _bytes(mb.kwargs) for mb in window.micro_batches)}
         dtype = self.dtype or _dtype(self.model, window)
         return {"tally": wjudge.Tally(ref, coef, sketch), "judged": judged, "rr": rr, "maxref": top, "info": info,
-                "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch}
+                "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch, "held": held}
 
     def _finish(self, p: dict) -> dict:
         tally, info = p["tally"], p["info"]
@@ -191,7 +196,8 @@ class Watch:
         self.norms[self.step] = (p["rr"] ** 0.5, p["dtype"])
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
-               "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef}
+               "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef,
+               "held_bytes": p["held"]}
         declared = self.context.get("declared_ga")
         if declared and max(info["per_rank"]) < declared:
             rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "
@@ -231,8 +237,12 @@ class Watch:
                              "logged_norm": logged, "reference_norm": norm, "dtype": dtype})
 
     def request(self) -> None:
-        """Judge the next step (call on every rank)."""
-        self.schedule.request()
+        """Judge the step about to start if none of its micro-batches has run yet, else the next one (call on every
+        rank at the same point of the loop)."""
+        if not self.recorder.recording and self.recorder.forwards == 0:
+            self.recorder.start()
+        else:
+            self.schedule.request()
 
     def remove(self) -> None:
         """Takes every hook off the model and the optimizer."""
@@ -271,6 +281,17 @@ def _dtype(model: nn.Module, window) -> str:
         return autocast
     dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return DTYPES.get(dt, "fp32")
+
+
+def _bytes(x) -> int:
+    """Bytes of the tensors in a recorded micro-batch's arguments."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes(v) for v in x)
+    if isinstance(x, dict):
+        return sum(_bytes(v) for v in x.values())
+    return 0
 
 
 def _plain(x):

@@ -35,7 +35,7 @@ class Tally:
     def add(self, t: int, start: int, values: torch.Tensor) -> None:
         r_all = self.ref[t].reshape(-1)
         n = values.numel()
-        for lo in range(0, n, _CHUNK):
+        for lo in range(0, n, _CHUNK):  # in float64: the control compares these sums with the reference's own
             v = values[lo:lo + _CHUNK].double()
             r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
             d = v - self.coef * r

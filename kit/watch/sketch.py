@@ -18,34 +18,39 @@ import torch
 
 SIZE = 4096  # buckets: the fit's error is ~ residual / sqrt(SIZE) (measured in tests/test_watch.py)
 SEED = 0x5EED
-_P = 2_147_483_647  # 2**31 - 1: the hash's prime (an index below 2**31 times a factor below it stays below 2**62)
-_CHUNK = 1 << 20  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
+_CHUNK = 1 << 21  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
 
 
 class Sketch:
     """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Bucket and sign of a
-    coordinate come from a hash of its index (``(a * i + b) mod p``, a and b per tensor from the seed), computed
-    chunk by chunk as needed: nothing the size of the model is kept."""
+    coordinate come from a multiply-shift hash of its index (``(a * i mod 2**64) >> (64 - bits)``, a odd and drawn
+    per tensor from the seed; the sign from the top bit of a second product), computed chunk by chunk as needed:
+    nothing the size of the model is kept. ``size`` is a power of two."""
 
     def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
+        if self.size & (self.size - 1) or self.size < 2:
+            raise ValueError(f"gradkit watch: the sketch's size must be a power of two (got {size})")
+        self.bits = self.size.bit_length() - 1
         self.device = torch.device(device or "cpu")
         g = torch.Generator(device="cpu").manual_seed(self.seed)
-        self._ab = torch.randint(1, _P, (len(self.numels), 4), generator=g).tolist()  # per tensor: a, b, c, d
+        odd = torch.randint(0, 2 ** 62, (len(self.numels), 2), generator=g) * 2 + 1  # per tensor: a, c (odd)
+        self._ac = odd.tolist()
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float64, device=self.device)
 
     def add(self, out: torch.Tensor, t: int, values: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Adds the sketch of ``values`` -- coordinates ``start .. start + len`` of tensor ``t`` -- into ``out``."""
-        a, b, c, d = self._ab[t]
+        a, c = self._ac[t]
+        a, c = a - 2 ** 63 if a >= 2 ** 63 else a, c - 2 ** 63 if c >= 2 ** 63 else c  # as int64 (the bits are kept)
         v = values.detach().reshape(-1)
         for lo in range(0, v.numel(), _CHUNK):
             part = v[lo:lo + _CHUNK].to(out.device, torch.float64)
             i = torch.arange(start + lo, start + lo + part.numel(), dtype=torch.int64, device=out.device)
-            bucket = (i * a + b) % _P % self.size
-            sign = ((i * c + d) % _P % 2) * 2 - 1
-            out.index_add_(0, bucket, part * sign)
+            bucket = torch.bitwise_right_shift(i * a, 64 - self.bits) & (self.size - 1)  # int64 products wrap mod 2**64
+            negative = (i * c) < 0  # the product's top bit
+            out.index_add_(0, bucket, torch.where(negative, -part, part))
         return out
 
     def of(self, tensors) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""The watch's cost (issue 38), for scripts/bench.py --watch: a plain torch loop on a tiny Llama (transformers' own
+class from a config: no download), AdamW, GA micro-batches of token rows per step, one process, timed step by step:
+
+- no watch: the loop as it is;
+- the watch on, judging nothing: the overhead of an unjudged step (two hooks that return at once);
+- a judged step: its time, and what the watch holds at its peak (the reference copy's weights and gradient, the
+  sketches, the recorded inputs) against one fp32 gradient of the model, and the process's resident memory before
+  and after it (psutil; the allocator keeps freed memory, so the first judged step's growth is the one that counts).
+
+The three alternate step by step (a round each), so that the machine's drift falls on each alike; the medians over
+the rounds are compared. Writes runs/bench_watch.json.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _model(hidden: int, layers: int, vocab: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=512))
+
+
+def watch_bench(json_path: str, rounds: int = 6, ga: int = 4, rows: int = 4, seq: int = 64,
+                size: tuple = (256, 4, 4096)) -> int:
+    """Rounds of three steps of one loop, interleaved so that the machine's drift falls on each alike: a step with
+    no watch on the model, one with the watch on judging nothing, one judged (``request()``)."""
+    import psutil
+    import torch
+
+    from kit.watch import Watch
+
+    torch.manual_seed(0)
+    model = _model(*size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    proc = psutil.Process()
+    out = {"none": [], "unjudged": [], "judged": []}
+    growth, held, verdicts = [], None, set()
+
+    def step():
+        batches = [torch.randint(0, size[2], (rows, seq), generator=g) for _ in range(ga)]
+        t0 = time.perf_counter()
+        for ids in batches:
+            (model(input_ids=ids, labels=ids).loss / ga).backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
+    step()  # warm-up
+    for r in range(rounds):
+        out["none"].append(step())
+        watch = Watch(model, opt, first=0, every=0, poll=0, log=None, out=str(REPO / "runs" / "bench_watch_records"))
+        out["unjudged"].append(step())
+        watch.request()  # the next step is judged
+        before = proc.memory_info().rss
+        out["judged"].append(step())
+        growth.append(proc.memory_info().rss - before)
+        rec = [x for x in watch.records if "measured" in x][-1]
+        held, verdicts = rec["held_bytes"], verdicts | {rec["verdict"]}
+        watch.remove()
+    params = sum(p.numel() for p in model.parameters())
+    med = {k: statistics.median(v) for k, v in out.items()}
+    res = {"ga": ga, "rows": rows, "seq": seq, "hidden_layers_vocab": list(size), "parameters": params,
+           "gradient_bytes": params * 4, "steps_s": out, "median_s": med,
+           "unjudged_over_none": med["unjudged"] / med["none"], "judged_over_none": med["judged"] / med["none"],
+           "none_spread": (max(out["none"]) - min(out["none"])) / med["none"], "held_bytes": held,
+           "held_in_gradients": sum(held.values()) / (params * 4), "rss_growth_bytes": growth,
+           "verdicts": sorted(verdicts)}
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"tiny Llama {params / 1e6:.1f}M parameters, GA {ga} x {rows} rows x {seq} tokens, {rounds} rounds: a step "
+          f"{med['none'] * 1e3:.0f} ms without the watch (spread {res['none_spread']:.2f}); unjudged "
+          f"{res['unjudged_over_none']:.3f}x; judged {res['judged_over_none']:.2f}x; the watch holds "
+          f"{res['held_in_gradients']:.2f} fp32 gradients at a judged step's peak ({json.dumps(held)}); first judged "
+          f"step's RSS growth {growth[0] / (params * 4):.2f} gradients; verdicts {res['verdicts']} -> {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(watch_bench(sys.argv[1] if len(sys.argv) > 1 else str(REPO / "runs" / "bench_watch.json")))
