@@ -14,7 +14,7 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 
-from kit.watch.accelerate import watch_accelerate
+import gradkit
 
 p = argparse.ArgumentParser()
 p.add_argument("--sync-each-batch", action="store_true")
@@ -30,7 +30,8 @@ model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 criterion = nn.MSELoss()
-watch = watch_accelerate(accelerator, model, optimizer, criterion=criterion, out=args.out, every=0)  # <- the line
+watch = gradkit.watch.watch_accelerate(accelerator, model, optimizer, criterion=criterion, out=args.out,
+                                     every=0)  # <- gradkit's one line
 
 data = torch.Generator().manual_seed(100 + accelerator.process_index)
 for _ in range(args.steps * args.ga):

@@ -14,7 +14,7 @@ import deepspeed
 import torch
 import torch.nn as nn
 
-from kit.watch import watch_engine
+import gradkit
 
 p = argparse.ArgumentParser()
 p.add_argument("--stage", type=int, default=2)
@@ -53,7 +53,7 @@ if args.grad_accum_dtype:
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   config=config)
 criterion = nn.MSELoss()
-engine = watch_engine(engine, criterion=criterion, out=args.out, every=0)  # <- gradkit's one line
+engine = gradkit.watch.watch_engine(engine, criterion=criterion, out=args.out, every=0)  # <- gradkit's one line
 
 data = torch.Generator().manual_seed(100 + rank)
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

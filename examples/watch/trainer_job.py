@@ -1,4 +1,4 @@
-"""An HF Trainer job with gradkit's watch on it: the one line is ``callbacks=[Callback()]``.
+"""An HF Trainer job with gradkit's watch on it: the one line is ``callbacks=[gradkit.watch.Callback()]``.
 
     torchrun --nproc-per-node 2 examples/watch/trainer_job.py --collator pad
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers import (DataCollatorForSeq2Seq, DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, Trainer,
                           TrainingArguments)
 
-from kit.watch import Callback
+import gradkit
 
 p = argparse.ArgumentParser()
 p.add_argument("--collator", choices=("pad", "packed", "packed-wrong"), default="pad")
@@ -69,7 +69,7 @@ targs = TrainingArguments(output_dir=args.out + "-trainer", per_device_train_bat
                           remove_unused_columns=False, dataloader_drop_last=True)
 trainer = (SumLoss if args.custom_loss else Trainer)(
     model=model, args=targs, train_dataset=rows, data_collator=collator,
-    callbacks=[Callback(out=args.out, every=0)])  # <- gradkit's one line
+    callbacks=[gradkit.watch.Callback(out=args.out, every=0)])  # <- gradkit's one line
 trainer.train()
 # Leave without the interpreter's tear-down: on CPU its C++ destructors (gloo, DeepSpeed's comm op) abort a rank now
 # and then after the work is done ("terminate called without an active exception"), as kit/launch/worker.py says.
