@@ -105,3 +105,24 @@ def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0
         assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.25, abs=1e-5)
     new = _run(tmp_path / "new", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.31.0"})
     assert [r["verdict"] for r in new] == [oracle.NOT_AFFECTED] * 2 and all(r["ga"] == 4 for r in new)
+
+
+@pytest.mark.world
+def test_the_watch_and_gradkit_check_agree_on_the_jobs_own_config(tmp_path, capsys):
+    """Where both can judge, the watch on the real job and the replica (``gradkit check`` on the job's DeepSpeed
+    config, the kit's toy model) give the same verdict per loop and name the same bug."""
+    from kit.commands import check
+
+    watched = {loop: _run(tmp_path / loop, "deepspeed_job.py", "--stage", "2", "--loop", loop)
+               for loop in ("manual", "engine")}
+    cfg = dict(watched["engine"][0]["ds_config"])
+    cfg["gradient_accumulation_steps"] = 4  # the check runs each loop style itself from the config's GA
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    code = check.main([str(path), "--loop", "engine,manual", "--json", str(tmp_path / "check.json")])
+    capsys.readouterr()
+    loops = {r["loop"]: r for r in json.loads((tmp_path / "check.json").read_text())["summary"]["loops"]}
+    assert code == 1
+    for loop, recs in watched.items():
+        assert {r["verdict"] for r in recs} == {loops[loop]["verdict"]}, (loop, [r["line"] for r in recs])
+    assert loops["manual"]["explained_by"] == "B3" and all(r["known"].startswith("B3 (") for r in watched["manual"])
