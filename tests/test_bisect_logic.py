@@ -774,3 +774,63 @@ def test_a_known_bugs_bisect_keeps_what_it_measured_in_the_release_history_when_
     assert "kept" not in capsys.readouterr().out
     with pytest.raises(kconfig.ConfigError, match="--keep needs --known"):
         bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", "--keep"])
+
+
+class _Pipe:
+    """A stdout that keeps what was written and how much of it was flushed: what a reader at the other end of a pipe
+    (``gradkit bisect ... | tee log``) has seen."""
+
+    def __init__(self):
+        self.written, self.flushed = "", ""
+
+    def write(self, s):
+        self.written += s
+        return len(s)
+
+    def flush(self):
+        self.flushed = self.written
+
+
+def test_each_releases_line_reaches_the_reader_before_the_next_release_is_measured(command, monkeypatch):
+    import sys
+
+    cfg, state = command
+    pipe, seen = _Pipe(), []
+    measure, _ = measuring({"0.1.0": GOOD, "0.2.0": bad("x"), "0.3.0": bad("x")})
+
+    def measure_with(*a, **k):
+        return lambda release: seen.append((release, pipe.flushed)) or measure(release)
+
+    monkeypatch.setattr(result, "measure_with", measure_with)
+    monkeypatch.setattr(sys, "stdout", pipe)
+    code = bisect.main([str(cfg), "--releases", "0.1.0,0.2.0,0.3.0", "--stride", "1", "--no-confirm", "--no-progress"])
+    assert code == 1 and [r for r, _ in seen] == ["0.1.0", "0.2.0", "0.3.0"]
+    assert seen[1][1].endswith("     0.1.0: not-affected\n") and seen[2][1].endswith("     0.2.0: affected (x)\n")
+    assert "     0.3.0: affected (x)\n" in pipe.flushed
+
+
+def test_the_json_file_is_indented_one_space_a_level(command, tmp_path):
+    cfg, state = command
+    state["results"] = {"0.1.0": GOOD, "0.2.0": {**bad("y"), "optimizer": None}}
+    out = tmp_path / "found.json"
+    bisect.main([str(cfg), "--releases", "0.1.0,0.2.0", "--json", str(out), "--no-progress"])
+    text = out.read_text()
+    assert text == json.dumps(json.loads(text), indent=1)
+    assert text.startswith('{\n "config": ') and '\n  "0.1.0": {\n   "release": "0.1.0",\n' in text
+
+
+def test_run_as_a_module_the_release_history_says_the_command_from_its_own_arguments(command, monkeypatch, capsys,
+                                                                                       tmp_path):
+    """``python -m kit.commands.bisect ...`` gives main no arguments: they are sys.argv's after the script's path."""
+    import sys
+
+    from kit.judge import history
+
+    monkeypatch.setattr(history, "PATH", tmp_path / "history.json")
+    monkeypatch.setattr(known, "measure", lambda r, *a: measuring({"0.14.4": GOOD, "0.15.2": bad("z")})[0])
+    monkeypatch.setattr(sys, "argv", ["/somewhere/kit/commands/bisect/__main__.py", "--known", "B5", "--releases",
+                                      "0.14.4,0.15.2", "--no-progress", "--keep"])
+    assert bisect.main() == 1
+    h = history.load(tmp_path / "history.json")
+    assert h["series"]["B5"]["releases"]["0.14.4"]["by"] == "gradkit bisect --known B5 --releases 0.14.4,0.15.2 " \
+                                                             "--no-progress --keep"

@@ -636,3 +636,95 @@ def test_hypotheses_of_a_clipped_step_are_judged_against_the_clipped_reference()
     out = loop(ga=2, steps=1, clip=0.5 * free["reference_norm"], hypotheses=hypotheses)
     assert out["hypotheses"]["best"] == "exact" and out["hypotheses"]["best_matches"]
     assert out["hypotheses"]["predicted_ratio"]["exact"] == pytest.approx(1.0)
+
+
+class _Gathers(torch.nn.Linear):
+    """A linear layer with a ``gather_params`` that puts the whole parameter into each copy it is handed, as
+    DeepSpeed's all_gather does (the other rank's half is a stand-in here: this half plus 100), and records what it
+    was handed. Without a ``tp_world_size`` it is no AutoTP layer."""
+
+    def __init__(self, *shape, bias=True):
+        super().__init__(*shape, bias=bias)
+        self.handed = []
+
+    @torch.no_grad()
+    def gather_params(self, params_list):
+        self.handed.append(list(params_list))
+        for q in params_list:
+            if q is not None:
+                q.data = torch.cat([q.data, q.data + 100])
+
+
+class _Sharded(_Gathers):
+    """An AutoTP column-parallel layer as one rank of two holds it: its half of the output rows."""
+    tp_world_size = 2
+
+
+def _set(layer, weight, bias=None):
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor(weight))
+        if bias is not None:
+            layer.bias.copy_(torch.tensor(bias))
+    return layer
+
+
+def _tp_model():
+    """A model with an AutoTP layer (weight and bias), one without a bias, and layers that are not AutoTP's: a plain
+    linear layer, one that says a tensor-parallel size but has no gather_params, one with gather_params only."""
+    plain = _set(torch.nn.Linear(2, 1), [[1.0, 2.0]], [3.0])
+    sized = _set(torch.nn.Linear(1, 1), [[4.0]], [5.0])
+    sized.tp_world_size = 2  # no gather_params: not gathered
+    tp = _set(_Sharded(2, 1), [[0.5, -0.25]], [0.75])
+    nobias = _set(_Sharded(1, 1, bias=False), [[-2.0]])
+    lone = _set(_Gathers(1, 1), [[6.0]], [7.0])
+    return torch.nn.Sequential(plain, sized, tp, nobias, lone)
+
+
+def test_under_autotp_a_sharded_layers_weight_and_bias_are_read_whole_on_copies_and_other_layers_as_they_are(
+        fake_deepspeed):
+    m = _tp_model()
+    r = c.read_tp_weights(m, "fp32")
+    whole = [1.0, 2.0, 3.0, 4.0, 5.0,  0.5, -0.25, 100.5, 99.75,  0.75, 100.75,  -2.0, 98.0,  6.0, 7.0]
+    assert r["module"].tolist() == whole and r["module"].dtype == torch.float64
+    assert r["masters"].tolist() == whole  # no master read from DeepSpeed: each parameter is its own master
+    assert r["agree"] is True and r["max_diff"] == 0.0
+    tp, nobias, lone = m[2], m[3], m[4]
+    assert tp.weight.tolist() == [[0.5, -0.25]] and tp.bias.tolist() == [0.75]  # the model's own are left as they are
+    assert nobias.weight.tolist() == [[-2.0]] and lone.handed == []
+    assert len(tp.handed) == 2  # once for the weights, once for the masters, each time on copies
+    for copies in tp.handed:
+        assert copies[0] is not tp.weight and copies[1] is not tp.bias
+        assert isinstance(copies[0], torch.nn.Parameter)
+    assert [x is None for x in nobias.handed[0]] == [False, True]  # no bias: None is handed in its place
+
+
+def test_under_autotp_a_sharded_layers_masters_are_read_from_deepspeed_and_gathered_the_same_way(fake_deepspeed):
+    m = _tp_model()
+    tp = m[2]
+    fake_deepspeed[id(tp.weight)] = torch.tensor([0.5, -0.25 + 2 ** -11], dtype=torch.float64)  # flat: reshaped
+    r = c.read_tp_weights(m, "bf16")
+    assert r["masters"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 0.5, -0.25 + 2 ** -11, 100.5, 99.75 + 2 ** -11,
+                                     0.75, 100.75, -2.0, 98.0, 6.0, 7.0]
+    assert r["masters"].dtype == torch.float64 and r["module"][5:9].tolist() == [0.5, -0.25, 100.5, 99.75]
+    assert r["agree"] is True and r["max_diff"] == 2 ** -11  # within bf16's rounding
+    r = c.read_tp_weights(m, "fp32")
+    assert r["agree"] is False and r["max_diff"] == 2 ** -11  # not within fp32's
+
+
+def test_under_autotp_the_two_reads_agree_within_the_module_dtypes_rounding_exactly_to_its_edge(fake_deepspeed):
+    m = torch.nn.Sequential(_set(_Sharded(2, 1), [[0.0, 2.0]], [1.0]))
+    r = c.read_tp_weights(m, "fp32")  # a zero weight, equal in both reads: they agree
+    assert r["agree"] is True and r["max_diff"] == 0.0 and r["module"].tolist() == [0.0, 2.0, 100.0, 102.0, 1.0, 101.0]
+    w = m[0].weight
+    with torch.no_grad():
+        w.copy_(torch.tensor([[0.0, 2.0078125]]))  # 2 * (1 + 2**-8): exactly bf16's rounding of a master of 2 off
+    fake_deepspeed[id(w)] = torch.tensor([[0.0, 2.0]])
+    r = c.read_tp_weights(m, "bf16")
+    assert r["agree"] is True and r["max_diff"] == 2 ** -7
+    with torch.no_grad():
+        w.copy_(torch.tensor([[0.0, 2.0 + 2 ** -6]]))  # twice as far: not
+    assert c.read_tp_weights(m, "bf16")["agree"] is False
+    with torch.no_grad():
+        w.copy_(torch.tensor([[0.0, 2.002]]))  # 0.002 off: within no rounding of fp32
+    r = c.read_tp_weights(m, "fp32")
+    assert r["agree"] is False and abs(r["max_diff"] - 0.002) < 1e-6
