@@ -20,6 +20,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--sync-each-batch", action="store_true")
 p.add_argument("--ga", type=int, default=4)
 p.add_argument("--steps", type=int, default=2)
+p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
 args = p.parse_args()
 
@@ -31,7 +32,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 criterion = nn.MSELoss()
 watch = gradkit.watch.watch_accelerate(accelerator, model, optimizer, criterion=criterion, out=args.out,
-                                     every=0)  # <- gradkit's one line
+                                     every=args.every)  # <- gradkit's one line
 
 data = torch.Generator().manual_seed(100 + accelerator.process_index)
 for _ in range(args.steps * args.ga):

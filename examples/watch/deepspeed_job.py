@@ -25,6 +25,7 @@ p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
 p.add_argument("--model", choices=("mlp", "heads"), default="mlp",
                help="heads: a trunk and two heads; step 1 uses both, later steps only the first (ZeRO-3: B6)")
 p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), help="bf16 + ZeRO-0 + fp32 here: BF16_Optimizer")
+p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
 args = p.parse_args()
 
@@ -53,7 +54,8 @@ if args.grad_accum_dtype:
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   config=config)
 criterion = nn.MSELoss()
-engine = gradkit.watch.watch_engine(engine, criterion=criterion, out=args.out, every=0)  # <- gradkit's one line
+engine = gradkit.watch.watch_engine(engine, criterion=criterion, out=args.out,
+                                    every=args.every)  # <- gradkit's one line
 
 data = torch.Generator().manual_seed(100 + rank)
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

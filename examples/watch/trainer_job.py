@@ -25,6 +25,7 @@ p.add_argument("--collator", choices=("pad", "packed", "packed-wrong"), default=
 p.add_argument("--custom-loss", action="store_true")
 p.add_argument("--ga", type=int, default=2)
 p.add_argument("--steps", type=int, default=2)
+p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
 args = p.parse_args()
 
@@ -69,7 +70,7 @@ targs = TrainingArguments(output_dir=args.out + "-trainer", per_device_train_bat
                           remove_unused_columns=False, dataloader_drop_last=True)
 trainer = (SumLoss if args.custom_loss else Trainer)(
     model=model, args=targs, train_dataset=rows, data_collator=collator,
-    callbacks=[gradkit.watch.Callback(out=args.out, every=0)])  # <- gradkit's one line
+    callbacks=[gradkit.watch.Callback(out=args.out, every=args.every)])  # <- gradkit's one line
 trainer.train()
 # Leave without the interpreter's tear-down: on CPU its C++ destructors (gloo, DeepSpeed's comm op) abort a rank now
 # and then after the work is done ("terminate called without an active exception"), as kit/launch/worker.py says.

@@ -83,7 +83,7 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 # notebooks that are not a probe's, and 07, which four probes share.
 TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore",
                   "06_sweep.ipynb": "kit.notebooks.sweep", "07_without_deepspeed.ipynb": "kit.notebooks.without_ds",
-                  "08_new_bug.ipynb": "kit.notebooks.bisect_known"}
+                  "08_new_bug.ipynb": "kit.notebooks.bisect_known", "09_watch.ipynb": "kit.notebooks.watch"}
 
 
 def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> list:
