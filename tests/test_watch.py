@@ -141,3 +141,17 @@ def test_the_consumed_gradient_is_read_in_the_innermost_torch_optimizer():
     assert reads.innermost(Wrapper(Wrapper(opt))) is opt
     with pytest.raises(TypeError, match="no torch.optim.Optimizer"):
         reads.innermost(object())
+
+
+def test_gradkit_report_writes_a_real_jobs_affected_steps_and_refuses_a_clean_one(tmp_path, capsys):
+    from kit import config
+    from kit.commands import report
+
+    _job("sum", tmp=tmp_path / "bad", steps=2)
+    assert report.main([str(tmp_path / "bad")]) == 0
+    text = (tmp_path / "bad" / "report.md").read_text()
+    assert text.startswith("# [torch ") and "is sum of micro-batches (norm ratio" in text
+    assert text.count("| affected | ") == 2 and "## Reproduction" in text
+    _job(tmp=tmp_path / "good", steps=1)
+    with pytest.raises(config.ConfigError, match="no affected step to report"):
+        report.main([str(tmp_path / "good" / "watch.jsonl")])

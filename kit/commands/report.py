@@ -2,6 +2,7 @@
 
     gradkit report check.json [--loop engine] [--bisect bisect.json] [--out report.md]   # a gradkit check --json
     gradkit report runs/sweep --group repro_0.18.6_18 [--bisect bisect.json]            # a sweep's unknown group
+    gradkit report gradkit-watch [--bisect bisect.json]       # a real job's affected steps (gradkit.watch's records)
 
 The report holds: a one-line title; the environment (torch, DeepSpeed, transformers, world size, device); the
 smallest config that shows it (the sweep group's conditions, the resolved config); the loop; what each step is
@@ -159,9 +160,67 @@ def from_sweep(folder: Path, group: str, out: Path | None, bisect_doc: dict | No
     return out
 
 
+def from_watch(path: Path, out: Path | None, bisect_doc: dict | None) -> Path:
+    """The report of a real job's affected steps, from the records ``gradkit.watch`` wrote (``watch.jsonl``): the
+    job's releases and setup, every judged step, the known bug it matches, and how to reproduce it (the job itself
+    with the watch on it; on DeepSpeed, also the replica: ``gradkit check`` on the job's own config)."""
+    file = path / "watch.jsonl" if path.is_dir() else path
+    if not file.exists():
+        raise kconfig.ConfigError(f"{path}: no watch.jsonl (the records gradkit.watch writes into its output folder)")
+    recs = [r for r in records.load(file) if r.get("probe") == "watch"]
+    applied = [r for r in recs if "logged_norm" not in r and (r.get("measured") or {}).get("metrics")]
+    bad = [r for r in recs if r.get("verdict") == oracle.AFFECTED]
+    if not bad:
+        raise kconfig.ConfigError(f"{file}: no affected step to report ({len(recs)} records: "
+                                  + (", ".join(sorted({r['verdict'] for r in recs})) or "none") + ")")
+    first, v = (applied or bad)[0], (bad[0].get("versions") or {})
+    m = ((bad[0].get("measured") or {}).get("metrics")) or {}
+    what = bad[0].get("matches") if bad[0].get("matches") not in (None, "none") else "not the mean over the global batch"
+    stack = ", ".join(f"{k} {x}" for k, x in v.items())
+    lines = [f"# [{stack}] the gradient the optimizer consumes is {what}"
+             + (f" (norm ratio {m['norm_ratio']:.3f}, cosine {m['cosine']:.4f})" if m else ""), "",
+             "## Environment", "", f"- {stack}", f"- world size {first['world_size']}", "",
+             "## The job", "",
+             f"- loss as meant: {first.get('loss')} over every rank and micro-batch; {first.get('ga')} micro-batches "
+             f"per rank per step ({first.get('per_rank')}), precision judged at {first.get('dtype')}",
+             f"- the gradient read where the optimizer consumes it: {first.get('read')}"
+             + (f" of {first['optimizer']}, ZeRO stage {first.get('zero_stage')}, config GA {first.get('engine_ga')}"
+                if first.get("optimizer") else ""), "",
+             "## What happens", "",
+             "Each judged step's consumed gradient against the exact gradient of its global batch (fp32, plain "
+             "autograd on the same micro-batches and starting weights; fitted weights over each micro-batch's own "
+             "gradient, as multiples of its right weight):", "",
+             "| step | verdict | norm ratio | cosine | rel. error | misplaced weight | the step is |",
+             "|---|---|---|---|---|---|---|"]
+    for r in recs:
+        mm, att = ((r.get("measured") or {}).get("metrics")) or {}, ((r.get("measured") or {}).get("attribution")) or {}
+        if "logged_norm" in r:
+            lines.append(f"| {r['step']} (logged grad norm) | {r['verdict']} | "
+                         f"{r['logged_norm'] / r['reference_norm']:.4f} | - | - | - | - |")
+        elif mm:
+            lines.append(f"| {r['step']} | {r['verdict']} | {mm['norm_ratio']:.4f} | {mm['cosine']:.5f} | "
+                         f"{mm['rel_l2']:.2e} | {att.get('misplaced_weight', float('nan')):.4f} | "
+                         f"{r.get('shape') or r.get('matches') or '-'} |")
+    known = next((r["known"] for r in bad if r.get("known")), None)
+    lines += ["", f"Known bug: {known or 'none named'}.", "", "## Since when", ""]
+    lines += bisect_section(bisect_doc, "gradkit bisect --known <bug> (a known bug), or gradkit bisect <config> "
+                                        "(the replica of this job's config)")
+    lines += ["## Reproduction", "", "The job itself, with one line added (`gradkit.watch`: its records are this "
+              "report's source; `docs/watch.md`)."]
+    if first.get("ds_config"):
+        lines += ["", "The replica, on the kit's toy model with the job's own DeepSpeed config (write it to "
+                  "`ds_config.json`, then `gradkit check ds_config.json --loop "
+                  + ("manual" if first.get("engine_ga") == 1 and (first.get("ga") or 1) > 1 else "engine") + "`):",
+                  "", "```json", json.dumps(first["ds_config"], indent=1, sort_keys=True), "```"]
+    out = out or file.with_name("report.md")
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def parser():
     p = kconfig.Parser(prog="gradkit report", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", help="a gradkit check --json file, or a sweep's output folder (with --group)")
+    p.add_argument("source", help="a gradkit check --json file, a sweep's output folder (with --group), or the "
+                                  "watch's output folder / watch.jsonl")
     p.add_argument("--group", help="with a sweep folder: the unknown group, by its reproduction script's name")
     p.add_argument("--loop", help="with a check result: the affected loop to report (default: the first)")
     p.add_argument("--bisect", help="a gradkit bisect --json file: the release range and the code that changed")
@@ -184,7 +243,9 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else None
     if out and not out.parent.exists():
         raise kconfig.ConfigError(f"--out {out}: the folder {out.parent} does not exist")
-    if src.is_dir():
+    if src.name == "watch.jsonl" or src.is_dir() and (src / "watch.jsonl").exists():
+        path = from_watch(src, out, bisect_doc)
+    elif src.is_dir():
         if not a.group:
             raise kconfig.ConfigError(f"{src} is a sweep folder: name the group with --group repro_<...>")
         if not (src / "summary.json").exists():

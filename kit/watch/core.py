@@ -59,7 +59,7 @@ class Watch:
         self.layers = tuple(layers) if layers else None
         self.schedule = Schedule(first=first, every=every, steps=set(steps), poll=poll)
         self.out = Path(out)
-        self.log, self.context = log, dict(context or {})
+        self.log, self.context = log, {"versions": {"torch": torch.__version__}, **(context or {})}
         self.sketch_size, self.known = sketch_size, known
         self.step = 0  # optimizer steps taken (consumed or skipped)
         self.records: list[dict] = []
