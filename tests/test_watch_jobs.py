@@ -14,8 +14,8 @@ JOBS = Path(__file__).resolve().parent.parent / "examples" / "watch"
 
 def _run(tmp_path, script, *args, stack=None):
     out = tmp_path / "watch"
-    packages = {"trainer_job.py": ("transformers", "accelerate"), "accelerate_job.py": ("accelerate",)}.get(
-        script, ("deepspeed",))
+    packages = {"trainer_job.py": ("transformers", "accelerate"), "accelerate_job.py": ("accelerate",),
+                "fsdp2_job.py": ("torch",)}.get(script, ("deepspeed",))
     rc, stdout, stderr = scripts.torchrun(JOBS / script, [*args, "--out", out], stack=stack, kit_on_path=True,
                                           timeout_s=240, packages=packages)
     assert rc == 0, (stdout + stderr)[-3000:]
@@ -126,3 +126,14 @@ def test_the_watch_and_gradkit_check_agree_on_the_jobs_own_config(tmp_path, caps
     for loop, recs in watched.items():
         assert {r["verdict"] for r in recs} == {loops[loop]["verdict"]}, (loop, [r["line"] for r in recs])
     assert loops["manual"]["explained_by"] == "B3" and all(r["known"].startswith("B3 (") for r in watched["manual"])
+
+
+@pytest.mark.world
+def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_affected(tmp_path):
+    right = _run(tmp_path / "right", "fsdp2_job.py")
+    assert [r["verdict"] for r in right] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in right]
+    assert all(r["read"] == "parameters" and r["measured"]["metrics"]["rel_l2"] < 1e-6 for r in right)
+    summed = _run(tmp_path / "sum", "fsdp2_job.py", "--loop", "sum")
+    for r in summed:
+        assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]
+        assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(4.0, rel=1e-5)

@@ -5,7 +5,7 @@ sum of the micro-batches' summed-loss gradients; after each one the *sketch* of 
 micro-batch's own gradient, for the fitted weights). Memory: the copy's weights and its gradient, two copies of one
 gradient in fp32, and the sketches.
 
-The copy is made by ``copy.deepcopy`` with every parameter replaced by a fresh fp32 one (never copied from the
+The copy is made module by module (``copy_of``) with every parameter a fresh fp32 one (never copied from the
 engine's, which under ZeRO-3 is an empty placeholder) and every module hook dropped (DeepSpeed's and FSDP's
 gathering hooks belong to the code under test); an FSDP2 module goes back to its own class. The starting weights
 are read without the engine: a ZeRO-3 partition is gathered from every rank's ``ds_tensor`` with plain
@@ -14,7 +14,6 @@ are read without the engine: a ZeRO-3 partition is gathered from every rank's ``
 from __future__ import annotations
 
 import collections
-import copy
 import math
 
 import torch
@@ -51,26 +50,39 @@ def _fsdp_class(cls):
 
 
 def copy_of(model: nn.Module) -> nn.Module:
-    """An fp32 copy of ``model`` that shares nothing with it: fresh parameters holding its weights (gathered where
-    they are partitioned), no hooks, each module of its own class."""
-    params = list(model.parameters())
-    memo: dict = {}
-    for p in params:
-        w = whole(p).float().clone()
-        memo[id(p)] = nn.Parameter(w, requires_grad=p.requires_grad)
-    for sub in model.modules():
+    """An fp32 copy of ``model`` that shares no parameter, buffer or hook with it: each module a new object of its
+    own class (an FSDP2 module's original class) with its attributes (configuration and the like, read only by the
+    forward) shared, fresh parameters holding the weights (gathered where they are partitioned; a parameter two
+    modules share stays one), copied buffers, no hooks. Not ``copy.deepcopy``: FSDP2 refuses it, and under ZeRO-3
+    it would copy the engine's state hanging off each parameter."""
+    fresh: dict = {}
+    done: dict = {}
+
+    def param(p):
+        if p is None:
+            return None
+        if id(p) not in fresh:
+            fresh[id(p)] = nn.Parameter(whole(p).float().clone(), requires_grad=p.requires_grad)
+        return fresh[id(p)]
+
+    def clone(m):
+        if id(m) in done:
+            return done[id(m)]
+        new = object.__new__(_fsdp_class(type(m)))
+        new.__dict__.update(m.__dict__)
         for name in HOOK_DICTS:
-            d = sub.__dict__.get(name)
-            if d is not None:
-                memo[id(d)] = collections.OrderedDict()
-    clone = copy.deepcopy(model, memo)
-    for sub in clone.modules():
-        sub.__class__ = _fsdp_class(type(sub))
-    for name, b in list(clone.named_buffers()):
-        if b.is_floating_point() and b.dtype != torch.float32:
-            owner = clone.get_submodule(name.rpartition(".")[0]) if "." in name else clone
-            owner._buffers[name.rpartition(".")[2]] = b.float()
-    return clone
+            if name in new.__dict__:
+                new.__dict__[name] = collections.OrderedDict()
+        new.__dict__["_non_persistent_buffers_set"] = set(m.__dict__.get("_non_persistent_buffers_set", ()))
+        new.__dict__["_parameters"] = {k: param(p) for k, p in m._parameters.items()}
+        new.__dict__["_buffers"] = {k: None if b is None else (b.detach().float() if b.is_floating_point()
+                                                                 else b.detach()).clone()
+                                    for k, b in m._buffers.items()}
+        done[id(m)] = new
+        new.__dict__["_modules"] = {k: None if c is None else clone(c) for k, c in m._modules.items()}
+        return new
+
+    return clone(model)
 
 
 def load(clone: nn.Module, model: nn.Module) -> nn.Module:
