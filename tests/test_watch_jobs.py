@@ -137,3 +137,20 @@ def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_af
     for r in summed:
         assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]
         assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(4.0, rel=1e-5)
+
+
+@pytest.mark.world
+def test_the_watch_and_gradkit_check_path_agree_on_accelerate_0_30_1_and_the_trainer_on_4_46_3(tmp_path, capsys):
+    """The replica of each path (``gradkit check --path``, the kit's own model and data) and the watch on the real
+    job say the same of the same release: affected."""
+    from kit.commands import check
+
+    acc = _run(tmp_path / "acc", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\ngradient_accumulation_steps: 4\nmixed_precision: no\n")
+    code = check.main([str(cfg), "--path", "accelerate", "--sync-each-batch", "--accelerate", "0.30.1"])
+    assert code == 1 and {r["verdict"] for r in acc} == {oracle.AFFECTED}, capsys.readouterr().out
+    old = {"transformers": "4.46.3", "accelerate": "1.0.1"}
+    trainer = _run(tmp_path / "tr", "trainer_job.py", "--collator", "pad", stack=old)
+    code = check.main(["--path", "trainer", "--transformers", "4.46.3"])
+    assert code == 1 and {r["verdict"] for r in trainer} == {oracle.AFFECTED}, capsys.readouterr().out
