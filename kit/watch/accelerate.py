@@ -12,7 +12,7 @@ from __future__ import annotations
 import accelerate
 import torch
 
-from kit.watch import known
+import kit.watch.known as known
 from kit.watch.core import Watch
 from kit.watch.deepspeed import watch_engine
 

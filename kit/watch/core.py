@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kit.judge import oracle
-from kit.watch import judge as wjudge
-from kit.watch import losses, reference
+import kit.watch.judge as wjudge
+import kit.watch.losses as losses
+import kit.watch.reference as reference
 from kit.watch.capture import Recorder
 from kit.watch.reads import Layout, chain
 from kit.watch.schedule import Schedule

@@ -18,7 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 from kit.judge import oracle
-from kit.watch import known
+import kit.watch.known as known
 from kit.watch.core import Watch
 from kit.watch.losses import Tokens
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -91,8 +92,6 @@ class Layout:
         """ZeRO-3: each sub-group's fp32 flat partition is its parameters' partitions one after another (each the
         parameter's ``ds_tensor``, ``ds_numel`` long, padded); this rank's partition of a parameter holds the
         parameter's coordinates from rank x partition size on."""
-        import torch.distributed as dist
-
         rank = dist.get_rank(group=wrapper.dp_process_group) if hasattr(wrapper, "dp_process_group") else \
             dist.get_rank()
         out = {}
