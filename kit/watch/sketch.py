@@ -22,35 +22,56 @@ _CHUNK = 1 << 21  # coordinates hashed at a time: the hash's own memory stays a 
 
 
 class Sketch:
-    """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Bucket and sign of a
-    coordinate come from a multiply-shift hash of its index (``(a * i mod 2**64) >> (64 - bits)``, a odd and drawn
-    per tensor from the seed; the sign from the top bit of a second product), computed chunk by chunk as needed:
-    nothing the size of the model is kept. ``size`` is a power of two."""
+    """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Coordinate i of tensor
+    t goes into bucket ``(i + s_t) mod size`` with the sign of ``c_t * i`` as an int64 product (its top bit; c_t odd,
+    s_t and c_t drawn per tensor from the seed): the sign is the random part, so inner products are kept in
+    expectation as with hashed buckets, and a chunk of coordinates is signed, padded to whole rows of ``size`` and
+    summed down its rows, with no scatter. The signs of a tensor are kept once drawn (one byte per coordinate, a
+    quarter of an fp32 gradient: a judged step sketches every tensor K + 2 times) until the sketch is dropped with
+    its judged step. ``size`` is a power of two."""
 
     def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
         if self.size & (self.size - 1) or self.size < 2:
             raise ValueError(f"gradkit watch: the sketch's size must be a power of two (got {size})")
-        self.bits = self.size.bit_length() - 1
         self.device = torch.device(device or "cpu")
         g = torch.Generator(device="cpu").manual_seed(self.seed)
-        odd = torch.randint(0, 2 ** 62, (len(self.numels), 2), generator=g) * 2 + 1  # per tensor: a, c (odd)
-        self._ac = odd.tolist()
+        shifts = torch.randint(0, self.size, (len(self.numels),), generator=g).tolist()
+        odd = (torch.randint(0, 2 ** 62, (len(self.numels),), generator=g) * 2 + 1).tolist()
+        self._sc = [(sh, c - 2 ** 63 if c >= 2 ** 63 else c) for sh, c in zip(shifts, odd)]  # c as an int64
+        self._negative: dict[int, torch.Tensor] = {}  # tensor -> which of its coordinates are signed -1
+
+    def held_bytes(self) -> int:
+        """What the kept signs hold."""
+        return sum(m.numel() * m.element_size() for m in self._negative.values())
+
+    def negative(self, t: int) -> torch.Tensor:
+        """Tensor ``t``'s coordinates that go in with a minus sign (drawn on first use, then kept)."""
+        hit = self._negative.get(t)
+        if hit is None:
+            c = self._sc[t][1]
+            hit = torch.empty(self.numels[t], dtype=torch.bool, device=self.device)
+            for lo in range(0, self.numels[t], _CHUNK):  # int64 products wrap mod 2**64: the top bit is the sign
+                i = torch.arange(lo, min(lo + _CHUNK, self.numels[t]), dtype=torch.int64, device=self.device)
+                hit[lo:lo + i.numel()] = i.mul_(c) < 0
+            self._negative[t] = hit
+        return hit
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float64, device=self.device)
 
     def add(self, out: torch.Tensor, t: int, values: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Adds the sketch of ``values`` -- coordinates ``start .. start + len`` of tensor ``t`` -- into ``out``."""
-        a, c = self._ac[t]
-        a, c = a - 2 ** 63 if a >= 2 ** 63 else a, c - 2 ** 63 if c >= 2 ** 63 else c  # as int64 (the bits are kept)
+        shift = self._sc[t][0]
         v = values.detach().reshape(-1)
+        negative = self.negative(t)
         for lo in range(0, v.numel(), _CHUNK):
             part = v[lo:lo + _CHUNK].to(out.device, torch.float64)
-            i = torch.arange(start + lo, start + lo + part.numel(), dtype=torch.int64, device=out.device)
-            bucket = torch.bitwise_right_shift(i * a, 64 - self.bits) & (self.size - 1)  # int64 products wrap mod 2**64
-            negative = (i * c) < 0  # the product's top bit
-            out.index_add_(0, bucket, torch.where(negative, -part, part))
+            first = start + lo
+            signed = torch.where(negative[first:first + part.numel()], -part, part)
+            head = (first + shift) % self.size
+            rows = torch.nn.functional.pad(signed, (head, (-(head + part.numel())) % self.size))
+            out += rows.view(-1, self.size).sum(0)
         return out
 
     def of(self, tensors) -> torch.Tensor:
