@@ -363,3 +363,14 @@ def test_a_runs_own_ga_of_1_is_judged_as_such_and_autotp_picks_a_model_with_a_te
     assert "a note" in cfg.notes and any(n.startswith("model: a tiny Llama") and "not the MLP" in n for n in cfg.notes)
     (cfg,) = one.prepare(bare, _args("x.json", "--precision", "fp32"), "mlp", []).values()
     assert cfg.model == "mlp"  # no AutoTP: the model asked for
+
+
+def test_a_loop_not_run_is_said_from_a_record_that_carries_no_config_of_its_own():
+    # if_run reads only the release, stage and optimizer: a record without a config (or with None) is its default one
+    bare = {k: v for k, v in _rec().items() if k != "config"}
+    for rec in (bare, {**bare, "config": None}):
+        assert known.if_run(rec, "manual") == known.if_run(_rec(), "manual")
+        assert known.if_run(rec, "manual").endswith(f"B3 is expected on DeepSpeed 0.19.8 (allenai/open-instruct#1498); "
+                                                    f"fix: {KNOWN['B3'].explains[2]}")
+        assert known.if_run(rec, "unmanaged").endswith(
+            "B3 is ruled out by \"managed_gradient_accumulation\": false (honoured from 0.19.4)")
