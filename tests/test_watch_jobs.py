@@ -26,7 +26,12 @@ def _run(tmp_path, script, *args, stack=None):
 
 
 @pytest.mark.world
-def test_zero2_with_several_backwards_per_step_is_b3_and_deepspeeds_own_loop_is_not(tmp_path):
+def test_zero2_with_several_backwards_per_step_is_b3_and_deepspeeds_own_loop_is_not_as_gradkit_check_says(
+        tmp_path, capsys):
+    """The watch on the real job, and the replica (``gradkit check`` on the job's own DeepSpeed config, the kit's toy
+    model) give the same verdict per loop and name the same bug."""
+    from kit.commands import check
+
     manual = _run(tmp_path / "m", "deepspeed_job.py", "--stage", "2", "--loop", "manual")
     assert [r["verdict"] for r in manual] == [oracle.AFFECTED] * 2
     for r in manual:
@@ -37,6 +42,15 @@ def test_zero2_with_several_backwards_per_step_is_b3_and_deepspeeds_own_loop_is_
     engine = _run(tmp_path / "e", "deepspeed_job.py", "--stage", "2", "--loop", "engine")
     assert [r["verdict"] for r in engine] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in engine]
     assert all(r["measured"]["metrics"]["rel_l2"] < 1e-5 for r in engine)
+    cfg = dict(engine[0]["ds_config"])
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))  # GA 4 in the config: the check runs each loop style from it
+    code = check.main([str(path), "--loop", "engine,manual", "--json", str(tmp_path / "check.json")])
+    capsys.readouterr()
+    loops = {r["loop"]: r for r in json.loads((tmp_path / "check.json").read_text())["summary"]["loops"]}
+    assert code == 1 and loops["manual"]["explained_by"] == "B3"
+    for loop, recs in (("manual", manual), ("engine", engine)):
+        assert {r["verdict"] for r in recs} == {loops[loop]["verdict"]}, loop
 
 
 @pytest.mark.world
@@ -56,7 +70,10 @@ def _verdicts(recs, logged: bool = False) -> list:
 
 
 @pytest.mark.world
-def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_and_4_46_3_miscounts(tmp_path):
+def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_and_4_46_3_miscounts(tmp_path, capsys):
+    """... as ``gradkit check --path trainer`` says of 4.46.3 on the kit's own model and data."""
+    from kit.commands import check
+
     now = _run(tmp_path / "now", "trainer_job.py", "--collator", "pad")
     assert _verdicts(now) == _verdicts(now, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in now]
     assert all(r["loss"] == "mean over label tokens" and r["read"] == "parameters" for r in now if "ga" in r)
@@ -65,6 +82,7 @@ def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_a
     assert _verdicts(old) == _verdicts(old, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in old]
     ratio = old[0]["measured"]["metrics"]["norm_ratio"]
     assert 0.85 < ratio < 0.95  # unshifted labels counted: one more per row in the divisor
+    assert check.main(["--path", "trainer", "--transformers", "4.46.3"]) == 1, capsys.readouterr().out
 
 
 @pytest.mark.world
@@ -97,35 +115,21 @@ def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_
 
 
 @pytest.mark.world
-def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0_31_0_does_not(tmp_path):
+def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0_31_0_does_not(tmp_path, capsys):
+    """... as ``gradkit check --path accelerate`` says of 0.30.1 on the kit's own model and data."""
+    from kit.commands import check
+
     old = _run(tmp_path / "old", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
     for r in old:
         assert r["verdict"] == oracle.AFFECTED and r["matches"] == "global mean / GA", r["line"]
         assert r["ga"] == 1 and "after 1 of the 4" in r["short_window"] and r["known"].startswith("ACC (")
         assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.25, abs=1e-5)
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\ngradient_accumulation_steps: 4\nmixed_precision: no\n")
+    code = check.main([str(cfg), "--path", "accelerate", "--sync-each-batch", "--accelerate", "0.30.1"])
+    assert code == 1, capsys.readouterr().out
     new = _run(tmp_path / "new", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.31.0"})
     assert [r["verdict"] for r in new] == [oracle.NOT_AFFECTED] * 2 and all(r["ga"] == 4 for r in new)
-
-
-@pytest.mark.world
-def test_the_watch_and_gradkit_check_agree_on_the_jobs_own_config(tmp_path, capsys):
-    """Where both can judge, the watch on the real job and the replica (``gradkit check`` on the job's DeepSpeed
-    config, the kit's toy model) give the same verdict per loop and name the same bug."""
-    from kit.commands import check
-
-    watched = {loop: _run(tmp_path / loop, "deepspeed_job.py", "--stage", "2", "--loop", loop)
-               for loop in ("manual", "engine")}
-    cfg = dict(watched["engine"][0]["ds_config"])
-    cfg["gradient_accumulation_steps"] = 4  # the check runs each loop style itself from the config's GA
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(cfg))
-    code = check.main([str(path), "--loop", "engine,manual", "--json", str(tmp_path / "check.json")])
-    capsys.readouterr()
-    loops = {r["loop"]: r for r in json.loads((tmp_path / "check.json").read_text())["summary"]["loops"]}
-    assert code == 1
-    for loop, recs in watched.items():
-        assert {r["verdict"] for r in recs} == {loops[loop]["verdict"]}, (loop, [r["line"] for r in recs])
-    assert loops["manual"]["explained_by"] == "B3" and all(r["known"].startswith("B3 (") for r in watched["manual"])
 
 
 @pytest.mark.world
@@ -137,20 +141,3 @@ def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_af
     for r in summed:
         assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]
         assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(4.0, rel=1e-5)
-
-
-@pytest.mark.world
-def test_the_watch_and_gradkit_check_path_agree_on_accelerate_0_30_1_and_the_trainer_on_4_46_3(tmp_path, capsys):
-    """The replica of each path (``gradkit check --path``, the kit's own model and data) and the watch on the real
-    job say the same of the same release: affected."""
-    from kit.commands import check
-
-    acc = _run(tmp_path / "acc", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
-    cfg = tmp_path / "acc.yaml"
-    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\ngradient_accumulation_steps: 4\nmixed_precision: no\n")
-    code = check.main([str(cfg), "--path", "accelerate", "--sync-each-batch", "--accelerate", "0.30.1"])
-    assert code == 1 and {r["verdict"] for r in acc} == {oracle.AFFECTED}, capsys.readouterr().out
-    old = {"transformers": "4.46.3", "accelerate": "1.0.1"}
-    trainer = _run(tmp_path / "tr", "trainer_job.py", "--collator", "pad", stack=old)
-    code = check.main(["--path", "trainer", "--transformers", "4.46.3"])
-    assert code == 1 and {r["verdict"] for r in trainer} == {oracle.AFFECTED}, capsys.readouterr().out
