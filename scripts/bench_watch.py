@@ -8,7 +8,9 @@ class from a config: no download), AdamW, GA micro-batches of token rows per ste
   and after it (psutil; the allocator keeps freed memory, so the first judged step's growth is the one that counts).
 
 The three alternate step by step (a round each), so that the machine's drift falls on each alike; the medians over
-the rounds are compared. Writes runs/bench_watch.json.
+the rounds are compared. Two micro-batch shapes (``SHAPES``): the judged step's sketches cost a pass over the
+parameters per micro-batch whatever its size, its extra forward and backward grow with its tokens, so the judged
+step's ratio falls towards 2x as micro-batches grow. Writes runs/bench_watch.json.
 """
 from __future__ import annotations
 
@@ -32,8 +34,19 @@ def _model(hidden: int, layers: int, vocab: int):
                                         max_position_embeddings=512))
 
 
-def watch_bench(json_path: str, rounds: int = 6, ga: int = 4, rows: int = 4, seq: int = 64,
-                size: tuple = (256, 4, 4096)) -> int:
+SHAPES = ((4, 64), (8, 256))  # rows x tokens per micro-batch: a step's compute per parameter, small and larger
+
+
+def watch_bench(json_path: str) -> int:
+    """The watch's cost at each micro-batch shape of ``SHAPES`` (``runs/bench_watch.json``: one entry per shape)."""
+    res = [one_shape(rows=rows, seq=seq) for rows, seq in SHAPES]
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"-> {json_path}")
+    return 0
+
+
+def one_shape(rounds: int = 6, ga: int = 4, rows: int = 4, seq: int = 64, size: tuple = (256, 4, 4096)) -> dict:
     """Rounds of three steps of one loop, interleaved so that the machine's drift falls on each alike: a step with
     no watch on the model, one with the watch on judging nothing, one judged (``request()``)."""
     import psutil
@@ -78,14 +91,12 @@ def watch_bench(json_path: str, rounds: int = 6, ga: int = 4, rows: int = 4, seq
            "none_spread": (max(out["none"]) - min(out["none"])) / med["none"], "held_bytes": held,
            "held_in_gradients": sum(held.values()) / (params * 4), "rss_growth_bytes": growth,
            "verdicts": sorted(verdicts)}
-    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(json_path).write_text(json.dumps(res, indent=1))
     print(f"tiny Llama {params / 1e6:.1f}M parameters, GA {ga} x {rows} rows x {seq} tokens, {rounds} rounds: a step "
           f"{med['none'] * 1e3:.0f} ms without the watch (spread {res['none_spread']:.2f}); unjudged "
           f"{res['unjudged_over_none']:.3f}x; judged {res['judged_over_none']:.2f}x; the watch holds "
           f"{res['held_in_gradients']:.2f} fp32 gradients at a judged step's peak ({json.dumps(held)}); first judged "
-          f"step's RSS growth {growth[0] / (params * 4):.2f} gradients; verdicts {res['verdicts']} -> {json_path}")
-    return 0
+          f"step's RSS growth {growth[0] / (params * 4):.2f} gradients; verdicts {res['verdicts']}")
+    return res
 
 
 if __name__ == "__main__":
