@@ -53,6 +53,13 @@ PERF_ROWS = [
      "{check_dir_slowest_config_s} s)", "", "s"),
     ("bench_bisect.json", "bisect_s", "`gradkit bisect`, B5's config over {bisect_releases} releases "
      "({bisect_measured} measured, each change confirmed), overlays cached", "≤ 180 s", "s"),
+    ("bench_watch.json", "unjudged_over_none_large", "`gradkit.watch`, an unjudged step against none (tiny Llama "
+     "{parameters_m}M parameters, AdamW, GA 4 micro-batches of {tokens_large} tokens)", "≤ 1.02×", "x"),
+    ("bench_watch.json", "judged_over_none_large", "a judged step against none (the same)", "≤ 2×", "x"),
+    ("bench_watch.json", "judged_over_none_small", "the same with micro-batches of {tokens_small} tokens (the sketches' "
+     "passes over the parameters weigh more)", "", "x"),
+    ("bench_watch.json", "held_in_gradients", "what the watch holds at a judged step's peak (the copy's weights and "
+     "gradient, the sketches and their signs), in fp32 gradients", "≤ 2 + the sketch", "gradients"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
      "≤ 360 s", "s"),
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
@@ -61,7 +68,8 @@ PERF_ROWS = [
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
-                 "bench_bisect.json": "--bisect", "bench_paths.json": "--paths", "bench_corpus.json": "--corpus"}
+                 "bench_bisect.json": "--bisect", "bench_paths.json": "--paths", "bench_corpus.json": "--corpus",
+                 "bench_watch.json": "--watch"}
 
 
 PERF_PAGE = "docs/speed.md"  # the page whose <!-- gradkit:table PERF --> block --readme writes (without a file)
@@ -84,6 +92,8 @@ def perf_table(folder: Path, old: str = "", page: str = PERF_PAGE) -> str:
     for name in PERF_COMMANDS:
         try:
             data[name] = json.loads((folder / name).read_text())
+            if not isinstance(data[name], dict):
+                raise ValueError("an older layout")
         except (OSError, ValueError):
             data[name] = {}
     cpus = sorted({d["cpus"] for d in data.values() if d.get("cpus")})
@@ -103,6 +113,7 @@ def perf_table(folder: Path, old: str = "", page: str = PERF_PAGE) -> str:
             lines.append(kept[cmd].pop(0))
             continue
         shown = "not measured yet" if value is None else (f"{value:.1f}{unit}" if unit == "×" else
+                                                          f"{value:.2f}×" if unit == "x" else
                                                           f"{value} of {data[name].get('repeat')} passed" if unit == "runs"
                                                           else f"{value:.1f} {unit}")
         what = what.format_map(collections.defaultdict(lambda: "?", data[name]))

@@ -39,7 +39,15 @@ SHAPES = ((4, 64), (8, 256))  # rows x tokens per micro-batch: a step's compute 
 
 def watch_bench(json_path: str) -> int:
     """The watch's cost at each micro-batch shape of ``SHAPES`` (``runs/bench_watch.json``: one entry per shape)."""
-    res = [one_shape(rows=rows, seq=seq) for rows, seq in SHAPES]
+    import os
+
+    shapes = [one_shape(rows=rows, seq=seq) for rows, seq in SHAPES]
+    res = {"cpus": os.cpu_count(), "shapes": shapes, "parameters_m": round(shapes[0]["parameters"] / 1e6, 1)}
+    for name, r in zip(("small", "large"), shapes):  # the performance table's rows (scripts/bench_table.py)
+        res[f"unjudged_over_none_{name}"] = r["unjudged_over_none"]
+        res[f"judged_over_none_{name}"] = r["judged_over_none"]
+        res[f"tokens_{name}"] = f"{r['rows']} x {r['seq']}"
+    res["held_in_gradients"] = max(r["held_in_gradients"] for r in shapes)
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(res, indent=1))
     print(f"-> {json_path}")
