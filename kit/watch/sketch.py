@@ -66,12 +66,12 @@ class Sketch:
         v = values.detach().reshape(-1)
         negative = self.negative(t)
         for lo in range(0, v.numel(), _CHUNK):
-            part = v[lo:lo + _CHUNK].to(out.device, torch.float64)
+            part = v[lo:lo + _CHUNK].to(out.device, torch.float32 if v.dtype != torch.float64 else torch.float64)
             first = start + lo
             signed = torch.where(negative[first:first + part.numel()], -part, part)
             head = (first + shift) % self.size
             rows = torch.nn.functional.pad(signed, (head, (-(head + part.numel())) % self.size))
-            out += rows.view(-1, self.size).sum(0)
+            out += rows.view(-1, self.size).sum(0, dtype=torch.float64)  # fp32 values, summed exactly enough in fp64
         return out
 
     def of(self, tensors) -> torch.Tensor:
