@@ -43,7 +43,7 @@ def test_a_correct_loop_is_not_affected_on_every_signal_at_every_judged_step(tmp
     for r in w.records:
         m = r["measured"]["metrics"]
         assert r["verdict"] == oracle.NOT_AFFECTED, r["line"]
-        assert abs(m["norm_ratio"] - 1) < 1e-5 and m["cosine"] > 1 - 1e-9 and m["rel_l2"] < 1e-5
+        assert abs(m["norm_ratio"] - 1) < 1e-5 and m["cosine"] > 1 - 1e-7 and m["rel_l2"] < 1e-5
         assert r["measured"]["attribution"]["misplaced_weight"] < 1e-5  # dropout replayed: the same masks
         assert r["global_count"] == 3 + 4 + 5 + 6 and r["ga"] == 4 and r["loss"] == "mean over samples"
 

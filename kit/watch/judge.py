@@ -35,16 +35,18 @@ class Tally:
     def add(self, t: int, start: int, values: torch.Tensor) -> None:
         r_all = self.ref[t].reshape(-1)
         n = values.numel()
-        for lo in range(0, n, _CHUNK):  # in float64: the control compares these sums with the reference's own
-            v = values[lo:lo + _CHUNK].double()
-            r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
+        f64 = torch.float64
+        for lo in range(0, n, _CHUNK):  # fp32 products summed in fp64: the reference's own norm is summed the same way
+            v = values[lo:lo + _CHUNK].float()
+            r = r_all[start + lo:start + lo + v.numel()].to(v.device).float()
             d = v - self.coef * r
-            self.ee += float(v @ v)
-            self.per[t, 0] += float(v @ v)
-            self.per[t, 1] += float(r @ r)
-            self.er += float(v @ r)
-            self.dd += float(d @ d)
-            self.rr += float(r @ r)
+            vv, rr = float((v * v).sum(dtype=f64)), float((r * r).sum(dtype=f64))
+            self.ee += vv
+            self.per[t, 0] += vv
+            self.per[t, 1] += rr
+            self.er += float((v * r).sum(dtype=f64))
+            self.dd += float((d * d).sum(dtype=f64))
+            self.rr += rr
             self.maxdiff = max(self.maxdiff, float(d.abs().max()) if d.numel() else 0.0)
         self.numel += n
         self.sketch.add(self.se, t, values, start)
