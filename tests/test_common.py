@@ -728,3 +728,19 @@ def test_under_autotp_the_two_reads_agree_within_the_module_dtypes_rounding_exac
         w.copy_(torch.tensor([[0.0, 2.002]]))  # 0.002 off: within no rounding of fp32
     r = c.read_tp_weights(m, "fp32")
     assert r["agree"] is False and abs(r["max_diff"] - 0.002) < 1e-6
+
+
+def test_a_step_read_from_agreeing_masters_carries_a_floor_only_where_they_are_low_precision():
+    assert "read_floor" not in loop(1, steps=1)  # fp32 masters: the step is read exactly
+    out = loop(1, steps=1, masters_dtype="bf16")
+    assert out["read"]["judged_from"] == "fp32 masters" and out["read_floor"] > 0
+
+
+def test_a_failed_case_names_the_innermost_phase_its_error_passed_through():
+    def run_one(case):
+        with judging.phase("outer"):
+            with judging.phase("inner"):
+                raise ValueError("planted")
+
+    out = judging.run_cases({"cases": [{"name": "bad", "ga": 1}]}, run_one)
+    assert out[0]["failed_in"] == "inner"
