@@ -29,7 +29,7 @@ class Tally:
         self.ref, self.coef, self.sketch = ref, coef, sketch
         self.ee = self.er = self.dd = self.rr = 0.0
         self.per = torch.zeros(len(ref), 2, dtype=torch.float64)  # per parameter: consumed and reference norm**2
-        self.maxdiff, self.numel = 0.0, 0
+        self.maxdiff = 0.0
         self.se, self.sr = sketch.zeros(), sketch.zeros()
 
     def add(self, t: int, start: int, values: torch.Tensor) -> None:
@@ -48,7 +48,6 @@ class Tally:
             self.dd += float((d * d).sum(dtype=f64))
             self.rr += rr
             self.maxdiff = max(self.maxdiff, float(d.abs().max()) if d.numel() else 0.0)
-        self.numel += n
         self.sketch.add(self.se, t, values, start)
         self.sketch.add(self.sr, t, r_all[start:start + n], start)
 
@@ -59,10 +58,9 @@ class Tally:
         own = all_gather(self.se)
         if replicated:
             return own
-        nums = torch.tensor([self.ee, self.er, self.dd, self.rr, float(self.numel)], dtype=torch.float64)
+        nums = torch.tensor([self.ee, self.er, self.dd, self.rr], dtype=torch.float64)
         all_sum(nums)
-        self.ee, self.er, self.dd, self.rr, numel = nums.tolist()
-        self.numel = int(numel)
+        self.ee, self.er, self.dd, self.rr = nums.tolist()
         self.maxdiff = float(all_sum(torch.tensor([self.maxdiff], dtype=torch.float64), dist.ReduceOp.MAX))
         all_sum(self.se)
         all_sum(self.sr)
