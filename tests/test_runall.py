@@ -180,3 +180,31 @@ def test_a_run_all_started_from_a_jupyterlab_kernel_runs_its_notebooks_headless(
     assert config.interactive("auto") is True
     nb = _notebook(tmp_path / "n.ipynb", "from kit.config import interactive\nassert interactive('auto') is False")
     assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+
+
+def test_a_kernel_that_dies_before_its_first_reply_is_started_once_more(tmp_path, monkeypatch):
+    """Two kernels starting at once on two cores have lost one ("Kernel died before replying to kernel_info"): no
+    cell ran, so the notebook is started again and the summary says so; a kernel that dies every time still fails."""
+    import sys
+
+    marker = tmp_path / "died-once"
+    starter = (f"import pathlib, sys; m = pathlib.Path({str(marker)!r})\n"
+               "if not m.exists():\n    m.touch(); sys.exit(1)\n"
+               "from ipykernel import kernelapp; kernelapp.launch_new_instance()")
+    spec = tmp_path / "jupyter" / "kernels" / "gradkit-dies-once"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-c", starter, "-f", "{connection_file}"],
+                                                  "display_name": "dies once", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setattr(runall_notebook, "KERNEL", "gradkit-dies-once")
+    nb = _notebook(tmp_path / "n.ipynb", "print('ran')")
+    assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    entry = json.loads((tmp_path / "o" / "summary.json").read_text())["notebooks"][0]
+    assert entry["status"] == "ok" and "died before replying" in entry["retried"]
+    assert "Started twice: its first kernel died before replying" in (tmp_path / "o" / "summary.md").read_text()
+
+    (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-c", "raise SystemExit(1)", "-f",
+                                                           "{connection_file}"], "display_name": "dies", "language": "python"}))
+    assert runall.main([str(nb), "--out", str(tmp_path / "o2"), "--no-progress"]) == 1
+    entry = json.loads((tmp_path / "o2" / "summary.json").read_text())["notebooks"][0]
+    assert entry["status"] == "failed" and runall_notebook.KERNEL_DIED_AT_START in entry["error"]

@@ -100,6 +100,8 @@ def summarise(entries: list[dict], out: Path, run_id: str, params_file: str | No
     for e in entries:
         earlier = f" (from the earlier run {e['from_run']})" if e.get("from_run") else ""
         lines.append(f"## [{e['notebook']}]({Path(e['executed']).name}) — {e['status']} in {e['wall_s']} s{earlier}")
+        if e.get("retried"):
+            lines += ["", f"Started twice: {e['retried']}."]
         if e["status"] != "ok":
             cell = e.get("failing_cell") or {}
             lines += ["", f"**{e['status'].capitalize()}:** `{e['error']}`", ""]
