@@ -56,6 +56,11 @@ PERF_ROWS = [
     ("bench_watch.json", "unjudged_over_none_large", "`gradkit.watch`, an unjudged step against none (tiny Llama "
      "{parameters_m}M parameters, AdamW, GA 4 micro-batches of {tokens_large} tokens)", "≤ 1.02×", "x"),
     ("bench_watch.json", "judged_over_none_large", "a judged step against none (the same)", "≤ 2×", "x"),
+    ("bench_watch.json", "floor_over_none_large", "of which the floor: none + the reference's own fp32 forward and "
+     "backward of the step's micro-batches (what any reference costs; the rest is the watch's sketches, tally, copy)",
+     "", "x"),
+    ("bench_watch.json", "half_over_none_large", "a judged step judging the last half of the layers (`layers=`: the "
+     "reference's backward stops below them)", "", "x"),
     ("bench_watch.json", "judged_over_none_small", "the same with micro-batches of {tokens_small} tokens (the sketches' "
      "passes over the parameters weigh more)", "", "x"),
     ("bench_watch.json", "held_in_gradients", "what the watch holds at a judged step's peak (the copy's weights and "

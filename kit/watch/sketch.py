@@ -19,14 +19,28 @@ import torch
 SIZE = 4096  # buckets: the fit's error is ~ residual / sqrt(SIZE) (measured in tests/test_watch.py)
 SEED = 0x5EED
 _CHUNK = 1 << 21  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
+_BLOCK = 32  # rows of a chunk summed in fp32 before their sums are summed in fp64 (_rows_summed)
+
+
+def _rows_summed(rows: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
+    """The sum of ``rows`` (n x size) down its rows, in fp64: fp32 rows are summed ``block`` at a time in fp32 (an
+    error of about fp32's epsilon of the sum, 9e-8 measured on 4.5M normal values) and those sums in fp64, 15x
+    faster on a CPU than converting every value to fp64."""
+    if rows.dtype == torch.float64:
+        return rows.sum(0)
+    whole = rows.shape[0] - rows.shape[0] % block
+    out = rows[:whole].view(-1, block, rows.shape[1]).sum(1).sum(0, dtype=torch.float64)
+    if whole < rows.shape[0]:
+        out += rows[whole:].sum(0, dtype=torch.float64)
+    return out
 
 
 class Sketch:
     """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Coordinate i of tensor
     t goes into bucket ``(i + s_t) mod size`` with the sign of ``c_t * i`` as an int64 product (its top bit; c_t odd,
     s_t and c_t drawn per tensor from the seed): the sign is the random part, so inner products are kept in
-    expectation as with hashed buckets, and a chunk of coordinates is signed, padded to whole rows of ``size`` and
-    summed down its rows, with no scatter. The signs of a tensor are kept once drawn (one byte per coordinate, a
+    expectation as with hashed buckets, and a chunk of coordinates is signed and summed down its whole rows of ``size``
+    (a ragged head and tail added on their own), with no scatter and no padded copy. The signs of a tensor are kept once drawn (one byte per coordinate, a
     quarter of an fp32 gradient: a judged step sketches every tensor K + 2 times) until the sketch is dropped with
     its judged step. ``size`` is a power of two."""
 
@@ -39,22 +53,22 @@ class Sketch:
         shifts = torch.randint(0, self.size, (len(self.numels),), generator=g).tolist()
         odd = (torch.randint(0, 2 ** 62, (len(self.numels),), generator=g) * 2 + 1).tolist()
         self._sc = [(sh, c - 2 ** 63 if c >= 2 ** 63 else c) for sh, c in zip(shifts, odd)]  # c as an int64
-        self._negative: dict[int, torch.Tensor] = {}  # tensor -> which of its coordinates are signed -1
+        self._signs: dict[int, torch.Tensor] = {}  # tensor -> its coordinates' signs (int8)
 
     def held_bytes(self) -> int:
         """What the kept signs hold."""
-        return sum(m.numel() * m.element_size() for m in self._negative.values())
+        return sum(m.numel() * m.element_size() for m in self._signs.values())
 
-    def negative(self, t: int) -> torch.Tensor:
-        """Tensor ``t``'s coordinates that go in with a minus sign (drawn on first use, then kept)."""
-        hit = self._negative.get(t)
+    def signs(self, t: int) -> torch.Tensor:
+        """Tensor ``t``'s signs, one int8 of +1 / -1 per coordinate (drawn on first use, then kept)."""
+        hit = self._signs.get(t)
         if hit is None:
             c = self._sc[t][1]
-            hit = torch.empty(self.numels[t], dtype=torch.bool, device=self.device)
+            hit = torch.empty(self.numels[t], dtype=torch.int8, device=self.device)
             for lo in range(0, self.numels[t], _CHUNK):  # int64 products wrap mod 2**64: the top bit is the sign
                 i = torch.arange(lo, min(lo + _CHUNK, self.numels[t]), dtype=torch.int64, device=self.device)
-                hit[lo:lo + i.numel()] = i.mul_(c) < 0
-            self._negative[t] = hit
+                hit[lo:lo + i.numel()] = 1 - 2 * (i.mul_(c) < 0).to(torch.int8)
+            self._signs[t] = hit
         return hit
 
     def zeros(self) -> torch.Tensor:
@@ -64,14 +78,20 @@ class Sketch:
         """Adds the sketch of ``values`` -- coordinates ``start .. start + len`` of tensor ``t`` -- into ``out``."""
         shift = self._sc[t][0]
         v = values.detach().reshape(-1)
-        negative = self.negative(t)
+        signs = self.signs(t)
         for lo in range(0, v.numel(), _CHUNK):
             part = v[lo:lo + _CHUNK].to(out.device, torch.float32 if v.dtype != torch.float64 else torch.float64)
             first = start + lo
-            signed = torch.where(negative[first:first + part.numel()], -part, part)
+            signed = part * signs[first:first + part.numel()]  # one pass; int8 times fp32 is fp32
             head = (first + shift) % self.size
-            rows = torch.nn.functional.pad(signed, (head, (-(head + part.numel())) % self.size))
-            out += rows.view(-1, self.size).sum(0, dtype=torch.float64)  # fp32 values, summed exactly enough in fp64
+            lead = min((-head) % self.size, signed.numel())  # up to the first whole row, then whole rows, then a tail
+            body = (signed.numel() - lead) // self.size * self.size
+            if lead:
+                out[head:head + lead] += signed[:lead]
+            if body:
+                out += _rows_summed(signed[lead:lead + body].view(-1, self.size))
+            if lead + body < signed.numel():
+                out[:signed.numel() - lead - body] += signed[lead + body:]
         return out
 
     def of(self, tensors) -> torch.Tensor:
