@@ -155,3 +155,72 @@ def test_gradkit_report_writes_a_real_jobs_affected_steps_and_refuses_a_clean_on
     _job(tmp=tmp_path / "good", steps=1)
     with pytest.raises(config.ConfigError, match="no affected step to report"):
         report.main([str(tmp_path / "good" / "watch.jsonl")])
+
+
+def test_a_forward_patched_onto_the_model_is_not_the_reference(tmp_path):
+    """TRL patches ``model.forward`` on the instance (its fused LM head: ``fused_lm_head=True`` returns per-token
+    log-probabilities, no logits). That method is bound to the user's model: a copy that kept it would run the user's
+    model, not the copy. The reference runs the class's own forward, without the keywords only the patch takes."""
+    import types
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.out = nn.Linear(6, 12), nn.Linear(12, 6)
+
+        def forward(self, input_ids):
+            return self.out(torch.tanh(self.body(nn.functional.one_hot(input_ids, 6).float())))
+
+    torch.manual_seed(0)
+    model = Head()
+    original = model.forward
+
+    def fused(self, *args, fused_lm_head=False, labels=None, **kwargs):  # the model's loss, by another route
+        if not fused_lm_head:
+            return original(*args, **kwargs)
+        logits = self.out(torch.tanh(self.body(nn.functional.one_hot(args[0], 6).float())))[:, :-1]
+        lp = torch.log_softmax(logits, -1).gather(-1, labels[:, 1:, None].clamp(min=0))[..., 0]
+        return -(lp * (labels[:, 1:] != -100)).sum()
+
+    model.forward = types.MethodType(fused, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = Watch(model, opt, out=str(tmp_path), log=None)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        rows = [torch.randint(0, 6, (2, 7), generator=g) for _ in range(2)]
+        count = sum(int((r[:, 1:] != -100).sum()) for r in rows)
+        for r in rows:
+            (model(r, fused_lm_head=True, labels=r) / count).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [r["verdict"] for r in w.records] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in w.records]
+    assert w.records[0]["loss"] == "mean over label tokens"
+    assert w.records[0]["measured"]["metrics"]["rel_l2"] < 1e-5
+
+
+def test_a_reference_the_model_refuses_is_cannot_run_and_the_job_goes_on(tmp_path):
+    """A model whose forward fails on the copy (here: its input checked against the user's own module) is said,
+    ``cannot-run`` with the model's own sentence, never raised into the user's training loop."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    original = model
+
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            if self.inner is not original:
+                raise RuntimeError("only the one true module may run")
+            return self.inner(x)
+
+    top, crit = Picky(), nn.MSELoss()
+    opt = torch.optim.SGD(top.parameters(), lr=0.1)
+    w = Watch(top, opt, criterion=crit, out=str(tmp_path), log=None)
+    for _ in range(3):
+        crit(top(torch.randn(3, 4)), torch.randn(3, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [r["verdict"] for r in w.records] == [oracle.CANNOT_RUN] * 2
+    assert "RuntimeError: only the one true module may run" in w.records[0]["why"]

@@ -98,7 +98,7 @@ class Watch:
         self._consumed = True
         if self._pending is None and self.recorder.recording:
             self._pending = self._reference(self.recorder.take())
-        if self._pending is not None:
+        if self._pending is not None and "tally" in self._pending:
             current = [q for g in optimizer.param_groups for q in g["params"]]
             tally = self._pending["tally"]
             for t, start, values in self.layout.fragments(current):
@@ -114,7 +114,11 @@ class Watch:
             skipped = not consumed
         self.step += 1
         rec = None
-        if self._pending is not None:
+        if self._pending is not None and "cannot" in self._pending:  # the job goes on; the step is not judged
+            rec = self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
+                                "why": f"the reference could not be computed: {self._pending['cannot']}"[:600]})
+            self._prev_basis = None
+        elif self._pending is not None:
             rec = self._finish(self._pending)
         elif self.recorder.recording and not consumed and skipped:
             rec = self._record({"step": self.step, "verdict": "skipped",
@@ -157,7 +161,15 @@ class Watch:
             mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
             partitions = [None] * reference.world()[1]
             dist.all_gather_object(partitions, mine)
-        local = reference.run_window(self._clone, window, self.loss, sketch, partitions)
+        try:
+            local, failed = reference.run_window(self._clone, window, self.loss, sketch, partitions), ""
+        except Exception as e:  # noqa: BLE001 - the user's model or loss refused the reference: said, not raised
+            local, failed = None, f"{type(e).__name__}: {e}"
+        flag = torch.tensor([1.0 if failed else 0.0])
+        reference.all_sum(flag, dist.ReduceOp.MAX)  # every rank learns it before the next collective
+        if float(flag):
+            self._release()
+            return {"cannot": failed or "another rank could not compute its reference"}
         info = reference.gathered(local, sketch)
         total = float(sum(info["counts"])) or 1.0
         ref = []

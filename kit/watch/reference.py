@@ -7,14 +7,19 @@ gradient in fp32, and the sketches.
 
 The copy is made module by module (``copy_of``) with every parameter a fresh fp32 one (never copied from the
 engine's, which under ZeRO-3 is an empty placeholder) and every module hook dropped (DeepSpeed's and FSDP's
-gathering hooks belong to the code under test); an FSDP2 module goes back to its own class. The starting weights
+gathering hooks belong to the code under test), and so is every method patched onto a module instance (TRL's fused
+LM head, which returns log-probabilities instead of logits; Accelerate's fp32 outputs): the copy computes with its
+class's own forward, and the keywords only the patch took are not passed to it. An FSDP2 module goes back to its own
+class. The starting weights
 are read without the engine: a ZeRO-3 partition is gathered from every rank's ``ds_tensor`` with plain
 ``torch.distributed``, an FSDP2 ``DTensor`` by ``full_tensor()``.
 """
 from __future__ import annotations
 
 import collections
+import inspect
 import math
+import types
 
 import torch
 import torch.distributed as dist
@@ -57,6 +62,7 @@ def copy_of(model: nn.Module) -> nn.Module:
     it would copy the engine's state hanging off each parameter."""
     fresh: dict = {}
     done: dict = {}
+    patched: set = set()
 
     def param(p):
         if p is None:
@@ -73,6 +79,11 @@ def copy_of(model: nn.Module) -> nn.Module:
         for name in HOOK_DICTS:
             if name in new.__dict__:
                 new.__dict__[name] = collections.OrderedDict()
+        for name, v in list(new.__dict__.items()):  # a method patched onto the instance (TRL's fused LM head,
+            if isinstance(v, types.MethodType) and v.__self__ is m:  # Accelerate's fp32 outputs) is bound to the
+                del new.__dict__[name]  # user's module and is code under test: the copy computes with its class's own
+                if name == "forward" and m is model:
+                    patched.update(_own_keywords(v, type(m).forward))
         new.__dict__["_non_persistent_buffers_set"] = set(m.__dict__.get("_non_persistent_buffers_set", ()))
         new.__dict__["_parameters"] = {k: param(p) for k, p in m._parameters.items()}
         new.__dict__["_buffers"] = {k: None if b is None else (b.detach().float() if b.is_floating_point()
@@ -82,7 +93,24 @@ def copy_of(model: nn.Module) -> nn.Module:
         new.__dict__["_modules"] = {k: None if c is None else clone(c) for k, c in m._modules.items()}
         return new
 
-    return clone(model)
+    out = clone(model)
+    out.__dict__[PATCHED_KEYWORDS] = frozenset(patched)
+    return out
+
+
+PATCHED_KEYWORDS = "_gradkit_patched_keywords"  # on a copy: the keywords only a patched-away forward took
+
+
+def _own_keywords(patch, forward) -> set:
+    """The keywords ``patch`` names that the class's ``forward`` does not (e.g. TRL's ``fused_lm_head``): a call
+    recorded through the patch passes them, and the class's forward must not get them."""
+    try:
+        mine = inspect.signature(patch).parameters
+        theirs = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {k for k, q in mine.items() if q.kind in kinds and k not in theirs}
 
 
 def load(clone: nn.Module, model: nn.Module) -> nn.Module:
@@ -146,6 +174,7 @@ def run_window(clone: nn.Module, window, loss, sketch: Sketch, partitions: list 
             torch.set_rng_state(mb.rng["cpu"])
             if devices and mb.rng.get("cuda") is not None:
                 torch.cuda.set_rng_state(mb.rng["cuda"], device)
+            kwargs = {k: v for k, v in kwargs.items() if k not in clone.__dict__.get(PATCHED_KEYWORDS, ())}
             output = clone(*_floated(_moved(args, device)), **_floated(_moved(kwargs, device)))
             total, count = loss.sum_and_count(output, mb)
             total.backward()
