@@ -8,16 +8,15 @@ import pytest
 
 from kit.judge import oracle
 from kit.launch import scripts
+from kit.notebooks import watch
 
 JOBS = Path(__file__).resolve().parent.parent / "examples" / "watch"
 
 
 def _run(tmp_path, script, *args, stack=None):
     out = tmp_path / "watch"
-    packages = {"trainer_job.py": ("transformers", "accelerate"), "accelerate_job.py": ("accelerate",),
-                "fsdp2_job.py": ("torch",)}.get(script, ("deepspeed",))
     rc, stdout, stderr = scripts.torchrun(JOBS / script, [*args, "--out", out], stack=stack, kit_on_path=True,
-                                          timeout_s=240, packages=packages)
+                                          timeout_s=240, packages=watch.PACKAGES[script])
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (out / "watch.jsonl").read_text().splitlines()]
     lines = [x for x in stdout.splitlines() if x.startswith("gradkit watch: ")]
@@ -141,3 +140,17 @@ def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_af
     for r in summed:
         assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]
         assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(4.0, rel=1e-5)
+
+
+@pytest.mark.world
+def test_trls_sft_trainer_takes_the_same_callback_exact_where_it_means_the_token_mean_and_named_where_not(tmp_path):
+    """TRL's ``SFTTrainer`` (a Trainer subclass, its own loss through a fused LM head patched onto the model) with
+    packing at its default bf16: not-affected. With ``average_tokens_across_devices=False`` each rank divides by its
+    own tokens: affected, the step named "each rank's own mean" (rank 0's micro-batches over-weighted, rank 1's under)."""
+    packed = _run(tmp_path / "p", "trl_job.py", "--packing")
+    assert [r["verdict"] for r in packed if "measured" in r] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in packed]
+    assert all(r["dtype"] == "bf16" and r["loss"] == "mean over label tokens" for r in packed if "measured" in r)
+    per_rank = _run(tmp_path / "r", "trl_job.py", "--fp32", "--per-rank-mean")
+    steps = [r for r in per_rank if "measured" in r]
+    assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in steps]
+    assert steps[0]["matches"] == "each rank's own mean", steps[0]["line"]

@@ -13,8 +13,8 @@ from kit.judge import expectations, oracle
 from kit.launch import scripts
 
 JOBS_DIR = kconfig.REPO_ROOT / "examples" / "watch"
-PACKAGES = {"trainer_job.py": ("transformers", "accelerate"), "accelerate_job.py": ("accelerate",),
-            "deepspeed_job.py": ("deepspeed",)}
+PACKAGES = {"trainer_job.py": ("transformers", "accelerate"), "trl_job.py": ("transformers", "accelerate"),
+            "accelerate_job.py": ("accelerate",), "deepspeed_job.py": ("deepspeed",), "fsdp2_job.py": ("torch",)}
 EXPECTS = (oracle.AFFECTED, oracle.NOT_AFFECTED)
 
 
