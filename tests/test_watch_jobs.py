@@ -154,3 +154,29 @@ def test_trls_sft_trainer_takes_the_same_callback_exact_where_it_means_the_token
     steps = [r for r in per_rank if "measured" in r]
     assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in steps]
     assert steps[0]["matches"] == "each rank's own mean", steps[0]["line"]
+
+
+@pytest.mark.world
+def test_offloaded_optimizers_are_read_from_their_cpu_partitions_and_a_manual_loop_on_them_is_named(tmp_path, capsys):
+    """``offload_optimizer: cpu`` (a torch optimizer, ``zero_force_ds_cpu_optimizer: false``): the fp32 partitions the
+    optimizer steps live on the CPU. DeepSpeed's own loop on ZeRO-3 is exact. ZeRO-2's manual loop (config GA 1, four
+    backwards, one step) on the installed release drops each step's first micro-batch and carries the CPU
+    accumulator of the others into the next step (the accumulate-in-CPU path #7981 added for several backwards per
+    step, without ``set_gradient_accumulation_boundary``); the replica (``gradkit check``) is affected too."""
+    from kit.commands import check
+
+    engine = _run(tmp_path / "e", "deepspeed_job.py", "--stage", "3", "--loop", "engine", "--offload")
+    assert [r["verdict"] for r in engine] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in engine]
+    assert all(r["measured"]["metrics"]["rel_l2"] < 1e-5 for r in engine)
+    assert engine[0]["ds_config"]["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    manual = _run(tmp_path / "m", "deepspeed_job.py", "--stage", "2", "--loop", "manual", "--offload")
+    assert [r["verdict"] for r in manual] == [oracle.AFFECTED] * 2, [r["line"] for r in manual]
+    first = [0, 1 / 8, 1 / 8, 1 / 8] * 2  # every micro-batch but each rank's first, at its right weight
+    assert manual[0]["measured"]["attribution"]["weights"] == pytest.approx(first, abs=1e-5)
+    assert manual[1]["measured"]["attribution"]["weights"] == pytest.approx(first * 2, abs=1e-5)  # + the last step's
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(manual[0]["ds_config"]))
+    code = check.main([str(path), "--loop", "manual", "--json", str(tmp_path / "check.json")])
+    capsys.readouterr()
+    loops = {r["loop"]: r for r in json.loads((tmp_path / "check.json").read_text())["summary"]["loops"]}
+    assert code == 1 and loops["manual"]["verdict"] == oracle.AFFECTED

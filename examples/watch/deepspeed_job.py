@@ -25,6 +25,8 @@ p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
 p.add_argument("--model", choices=("mlp", "heads"), default="mlp",
                help="heads: a trunk and two heads; step 1 uses both, later steps only the first (ZeRO-3: B6)")
 p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), help="bf16 + ZeRO-0 + fp32 here: BF16_Optimizer")
+p.add_argument("--offload", action="store_true",
+               help="the optimizer's state and fp32 partitions offloaded to the CPU (ZeRO-1/2/3), a torch optimizer")
 p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
 args = p.parse_args()
@@ -49,6 +51,9 @@ model = Heads() if args.model == "heads" else nn.Sequential(nn.Linear(8, 32), nn
 config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": args.ga if args.loop == "engine" else 1,
           "zero_optimization": {"stage": args.stage}, "gradient_clipping": 0.0,
           "bf16": {"enabled": args.dtype == "bf16"}}
+if args.offload:  # a torch optimizer, not DeepSpeedCPUAdam (a C++ op to build)
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    config["zero_force_ds_cpu_optimizer"] = False
 if args.grad_accum_dtype:
     config["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
 engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
