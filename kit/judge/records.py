@@ -65,6 +65,16 @@ def save(recs: list[dict], path) -> Path:
     return path
 
 
+def append(rec: dict, path) -> Path:
+    """One record added at the end of a JSON-lines file (made with its folder where there is none): a job that
+    writes as it goes (the watch) keeps every record written before it stopped."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, sort_keys=True) + "\n")
+    return path
+
+
 def load(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

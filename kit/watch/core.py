@@ -10,7 +10,6 @@ loop (DDP ``no_sync`` included)."""
 from __future__ import annotations
 
 import datetime
-import json
 import platform
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit.judge import oracle
+from kit.judge import oracle, records
 import kit.watch.judge as wjudge
 import kit.watch.losses as losses
 import kit.watch.reference as reference
@@ -232,9 +231,7 @@ class Watch:
         rec["line"] = line(rec)
         self.records.append(rec)
         if rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            with open(self.out / RECORDS, "a") as f:
-                f.write(json.dumps(_plain(rec), sort_keys=True) + "\n")
+            records.append(_plain(rec), self.out / RECORDS)
             if self.log:
                 self.log(rec["line"])
         return rec
