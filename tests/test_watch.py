@@ -224,3 +224,15 @@ def test_a_reference_the_model_refuses_is_cannot_run_and_the_job_goes_on(tmp_pat
         opt.zero_grad()
     assert [r["verdict"] for r in w.records] == [oracle.CANNOT_RUN] * 2
     assert "RuntimeError: only the one true module may run" in w.records[0]["why"]
+
+
+def test_a_second_run_into_the_same_folder_keeps_the_first_runs_records_aside(tmp_path):
+    """Records of two runs in one file would be read as one run's (``gradkit report``, notebook 09): the second run
+    moves the first's file aside, whole, and writes its own."""
+    first = _job(tmp=tmp_path, steps=2)
+    second = _job("sum", tmp=tmp_path, steps=1)
+    now = [json.loads(x) for x in (tmp_path / "watch.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in now] == [r["verdict"] for r in second.records] == [oracle.AFFECTED]
+    kept = list(tmp_path.glob("watch-*.jsonl"))
+    assert len(kept) == 1 and [json.loads(x)["step"] for x in kept[0].read_text().splitlines()] == \
+        [r["step"] for r in first.records] == [1, 2]

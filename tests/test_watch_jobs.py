@@ -2,21 +2,17 @@
 the bug is ``affected`` and named, one that does not is ``not-affected``, and the verdict agrees with the replica's
 (``gradkit check``) where both can judge."""
 import json
-from pathlib import Path
 
 import pytest
 
 from kit.judge import oracle
-from kit.launch import scripts
 from kit.notebooks import watch
 
-JOBS = Path(__file__).resolve().parent.parent / "examples" / "watch"
 
 
 def _run(tmp_path, script, *args, stack=None):
     out = tmp_path / "watch"
-    rc, stdout, stderr = scripts.torchrun(JOBS / script, [*args, "--out", out], stack=stack, kit_on_path=True,
-                                          timeout_s=240, packages=watch.PACKAGES[script])
+    rc, stdout, stderr = watch.launch(script, [*args, "--out", out], stack=stack, timeout_s=240)
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (out / "watch.jsonl").read_text().splitlines()]
     lines = [x for x in stdout.splitlines() if x.startswith("gradkit watch: ")]

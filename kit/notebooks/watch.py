@@ -6,15 +6,18 @@ packing collator that counts each sequence's first token) for the others."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from kit import config as kconfig
 from kit.judge import expectations, oracle
 from kit.launch import scripts
+from kit.stacks import extras
 
 JOBS_DIR = kconfig.REPO_ROOT / "examples" / "watch"
 PACKAGES = {"trainer_job.py": ("transformers", "accelerate"), "trl_job.py": ("transformers", "accelerate"),
             "accelerate_job.py": ("accelerate",), "deepspeed_job.py": ("deepspeed",), "fsdp2_job.py": ("torch",)}
+EXTRAS = {"trl_job.py": "trl"}  # a job's extra package set (kit.stacks.extras), not in the kit's environment
 EXPECTS = (oracle.AFFECTED, oracle.NOT_AFFECTED)
 
 
@@ -38,14 +41,23 @@ def check_notebook(p: dict) -> list:
     return []
 
 
+def launch(script: str, args: list, world_size: int = 2, stack: dict | None = None, timeout_s: float = 300):
+    """``(exit status, stdout, stderr)`` of one example job (``examples/watch/<script>``) under torchrun, on
+    ``stack``, with the extra packages it needs (``EXTRAS``) on its ranks' path."""
+    paths = [extras.ensure(EXTRAS[script])] if script in EXTRAS else []
+    return scripts.torchrun(JOBS_DIR / script, args, world_size=world_size, stack=stack, packages=PACKAGES[script],
+                            timeout_s=timeout_s, kit_on_path=True, paths=paths)
+
+
 def run(jobs: list, out, world_size: int = 2, timeout_s: int = 300) -> dict:
     """``{name: {"records", "rc", "tail"}}``: each job run with torchrun, its records from its output folder."""
     results = {}
     for k, job in enumerate(jobs):
         folder = Path(out) / f"watch_{k}"
-        rc, stdout, stderr = scripts.torchrun(JOBS_DIR / job["job"], [*job["args"], "--out", folder],
-                                              world_size=world_size, stack=job.get("stack") or None,
-                                              packages=PACKAGES[job["job"]], timeout_s=timeout_s, kit_on_path=True)
+        for old in (folder, folder.with_name(folder.name + "-trainer"), folder.with_name(folder.name + "-trl")):
+            shutil.rmtree(old, ignore_errors=True)  # this notebook's own job folders: a rerun starts them afresh
+        rc, stdout, stderr = launch(job["job"], [*job["args"], "--out", folder], world_size=world_size,
+                                    stack=job.get("stack") or None, timeout_s=timeout_s)
         file = folder / "watch.jsonl"
         recs = [json.loads(x) for x in file.read_text().splitlines()] if file.exists() else []
         results[job["name"]] = {"records": recs, "rc": rc, "tail": (stdout + stderr)[-1500:], "job": job}

@@ -126,27 +126,38 @@ def ensure_overlay(package: str, version: str) -> Path:
             print(f"gradkit: the overlay {target} is damaged ({len(damage)} file(s): {', '.join(damage[:3])}); "
                   f"reinstalling {package}=={version}", file=sys.stderr)
             (target / ".complete").unlink()
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--no-compile", "--target", str(tmp), f"{package}=={version}"]
-        env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=env)
-        except subprocess.TimeoutExpired:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CannotRun(f"installing {package}=={version} took more than {INSTALL_TIMEOUT_S} s")
-        if out.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            text = (out.stdout + out.stderr)[-2000:]
-            if any(s in text for s in _NOT_ON_INDEX):
-                (overlay_root() / f".{package}-{version}.lock").unlink(missing_ok=True)  # nothing left behind
-                raise UnknownVersion(f"{package}=={version} is not a release on the package index")
-            raise CannotRun(f"{package}=={version} did not install here: {text.strip()[-800:]}")
-        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))
-        shutil.rmtree(target, ignore_errors=True)
-        tmp.rename(target)
-        (target / ".complete").write_text(version)
+            install(target, [f"{package}=={version}"])
+        except UnknownVersion:
+            (overlay_root() / f".{package}-{version}.lock").unlink(missing_ok=True)  # nothing left behind
+            raise
+    return target
+
+
+def install(target: Path, requirements: list[str]) -> Path:
+    """``pip install --no-deps --target`` of pinned ``requirements`` into a fresh ``target`` (built beside it and
+    moved in whole, its manifest written, ``.complete`` last); the caller holds the folder's lock."""
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+           "--no-compile", "--target", str(tmp), *requirements]
+    env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    said = " ".join(requirements)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CannotRun(f"installing {said} took more than {INSTALL_TIMEOUT_S} s")
+    if out.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        text = (out.stdout + out.stderr)[-2000:]
+        if any(s in text for s in _NOT_ON_INDEX):
+            raise UnknownVersion(f"{said} is not a release on the package index")
+        raise CannotRun(f"{said} did not install here: {text.strip()[-800:]}")
+    (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    (target / ".complete").write_text(" ".join(requirements))
     return target
 
 

@@ -69,6 +69,7 @@ class Watch:
         self._prev_basis = None  # the previous step's basis, where it was judged
         self._clone = None
         self._consumed = False  # the optimizer consumed a gradient since the last step end
+        self._written = False  # this run has written its first record (an earlier run's file was moved aside)
         self.recorder = Recorder(model, criterion)
         self._handles = [self.basic.register_step_pre_hook(self._pre)]
         if finalize_on_post:
@@ -231,6 +232,11 @@ class Watch:
         rec["line"] = line(rec)
         self.records.append(rec)
         if rank == 0:
+            if not self._written:
+                self._written = True
+                kept = keep_earlier(self.out / RECORDS)
+                if kept and self.log:
+                    self.log(f"gradkit watch: an earlier run's records in {self.out} were kept as {kept.name}")
             records.append(_plain(rec), self.out / RECORDS)
             if self.log:
                 self.log(rec["line"])
@@ -261,6 +267,20 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def keep_earlier(path: Path) -> Path | None:
+    """An earlier run's records file moved aside (``watch-<its time>.jsonl``, never overwritten), so that the file a
+    run writes holds that run's records only; the moved file's path, or None where there was none."""
+    if not path.is_file() or not path.stat().st_size:
+        return None
+    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y%m%dT%H%M%S")
+    kept, n = path.with_name(f"{path.stem}-{stamp}{path.suffix}"), 1
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"{path.stem}-{stamp}-{n}{path.suffix}")
+    path.rename(kept)
+    return kept
 
 
 def line(rec: dict) -> str:

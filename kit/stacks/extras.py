@@ -1,0 +1,41 @@
+"""Packages some of the kit's example jobs need and the kit itself does not, kept out of the kit's environment:
+each set one overlay folder (``pip --no-deps --target``, every package pinned), installed on first use and put on
+the path of those jobs' ranks only.
+
+Why not in the kit's environment: TRL needs ``datasets``, and a ``datasets`` that is installed is imported by every
+transformers release the kit overlays (``is_datasets_available``); the current one needs a newer huggingface-hub
+than an older transformers' companion overlays carry, so every older-transformers stack would fail to import.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+from pathlib import Path
+
+from kit import config as kconfig
+from kit.stacks import versions
+
+# what pip resolves for TRL on top of the kit's own pins (pyproject.toml), each pinned
+EXTRAS = {
+    "trl": ("trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0",
+            "pyarrow==26.0.1", "pandas==3.1.1"),
+}
+
+
+def ensure(name: str) -> Path:
+    """The overlay folder of the set ``name`` (``EXTRAS``), installed once and verified by its manifest."""
+    if name not in EXTRAS:
+        raise kconfig.ConfigError(f"extra package sets are {', '.join(EXTRAS)}, not {name!r}")
+    requirements = list(EXTRAS[name])
+    key = hashlib.sha256(" ".join(requirements).encode()).hexdigest()[:10]
+    # dill (datasets' fingerprints) pickles a module by reference only where its path says site-packages (else it
+    # copies the module's globals, and pyarrow's cannot be): the folder is named so
+    target = versions.overlay_root() / f"extras-{name}-{key}" / "site-packages"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if (target / ".complete").exists() and not versions.overlay_damage(target):
+        return target
+    with open(versions.overlay_root() / f".extras-{name}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two jobs asking at once build it once
+        if (target / ".complete").exists() and not versions.overlay_damage(target):
+            return target
+        return versions.install(target, requirements)
