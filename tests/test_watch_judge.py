@@ -335,7 +335,7 @@ DEFECTS = {  # a step's weights over each micro-batch's mean-loss gradient (rank
     "sum of micro-batches": lambda: [1 / W] * 6,  # each micro-batch's mean summed, the ranks averaged
     "last micro-batch / N": lambda: [n / N if k in LAST else 0.0 for k, n in enumerate(COUNTS)],  # B3
     "mean of micro-batch means": lambda: [1 / 6] * 6,
-    "each rank's own mean": lambda: [n / (W * sum(COUNTS[3 * (k // 3):3 * (k // 3) + 3])) for k, n in enumerate(COUNTS)],
+    "each rank's own mean": lambda: [n / (W * (10 if k < 3 else 12)) for k, n in enumerate(COUNTS)],  # rank totals
 }
 
 
