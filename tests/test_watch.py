@@ -14,14 +14,14 @@ from kit.watch.judge import STALE
 from kit.watch.sketch import Sketch
 
 
-def _job(defect=None, steps=3, ga=4, tmp=None, **watch):
+def _job(defect=None, steps=3, ga=4, tmp=None, clip=None, **watch):
     """A small regression job: AdamW, dropout, micro-batches of 3..6 samples, loss = each micro-batch's mean weighted
     by its share of the window's samples (a mean over samples), ``defect`` planted in the loop."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     crit = nn.MSELoss()
-    w = Watch(model, opt, criterion=crit, out=tmp or "gradkit-watch-test", **{"log": None, **watch})
+    w = Watch(model, opt, criterion=crit, out=tmp or "gradkit-watch-test", clip=clip, **{"log": None, **watch})
     data = torch.Generator().manual_seed(1)
     sizes = [3 + m for m in range(ga)]
     for step in range(steps):
@@ -31,6 +31,8 @@ def _job(defect=None, steps=3, ga=4, tmp=None, **watch):
             (loss if defect == "sum" else loss * sizes[m] / sum(sizes)).backward()
         if defect == "request" and step == 3:
             w.request()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         if defect != "keep":
             opt.zero_grad()
@@ -236,3 +238,17 @@ def test_a_second_run_into_the_same_folder_keeps_the_first_runs_records_aside(tm
     kept = list(tmp_path.glob("watch-*.jsonl"))
     assert len(kept) == 1 and [json.loads(x)["step"] for x in kept[0].read_text().splitlines()] == \
         [r["step"] for r in first.records] == [1, 2]
+
+
+def test_a_wrong_step_clipped_by_its_own_norm_is_still_named(tmp_path):
+    """Clipping scales the step the engine accumulated by that step's own norm: a loop that sums its micro-batches
+    (about 4x the gradient) is clipped back to the clip norm while the right step (under it) is not. The applied step
+    has the summed direction at the clip's norm, and is named so, not left unnamed for its scale."""
+    ref = _job(tmp=tmp_path / "ref", steps=1).records[0]["measured"]["metrics"]["reference_norm"]
+    clip = 2 * ref  # above the right step's norm, below the summed one's
+    w = _job("sum", tmp=tmp_path / "sum", steps=2, clip=clip)
+    for r in w.records:
+        m = r["measured"]["metrics"]
+        assert r["verdict"] == oracle.AFFECTED and r["clip_coef"] == 1.0, r["line"]
+        assert m["effective_norm"] == pytest.approx(clip, rel=1e-5)
+        assert r["matches"] == "sum of micro-batches", r["line"]

@@ -200,7 +200,7 @@ class Watch:
             out = wjudge.judgement(tally, p["rr"], p["maxref"], info["basis"], info["counts"], info["per_rank"],
                                    p["dtype"], own, self._prev_basis, self.context.get("loss_scale", 1.0),
                                    info.get("parts"), [n for n, _ in self.model.named_parameters()],
-                                   self.context.get("declared_ga"))
+                                   self.context.get("declared_ga"), self.clip)
         total = float(sum(info["counts"])) or 1.0
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),

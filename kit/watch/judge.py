@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from kit.judge import naming, oracle
+from kit.judge import naming, oracle, tolerances
 from kit.judge.parts import PART_LOST, PART_STALE
 from kit.watch.reference import all_gather, all_sum, world
 from kit.watch.sketch import Sketch
@@ -117,9 +117,32 @@ def _parts(tally: Tally, names: list, whole_norm: float) -> tuple[dict, dict]:
     return stale, lost
 
 
+def clipped_by_own_norm(cands: dict, full: torch.Tensor, effective: torch.Tensor, en: float, clip: float | None,
+                        coef: float, dtype: str) -> dict:
+    """Where the engine clips (``clip``) and the applied step's norm ``en`` sits at the clip, the step it took was
+    clipped by its own norm: a wrong step (a sum, a stale part added) is scaled by its own coefficient, not the
+    reference's (``coef``, which ``hypotheses`` carries). So each named step whose own norm reaches the clip (on the
+    sketch, within 4/sqrt(size) of it) is predicted at the applied step's norm: compared by direction alone. Named
+    steps that differ only by scale then all match, and the tie is said. Returns ``{name: factor}`` for the
+    weights (1.0 where nothing changes)."""
+    out = {name: 1.0 for name in cands}
+    if not clip or not coef or abs(en / clip - 1) > tolerances.tolerance(dtype).norm_ratio:
+        return out
+    reach = clip * (1 - 4 / math.sqrt(full.shape[1]))
+    target = float(effective.norm())
+    for name, w in cands.items():
+        weights = torch.zeros(len(full), dtype=torch.float64)
+        weights[:len(w)] = torch.as_tensor(w[:len(full)], dtype=torch.float64)
+        norm = float((weights @ full).norm())
+        if norm and norm / coef >= reach:
+            out[name] = target / norm
+    return out
+
+
 def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, counts: list, per_rank: list,
               dtype: str, own_sketches: list, prev: tuple | None = None, loss_scale: float = 1.0,
-              parts: torch.Tensor | None = None, names: list | None = None, declared_ga: int | None = None) -> dict:
+              parts: torch.Tensor | None = None, names: list | None = None, declared_ga: int | None = None,
+              clip: float | None = None) -> dict:
     """``{"measured", "control", "verdict", "why", "attribution", "explained", "shape"}`` of one consumed step.
     ``rr_all``: the squared norm of the reference over every parameter the optimizer steps; ``maxref`` its largest
     entry; ``basis``: each micro-batch's sketch of its summed-loss gradient (rank-major); ``prev``: the previous
@@ -128,7 +151,8 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
     partition is then fitted and named on its own, ``rank_buffers``), and ``own_sketches`` each partition's read;
     ``names``: the parameters' names, for the parts a step got wrong on their own: a parameter no micro-batch reached
     that was stepped anyway (an old gradient: ``PART_STALE``), one that was reached and got nothing (``PART_LOST``),
-    each judged as its share of the whole step (``groups``)."""
+    each judged as its share of the whole step (``groups``); ``clip``: the norm the engine clips at, where a wrong
+    step is clipped by its own norm (``clipped_by_own_norm``)."""
     c = tally.coef
     rn = c * math.sqrt(rr_all)
     en = math.sqrt(max(tally.ee, 0.0))
@@ -156,7 +180,9 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
         for q, (mine, rows_q) in enumerate(zip(own_sketches, parts)):
             basis_q = torch.stack([b / n if n else b for b, n in zip(rows_q, counts)])
             measured["rank_buffers"].append({"attribution": oracle.attribute(mine, basis_q, expected)})
-            h = naming.explain(mine, basis_q, hypotheses(counts, per_rank, c, loss_scale, own=q), dtype)
+            hyp = hypotheses(counts, per_rank, c, loss_scale, own=q)
+            scale = clipped_by_own_norm(hyp, rows, tally.se, en, clip, c, dtype)
+            h = naming.explain(mine, basis_q, {k: [x * scale[k] for x in w] for k, w in hyp.items()}, dtype)
             part_names.append(naming.step_name(h))
     elif len(own_sketches) > 1:
         measured["rank_spread"] = {"consumed gradients": oracle.spread(own_sketches)}
@@ -168,6 +194,8 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
     word, why = oracle.verdict(measured, control)
     cands = hypotheses(counts, per_rank, c, loss_scale, prev[1] if prev is not None else None,
                        declared_ga=declared_ga)
+    scale = clipped_by_own_norm(cands, full, tally.se, en, clip, c, dtype)
+    cands = {k: [x * scale[k] for x in w] for k, w in cands.items()}
     explained = naming.explain(tally.se, full, cands, dtype)
     n = max(per_rank) if per_rank else 1
     shape = naming.describe_weights(attribution["weights"], want.tolist(), len(per_rank), n)
