@@ -15,7 +15,7 @@ import torch.distributed as dist
 import kit.watch.judge as wj
 from kit.judge import oracle
 from kit.judge.parts import PART_LOST, PART_STALE
-from kit.watch.judge import STALE, Tally, hypotheses, judgement
+from kit.watch.judge import STALE, Tally, dot64, hypotheses, judgement
 from kit.watch.reference import restricted
 from kit.watch.sketch import Sketch
 
@@ -146,7 +146,7 @@ def judged(monkeypatch, step, grads, counts=COUNTS, per_rank=PER_RANK, coef=1.0,
     of its fragments ``(t, start, values)`` (a read that misses, repeats or misplaces a piece)."""
     w = len(per_rank)
     ref = reference(grads, counts)
-    rr_all = sum(float((r * r).sum(dtype=torch.float64)) for r in ref)
+    rr_all = sum(dot64(r) for r in ref)  # as kit.watch.core sums the reference's norm
     maxref = max(float(r.abs().max()) for r in ref)
     sketch = Sketch(NUMELS, size)
     basis = torch.stack([sketch.of(g) for g in grads])

@@ -179,7 +179,7 @@ class Watch:
             if t in judged:
                 reference.all_sum(g)  # a collective on every rank, in module order
                 g.div_(total)
-                rr += float((g * g).sum(dtype=torch.float64))  # as the tally sums its pieces (kit.watch.judge)
+                rr += wjudge.dot64(g)  # as the tally sums its pieces
                 top = max(top, float(g.abs().max()) if g.numel() else 0.0)
             ref.append(g)
         coef = reference.clip_coef(rr ** 0.5, self.clip)

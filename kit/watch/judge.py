@@ -21,6 +21,17 @@ _CHUNK = 1 << 22
 STALE = "the previous step's gradient applied again"
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
+    """The dot product of two tensors' values (``a`` with itself without ``b``) in fp64, a chunk at a time: the
+    products of fp32 values are exact there, so sums taken over different pieces agree to fp64's rounding."""
+    a, b = a.reshape(-1), a.reshape(-1) if b is None else b.reshape(-1)
+    total = 0.0
+    for lo in range(0, a.numel(), _CHUNK):
+        x = a[lo:lo + _CHUNK].double()
+        total += float(torch.dot(x, x if b is a else b[lo:lo + _CHUNK].double()))
+    return total
+
+
 class Tally:
     """Sums over the pieces of a consumed gradient, against the reference (``ref``: one tensor per parameter, the
     global-batch gradient; ``coef``: the clip coefficient the engine should apply to it)."""
@@ -35,17 +46,16 @@ class Tally:
     def add(self, t: int, start: int, values: torch.Tensor) -> None:
         r_all = self.ref[t].reshape(-1)
         n = values.numel()
-        f64 = torch.float64
-        for lo in range(0, n, _CHUNK):  # fp32 products summed in fp64: the reference's own norm is summed the same way
-            v = values[lo:lo + _CHUNK].float()
-            r = r_all[start + lo:start + lo + v.numel()].to(v.device).float()
-            d = v - self.coef * r
-            vv, rr = float((v * v).sum(dtype=f64)), float((r * r).sum(dtype=f64))
+        for lo in range(0, n, _CHUNK):  # fp64 dot products (as the reference's own norm, dot64)
+            v = values[lo:lo + _CHUNK].double()
+            r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
+            vv, rr = float(torch.dot(v, v)), float(torch.dot(r, r))
             self.ee += vv
             self.per[t, 0] += vv
             self.per[t, 1] += rr
-            self.er += float((v * r).sum(dtype=f64))
-            self.dd += float((d * d).sum(dtype=f64))
+            self.er += float(torch.dot(v, r))
+            d = v.sub_(r, alpha=self.coef)  # v is a copy of its own: the difference in place
+            self.dd += float(torch.dot(d, d))
             self.rr += rr
             self.maxdiff = max(self.maxdiff, float(d.abs().max()) if d.numel() else 0.0)
         self.sketch.add(self.se, t, values, start)
