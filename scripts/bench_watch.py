@@ -61,7 +61,7 @@ def watch_bench(json_path: str) -> int:
     return 0
 
 
-def one_shape(rounds: int = 6, ga: int = 4, rows: int = 4, seq: int = 64, size: tuple = (256, 4, 4096)) -> dict:
+def one_shape(rounds: int = 10, ga: int = 4, rows: int = 4, seq: int = 64, size: tuple = (256, 4, 4096)) -> dict:
     """Rounds of three steps of one loop, interleaved so that the machine's drift falls on each alike: a step with
     no watch on the model, one with the watch on judging nothing, one judged (``request()``)."""
     import psutil
