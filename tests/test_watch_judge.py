@@ -15,7 +15,7 @@ import torch.distributed as dist
 import kit.watch.judge as wj
 from kit.judge import oracle
 from kit.judge.parts import PART_LOST, PART_STALE
-from kit.watch.judge import STALE, Tally, dot64, hypotheses, judgement
+from kit.watch.judge import STALE, Tally, clipped_by_own_norm, dot64, hypotheses, judgement
 from kit.watch.reference import restricted
 from kit.watch.sketch import Sketch
 
@@ -286,6 +286,28 @@ def test_a_replicated_tally_keeps_each_ranks_own_sums(monkeypatch):
         assert [torch.allclose(a, sketch.of(x), atol=1e-9) for a, x in zip(own[q], steps)] == [True, True]
 
 
+def test_dot64_is_the_fp64_dot_product_over_every_chunk_of_any_layout(monkeypatch):
+    """``_CHUNK`` 7 over 30 values: four whole chunks and a part of one; ``a`` a transposed (non-contiguous) 2-D
+    tensor, ``b`` another shape of as many values, each read in its flat (row-major) order."""
+    monkeypatch.setattr(wj, "_CHUNK", 7)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 5, generator=g).t(), torch.randn(3, 10, generator=g)
+    assert not a.is_contiguous()
+    fa, fb = a.reshape(-1).double(), b.reshape(-1).double()
+    assert dot64(a) == pytest.approx(float(fa @ fa), rel=1e-12)  # a with itself
+    assert dot64(a, b) == pytest.approx(float(fa @ fb), rel=1e-12)  # a with b, chunk by chunk alike
+    assert dot64(b, a) == pytest.approx(dot64(a, b), rel=1e-12) and dot64(a, a) == pytest.approx(dot64(a), rel=1e-12)
+    assert dot64(a, -a) == pytest.approx(-dot64(a), rel=1e-12)
+    assert dot64(torch.zeros(0)) == 0.0 and dot64(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+def test_dot64_sums_exact_products_where_fp32_would_round():
+    """4097**2 = 16785409 needs 25 bits: fp32 rounds each product, fp64 holds it and the sum exactly."""
+    a = torch.full((2, 3), 4097.0)
+    assert dot64(a) == 6 * 4097 ** 2 and dot64(a, torch.ones(6)) == 6 * 4097
+    assert float(torch.dot(a.reshape(-1), a.reshape(-1))) != 6 * 4097 ** 2
+
+
 # ---------------------------------------------------------------- a partitioned read, judged
 
 def test_a_correct_partitioned_step_is_not_affected_and_every_partition_is_the_global_mean(monkeypatch):
@@ -522,3 +544,78 @@ def test_a_read_that_finds_nothing_is_inconclusive_with_nothing_measured(monkeyp
     assert m["rel_l2"] == pytest.approx(1.0)  # the whole reference missed
     assert rec["verdict"] == oracle.INCONCLUSIVE and rec["control"]["metrics"]["norm_ratio"] == 0.0
 
+
+
+# ---------------------------------------------------------------- a wrong step clipped by its own norm
+
+def _at_the_clip(clip=2.0, size=256):
+    """Named steps over three micro-batch rows of a sketch of ``size`` (orthogonal, unit), an applied step at
+    ``clip``'s norm. With 256 coordinates a named step reaches the clip from clip * (1 - 4/16) = 1.5 on."""
+    full = torch.zeros(3, size, dtype=torch.float64)
+    full[0, 0] = full[1, 1] = full[2, 2] = 1.0
+    effective = torch.zeros(size, dtype=torch.float64)
+    effective[5] = clip
+    cands = {"at the reach": [1.5], "just above": [0.0, 1.6], "just below": [0.0, 0.0, 1.4], "over": [2.5, 0.0, 1.0],
+             "nothing": [0.0, 0.0, 0.0], "short": [], "long": [0.0, 3.0, 0.0, 9.0]}
+    return cands, full, effective
+
+
+def test_a_named_step_that_reaches_the_clip_is_predicted_at_the_applied_norm():
+    cands, full, effective = _at_the_clip()
+    for coef in (1.0, 0.5):  # the reference's own clip coefficient is in every named step: its norm is divided by it
+        scale = clipped_by_own_norm({k: [coef * x for x in w] for k, w in cands.items()}, full, effective, 2.0, 2.0,
+                                    coef, "fp32")
+        assert scale == pytest.approx({"at the reach": 2.0 / 1.5 / coef, "just above": 2.0 / 1.6 / coef,
+                                       "just below": 1.0, "over": 2.0 / math.hypot(2.5, 1.0) / coef, "nothing": 1.0,
+                                       "short": 1.0, "long": 2.0 / 3.0 / coef}, rel=1e-12), coef
+    # the reach on another sketch size: 1 - 4/sqrt(64) = 0.5 of the clip
+    cands, full, effective = _at_the_clip(size=64)
+    scale = clipped_by_own_norm({"half": [1.0], "under half": [0.0, 0.99]}, full, effective, 2.0, 2.0, 1.0, "fp32")
+    assert scale == {"half": 2.0, "under half": 1.0}
+
+
+def test_nothing_is_rescaled_without_a_clip_or_where_the_applied_step_is_off_the_clip():
+    cands, full, effective = _at_the_clip()
+    ones = {k: 1.0 for k in cands}
+    assert clipped_by_own_norm(cands, full, effective, 2.0, None, 1.0, "fp32") == ones  # no clip
+    assert clipped_by_own_norm(cands, full, effective, 2.0, 0.0, 1.0, "fp32") == ones
+    assert clipped_by_own_norm(cands, full, effective, 2.0, 2.0, 0.0, "fp32") == ones  # a zero coefficient
+    for en in (1.0, 3.0, 2.0 * (1 + 2 * FP32.norm_ratio), 2.0 * (1 - 2 * FP32.norm_ratio)):  # off by > fp32's limit
+        assert clipped_by_own_norm(cands, full, effective, en, 2.0, 1.0, "fp32") == ones, en
+    for en, dtype in ((2.0 * (1 + FP32.norm_ratio / 2), "fp32"), (2.0 * (1 - FP32.norm_ratio / 2), "fp32"),
+                      (2.0 * 1.02, "bf16")):  # within the dtype's limit: at the clip
+        scale = clipped_by_own_norm(cands, full, effective, en, 2.0, 1.0, dtype)
+        assert scale["just above"] == pytest.approx(2.0 / 1.6) and scale["just below"] == 1.0, (en, dtype)
+
+
+def _clipped(grads, weights, clip):
+    step = combo(grads, weights)
+    return [x * clip / float(flat(step).norm()) for x in step]
+
+
+def test_a_partitioned_step_clipped_by_its_own_norm_is_named_for_the_step_and_in_every_partition(monkeypatch):
+    """A summed step (about 5x the reference) clipped at twice the reference's norm (the right step is not
+    clipped): its direction at the clip. The sum and the mean of micro-batch means differ only by scale, so both
+    match and the tie is said, for the whole step and in each partition (each scaled by the whole step's factor)."""
+    grads = grads_of()
+    clip = 2 * float(flat(reference(grads)).norm())
+    step = _clipped(grads, DEFECTS["sum of micro-batches"](), clip)
+    tie = "ambiguous between 'mean of micro-batch means' and 'sum of micro-batches'"
+    rec = _same_on_every_rank(judged(monkeypatch, step, grads, clip=clip))
+    assert rec["measured"]["metrics"]["effective_norm"] == pytest.approx(clip, rel=1e-6)
+    assert rec["verdict"] == oracle.AFFECTED and rec["matches"] == tie and rec["partitions"] == [tie, tie]
+    rec = _same_on_every_rank(judged(monkeypatch, step, grads))  # the clip not said: no named step at that scale
+    assert rec["matches"] == "none" and rec["partitions"] == ["none", "none"]
+
+
+def test_a_wrong_step_clipped_by_its_own_norm_where_the_reference_is_clipped_too(monkeypatch):
+    """The clip at half the reference's norm: the reference's coefficient 0.5, the per-rank mean (about the
+    reference's norm) clipped by its own, 0.5 / 1.005: named, uniquely, for the step and in each partition."""
+    grads = grads_of()
+    clip = 0.5 * float(flat(reference(grads)).norm())
+    name = "each rank's own mean"
+    step = _clipped(grads, DEFECTS[name](), clip)
+    rec = _same_on_every_rank(judged(monkeypatch, step, grads, coef=0.5, clip=clip))
+    assert rec["verdict"] == oracle.AFFECTED and rec["matches"] == name and rec["partitions"] == [name, name]
+    rec = _same_on_every_rank(judged(monkeypatch, step, grads, coef=0.5))
+    assert rec["matches"] == "none" and rec["partitions"] == ["none", "none"]
