@@ -101,6 +101,22 @@ def test_a_half_written_error_file_does_not_hide_the_rank_that_raised(tmp_path):
     assert e.rank == 1 and "needle-8" in str(e)
 
 
+def test_a_rank_that_stopped_because_a_peer_did_is_not_blamed_even_when_seen_first(tmp_path):
+    """CI of session 43: rank 1 was SIGKILLed, rank 0 then raised WorldDesynchronised at the barrier after the case
+    and its exit was seen first. The killed rank is the cause."""
+    import json
+    (tmp_path / "rank0.error.json").write_text(json.dumps({
+        "rank": 0, "time": 1.0, "type": "WorldDesynchronised", "traceback": "tb",
+        "message": "case 'x' (GA=4) ended on rank 0 (ok) but not on every rank within 120 s: Connection closed"}))
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    from kit.launch import results
+    e = results.blame([0, 1], [1, -9], tmp_path, logs)
+    assert e.rank == 1 and str(e).startswith("rank 1 died: killed by signal 9 (SIGKILL)")
+    assert "Then: rank 0 exited with code 1 after WorldDesynchronised" in str(e)
+    e = results.blame([0], [1, None], tmp_path, logs)  # alone, it is all there is to say
+    assert e.rank == 0 and "WorldDesynchronised" in str(e)
+
+
 def test_dry_run_prints_the_command_lines(tmp_path, capsys):
     hf = _hostfile(tmp_path)
     assert launch.main(["--world-size", "16", "--device", "cuda", "--launcher", "deepspeed", "--nnodes", "2",

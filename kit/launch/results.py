@@ -69,11 +69,17 @@ def _read_whole(path: Path) -> dict | None:
         return None
 
 
+# Errors a rank raises because a peer failed (kit.probes.ranks.judging: a peer did not reach the barrier after a case):
+# never the cause where another rank failed too, whatever the order in which their exits were seen
+CONSEQUENCES = ("WorldDesynchronised",)
+
+
 def blame(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: bool = True,
           started_in: Path | None = None) -> RankFailed:
     """The rank to blame: the first to go (``bad`` is in exit order). Its own exception if it raised one;
     else how it died (a signal, an exit code) and its last output. The others' errors come after, as context:
-    when one rank dies, its peers fail a moment later in their collectives. Under torchrun or the DeepSpeed
+    when one rank dies, its peers fail a moment later in their collectives (a peer that raised one of
+    ``CONSEQUENCES`` is never blamed over another failed rank). Under torchrun or the DeepSpeed
     launcher (``by_exit=False``) the kit sees launchers, not ranks: the first rank to raise is blamed."""
     tails = {r: tail(logs[r]) for r in range(len(logs))}
     found = [*(started_in.glob("rank*.error.json") if started_in else []), *job.glob("rank*.error.json")]
@@ -81,6 +87,8 @@ def blame(bad: list[int], codes: list, job: Path, logs: list[Path], by_exit: boo
     first = bad[0]
     if errors and (not by_exit or all(codes[r] >= 0 for r in bad)):
         first = min(errors.values(), key=lambda x: x["time"])["rank"]  # every rank exited itself: the first raise
+    if errors.get(first, {}).get("type") in CONSEQUENCES and len(bad) > 1:
+        first = next(r for r in bad if r != first)  # it stopped because a peer did: the peer is the cause
     if not by_exit:
         bad = [first]
     later = [f"rank {r} {how_it_ended(codes[r])}" + (f" after {errors[r]['type']}: {errors[r]['message'][:200]}"
