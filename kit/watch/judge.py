@@ -24,11 +24,11 @@ STALE = "the previous step's gradient applied again"
 def dot64(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
     """The dot product of two tensors' values (``a`` with itself without ``b``) in fp64, a chunk at a time: the
     products of fp32 values are exact there, so sums taken over different pieces agree to fp64's rounding."""
-    a, b = a.reshape(-1), a.reshape(-1) if b is None else b.reshape(-1)
+    a, b = a.reshape(-1), None if b is None else b.reshape(-1)
     total = 0.0
     for lo in range(0, a.numel(), _CHUNK):
         x = a[lo:lo + _CHUNK].double()
-        total += float(torch.dot(x, x if b is a else b[lo:lo + _CHUNK].double()))
+        total += float(torch.dot(x, x if b is None else b[lo:lo + _CHUNK].double()))  # a square: one conversion
     return total
 
 
