@@ -1,0 +1,81 @@
+"""The watch in real 2-rank jobs of the Hugging Face side (``examples/watch``: the Trainer, TRL's ``SFTTrainer``,
+Accelerate), run as users run them (torchrun): a release that has the bug is ``affected`` and named, one that does
+not is ``not-affected``, and the verdict agrees with the replica's (``gradkit check``) where both can judge. The
+DeepSpeed and FSDP2 jobs are tests/test_watch_jobs.py (two files: the two test workers take one each)."""
+import pytest
+
+from kit.judge import oracle
+from tests.test_watch_jobs import _run
+
+
+def _verdicts(recs, logged: bool = False) -> list:
+    return [r["verdict"] for r in recs if ("logged_norm" in r) == logged]
+
+
+@pytest.mark.world
+def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_and_4_46_3_miscounts(tmp_path, capsys):
+    """... as ``gradkit check --path trainer`` says of 4.46.3 on the kit's own model and data."""
+    from kit.commands import check
+
+    now = _run(tmp_path / "now", "trainer_job.py", "--collator", "pad")
+    assert _verdicts(now) == _verdicts(now, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in now]
+    assert all(r["loss"] == "mean over label tokens" and r["read"] == "parameters" for r in now if "ga" in r)
+    old = _run(tmp_path / "old", "trainer_job.py", "--collator", "pad",
+               stack={"transformers": "4.46.3", "accelerate": "1.0.1"})
+    assert _verdicts(old) == _verdicts(old, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in old]
+    ratio = old[0]["measured"]["metrics"]["norm_ratio"]
+    assert 0.85 < ratio < 0.95  # unshifted labels counted: one more per row in the divisor
+    assert check.main(["--path", "trainer", "--transformers", "4.46.3"]) == 1, capsys.readouterr().out
+
+
+@pytest.mark.world
+def test_a_compute_loss_that_forgets_to_divide_is_affected_at_every_judged_step(tmp_path):
+    """Clipping (the Trainer's max_grad_norm 1.0) makes a step whose gradient is only too large right where the
+    reference is clipped too (step 2 here); the norm the Trainer logs for it is ~N/W times the reference's."""
+    recs = _run(tmp_path, "trainer_job.py", "--collator", "pad", "--custom-loss")
+    assert _verdicts(recs, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in recs]
+    assert _verdicts(recs)[0] == oracle.AFFECTED
+    assert all(r["logged_norm"] / r["reference_norm"] > 30 for r in recs if "logged_norm" in r)
+
+
+@pytest.mark.world
+def test_a_packing_collator_is_exact_where_its_token_count_is_right_and_affected_where_it_is_not(tmp_path):
+    right = _run(tmp_path / "right", "trainer_job.py", "--collator", "packed")
+    assert _verdicts(right) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in right]
+    wrong = _run(tmp_path / "wrong", "trainer_job.py", "--collator", "packed-wrong")
+    assert _verdicts(wrong) == [oracle.AFFECTED] * 2, [r["line"] for r in wrong]
+    assert all(r["measured"]["metrics"]["cosine"] < 0.99 for r in wrong if "measured" in r)
+
+
+@pytest.mark.world
+def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0_31_0_does_not(tmp_path, capsys):
+    """... as ``gradkit check --path accelerate`` says of 0.30.1 on the kit's own model and data."""
+    from kit.commands import check
+
+    old = _run(tmp_path / "old", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
+    for r in old:
+        assert r["verdict"] == oracle.AFFECTED and r["matches"] == "global mean / GA", r["line"]
+        assert r["ga"] == 1 and "after 1 of the 4" in r["short_window"] and r["known"].startswith("ACC (")
+        assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.25, abs=1e-5)
+    cfg = tmp_path / "acc.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\ngradient_accumulation_steps: 4\nmixed_precision: no\n")
+    code = check.main([str(cfg), "--path", "accelerate", "--sync-each-batch", "--accelerate", "0.30.1"])
+    assert code == 1, capsys.readouterr().out
+    new = _run(tmp_path / "new", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.31.0"})
+    assert [r["verdict"] for r in new] == [oracle.NOT_AFFECTED] * 2 and all(r["ga"] == 4 for r in new)
+
+
+@pytest.mark.world
+def test_trls_sft_trainer_takes_the_same_callback_exact_where_it_means_the_token_mean_and_named_where_not(tmp_path):
+    """TRL's ``SFTTrainer`` (a Trainer subclass, its own loss through a fused LM head patched onto the model) with
+    packing at its default bf16: not-affected. With ``average_tokens_across_devices=False`` each rank divides by its
+    own tokens: affected, each step named "each rank's own mean" (rank 0's micro-batches over-weighted, rank 1's
+    under), the second one clipped by its own norm."""
+    packed = _run(tmp_path / "p", "trl_job.py", "--packing")
+    assert [r["verdict"] for r in packed if "measured" in r] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in packed]
+    assert all(r["dtype"] == "bf16" and r["loss"] == "mean over label tokens" for r in packed if "measured" in r)
+    per_rank = _run(tmp_path / "r", "trl_job.py", "--fp32", "--per-rank-mean")
+    steps = [r for r in per_rank if "measured" in r]
+    assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in steps]
+    for r in steps:  # step 2's sum reaches the clip (1.0): it is clipped by its own norm, and named all the same
+        assert r["matches"] == "each rank's own mean", r["line"]
