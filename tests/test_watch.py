@@ -169,9 +169,13 @@ def test_a_forward_patched_onto_the_model_is_not_the_reference(tmp_path):
         def __init__(self):
             super().__init__()
             self.body, self.out = nn.Linear(6, 12), nn.Linear(12, 6)
+            self.squash = self._squash  # a method kept as an attribute: the copy calls its own
+
+        def _squash(self, x):
+            return torch.tanh(self.body(x))
 
         def forward(self, input_ids):
-            return self.out(torch.tanh(self.body(nn.functional.one_hot(input_ids, 6).float())))
+            return self.out(self.squash(nn.functional.one_hot(input_ids, 6).float()))
 
     torch.manual_seed(0)
     model = Head()

@@ -79,11 +79,15 @@ def copy_of(model: nn.Module) -> nn.Module:
         for name in HOOK_DICTS:
             if name in new.__dict__:
                 new.__dict__[name] = collections.OrderedDict()
-        for name, v in list(new.__dict__.items()):  # a method patched onto the instance (TRL's fused LM head,
-            if isinstance(v, types.MethodType) and v.__self__ is m:  # Accelerate's fp32 outputs) is bound to the
-                del new.__dict__[name]  # user's module and is code under test: the copy computes with its class's own
+        for name, v in list(new.__dict__.items()):  # methods bound to the user's module, kept on the instance
+            if not (isinstance(v, types.MethodType) and v.__self__ is m):
+                continue
+            if hasattr(type(new), name):  # one of the class's patched over (TRL's fused LM head, Accelerate's fp32
+                del new.__dict__[name]  # outputs): code under test; the copy computes with the class's own
                 if name == "forward" and m is model:
-                    patched.update(_own_keywords(v, type(m).forward))
+                    patched.update(_own_keywords(v, type(new).forward))
+            else:  # a method kept as an attribute (self.act = self.gelu): the copy's own
+                new.__dict__[name] = types.MethodType(v.__func__, new)
         new.__dict__["_non_persistent_buffers_set"] = set(m.__dict__.get("_non_persistent_buffers_set", ()))
         new.__dict__["_parameters"] = {k: param(p) for k, p in m._parameters.items()}
         new.__dict__["_buffers"] = {k: None if b is None else (b.detach().float() if b.is_floating_point()
