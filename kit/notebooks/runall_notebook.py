@@ -79,13 +79,18 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     """Run one notebook in its own papermill process; never raises for the notebook's own failures. A kernel that
     dies before its first reply (``KERNEL_DIED_AT_START``: no cell ran) gets one more start, said in ``retried``."""
     entry = _execute(path, out, params, timeout_s, run_id)
-    log = out / f"{path.stem}.papermill.log"
-    if entry["status"] == "failed" and not entry.get("failing_cell") and KERNEL_DIED_AT_START in log.read_text(errors="replace"):
+    said = _log(path, out).read_text(errors="replace")
+    if entry["status"] == "failed" and not entry.get("failing_cell") and KERNEL_DIED_AT_START in said:
         first = entry
         entry = _execute(path, out, params, timeout_s, run_id)
         entry["retried"] = f"its first kernel died before replying, {first['wall_s']:g} s after the start"
         entry["wall_s"] = round(entry["wall_s"] + first["wall_s"], 1)
     return entry
+
+
+def _log(path: Path, out: Path) -> Path:
+    """Where a notebook's papermill process writes what it prints."""
+    return out / f"{path.stem}.papermill.log"
 
 
 def _execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str) -> dict:
@@ -100,7 +105,7 @@ def _execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str)
         return {**entry, "status": "stopped", "wall_s": 0.0, "error": f"not started: the run was stopped ({STOP.signal})"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(params, f)  # JSON is YAML: papermill reads it with -f
-    log = out / f"{path.stem}.papermill.log"
+    log = _log(path, out)
     cmd = [sys.executable, "-m", "papermill", str(path), str(executed), "-f", f.name, "-k", KERNEL,
            "--cwd", str(REPO), "--execution-timeout", str(int(timeout_s)), "--no-progress-bar",
            "--request-save-on-cell-execute"]

@@ -8,7 +8,6 @@ than an older transformers' companion overlays carry, so every older-transformer
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 from pathlib import Path
 
@@ -32,10 +31,4 @@ def ensure(name: str) -> Path:
     # copies the module's globals, and pyarrow's cannot be): the folder is named so
     target = versions.overlay_root() / f"extras-{name}-{key}" / "site-packages"
     target.parent.mkdir(parents=True, exist_ok=True)
-    if (target / ".complete").exists() and not versions.overlay_damage(target):
-        return target
-    with open(versions.overlay_root() / f".extras-{name}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two jobs asking at once build it once
-        if (target / ".complete").exists() and not versions.overlay_damage(target):
-            return target
-        return versions.install(target, requirements)
+    return versions.ensure_folder(target, requirements, versions.overlay_root() / f".extras-{name}-{key}.lock")

@@ -115,23 +115,29 @@ def ensure_overlay(package: str, version: str) -> Path:
         raise kconfig.ConfigError(f"overlays exist for {PACKAGES}, not {package!r}")
     kconfig.check_version(version)
     target = overlay_root() / f"{package}-{version}"
+    lock = overlay_root() / f".{package}-{version}.lock"
+    try:
+        return ensure_folder(target, [f"{package}=={version}"], lock)
+    except UnknownVersion:
+        lock.unlink(missing_ok=True)  # nothing left behind
+        raise
+
+
+def ensure_folder(target: Path, requirements: list[str], lock: Path) -> Path:
+    """``target`` holding ``requirements`` (``install``), once, under the file lock ``lock`` (two notebooks or jobs
+    asking at once build it once), verified by its manifest: a damaged folder is reinstalled with a warning."""
     if (target / ".complete").exists() and not overlay_damage(target):
         return target
-    with open(overlay_root() / f".{package}-{version}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two notebooks asking for the same version build it once
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
         if (target / ".complete").exists():
             damage = overlay_damage(target)
             if not damage:
                 return target
             print(f"gradkit: the overlay {target} is damaged ({len(damage)} file(s): {', '.join(damage[:3])}); "
-                  f"reinstalling {package}=={version}", file=sys.stderr)
+                  f"reinstalling {' '.join(requirements)}", file=sys.stderr)
             (target / ".complete").unlink()
-        try:
-            install(target, [f"{package}=={version}"])
-        except UnknownVersion:
-            (overlay_root() / f".{package}-{version}.lock").unlink(missing_ok=True)  # nothing left behind
-            raise
-    return target
+        return install(target, requirements)
 
 
 def install(target: Path, requirements: list[str]) -> Path:

@@ -39,10 +39,10 @@ class Sketch:
     """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Coordinate i of tensor
     t goes into bucket ``(i + s_t) mod size`` with the sign of ``c_t * i`` as an int64 product (its top bit; c_t odd,
     s_t and c_t drawn per tensor from the seed): the sign is the random part, so inner products are kept in
-    expectation as with hashed buckets, and a chunk of coordinates is signed and summed down its whole rows of ``size``
-    (a ragged head and tail added on their own), with no scatter and no padded copy. The signs of a tensor are kept once drawn (one byte per coordinate, a
-    quarter of an fp32 gradient: a judged step sketches every tensor K + 2 times) until the sketch is dropped with
-    its judged step. ``size`` is a power of two."""
+    expectation as with hashed buckets, and a chunk of coordinates is signed and summed down its whole rows of
+    ``size`` (a ragged head and tail added on their own), with no scatter and no padded copy. The signs of a tensor
+    are kept once drawn (one byte per coordinate, a quarter of an fp32 gradient: a judged step sketches every tensor
+    K + 2 times) until the sketch is dropped with its judged step. ``size`` is a power of two."""
 
     def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
