@@ -79,8 +79,8 @@ def execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str =
     """Run one notebook in its own papermill process; never raises for the notebook's own failures. A kernel that
     dies before its first reply (``KERNEL_DIED_AT_START``: no cell ran) gets one more start, said in ``retried``."""
     entry = _execute(path, out, params, timeout_s, run_id)
-    said = _log(path, out).read_text(errors="replace")
-    if entry["status"] == "failed" and not entry.get("failing_cell") and KERNEL_DIED_AT_START in said:
+    if entry["status"] == "failed" and not entry.get("failing_cell") and \
+            KERNEL_DIED_AT_START in _log(path, out).read_text(errors="replace"):  # a failed start wrote its log
         first = entry
         entry = _execute(path, out, params, timeout_s, run_id)
         entry["retried"] = f"its first kernel died before replying, {first['wall_s']:g} s after the start"
