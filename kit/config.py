@@ -52,7 +52,7 @@ def cache_dir() -> Path:
     return d
 
 
-LAUNCHERS = ("local", "torchrun", "deepspeed")  # how a world's ranks are started (``kit.launch.World.launcher``)
+LAUNCHERS = ("local", "torchrun", "deepspeed")  # how a world's ranks are started (``gradkit.launch.World.launcher``)
 ENVIRONMENT = ("GRADKIT_CACHE", "GRADKIT_LAUNCHER", "GRADKIT_NNODES", "GRADKIT_HOSTFILE", "GRADKIT_MASTER_ADDR",
                "GRADKIT_SYNC_TIMEOUT_S", "GRADKIT_RUN_ID", "GRADKIT_PROGRESS", "GRADKIT_NO_FORK_SERVER")
 
@@ -163,7 +163,7 @@ FRONTEND_ENV = "JPY_SESSION_NAME"  # jupyter_server sets it for the kernels of t
 def interactive(value=AUTO) -> bool:
     """A notebook's ``INTERACTIVE``: True / False as given; "auto" (the stored default, so that nobody edits and
     autosaves a tracked notebook to get widgets) is True in a JupyterLab or Notebook session, False under
-    papermill or nbconvert. ``kit.notebooks.runall`` passes False and keeps the variable out of its kernels."""
+    papermill or nbconvert. ``gradkit.notebooks.runall`` passes False and keeps the variable out of its kernels."""
     if isinstance(value, bool):
         return value
     if value != AUTO:

@@ -1,6 +1,6 @@
-"""One registry type for what the kit finds by being there: the probes (``kit.probes``) and the model shapes
-(``kit.shapes``). Every module of the package that defines the attribute (``PROBE``, ``SHAPE``) as an instance of the
-type is registered under its key; the other modules of the package (the type's own module, shared helpers) define
+"""One registry type for what the kit finds by being there: the probes (``gradkit.probes``) and the model shapes
+(``gradkit.shapes``). Every module of the package that defines the attribute (``PROBE``, ``SHAPE``) as an instance of
+the type is registered under its key; the other modules of the package (the type's own module, shared helpers) define
 none and are passed over. Adding one edits no list; ``register`` adds one from elsewhere (a plugin, a test)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 from typing import Callable, Generic, TypeVar
 
-from kit import config as kconfig
+from gradkit import config as kconfig
 
 T = TypeVar("T")
 

@@ -87,20 +87,20 @@ def main() -> int:
         return runall_bench(a.json or str(REPO / "runs" / "bench_runall.json"), a.cold)
     a.json = a.json or str(REPO / "runs" / "bench.json")
 
-    from kit import launch
-    from kit.probes import bf16_leak, pipeline_ga, zero_boundary
+    from gradkit import launch
+    from gradkit.probes import bf16_leak, pipeline_ga, zero_boundary
 
     res = {"cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-") as cold_cache:
         saved = os.environ.get("GRADKIT_CACHE")
         os.environ["GRADKIT_CACHE"] = cold_cache
-        res["cold_launch_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
-        res["warm_launch_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
+        res["cold_launch_s"], _ = timed(lambda: launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
+        res["warm_launch_s"], _ = timed(lambda: launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, timeout_s=600))
         if saved is None:
             os.environ.pop("GRADKIT_CACHE")
         else:
             os.environ["GRADKIT_CACHE"] = saved
-    launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
+    launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, timeout_s=600)  # warm the real cache
     res["b4_probe_s"], recs = timed(lambda: bf16_leak.run(world_size=2, ga_values=(1, 2, 4, 8), timeout_s=600))
     res["b4_probe_configs"] = len(recs)
     res["b3_probe_s"], recs = timed(lambda: zero_boundary.run(world_sizes=(2,), fix_n_values=(4,), timeout_s=600))
@@ -111,29 +111,29 @@ def main() -> int:
 
     cases = bf16_leak.plan((1, 2), cases=tuple(bf16_leak.CASES))
     world = launch.World(world_size=2, timeout_s=600)
-    t_one, _ = timed(lambda: launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
-    t_each, _ = timed(lambda: [launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": [c]}, world) for c in cases])
+    t_one, _ = timed(lambda: launch.run_world("gradkit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
+    t_each, _ = timed(lambda: [launch.run_world("gradkit.probes.ranks.bf16_leak:run_rank", {"cases": [c]}, world) for c in cases])
     res["configs"] = len(cases)
     res["one_world_s"], res["one_launch_per_config_s"] = t_one, t_each
     res["configs_per_min_one_world"] = 60 * len(cases) / t_one
     res["configs_per_min_one_launch_per_config"] = 60 * len(cases) / t_each
     with launch.warm_worlds():  # the same configurations as a job of a warm world (its start-up paid by a first job)
-        launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases[:1]}, world)
-        t_warm, _ = timed(lambda: launch.run_world("kit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
+        launch.run_world("gradkit.probes.ranks.bf16_leak:run_rank", {"cases": cases[:1]}, world)
+        t_warm, _ = timed(lambda: launch.run_world("gradkit.probes.ranks.bf16_leak:run_rank", {"cases": cases}, world))
     launch.stop_warm_worlds()
     res["warm_world_s"] = t_warm
     res["configs_per_min_warm_world"] = 60 * len(cases) / t_warm
 
     for name in launch.LAUNCHERS:
         w = launch.World(world_size=2, timeout_s=600, launcher=name)
-        res[f"warm_launch_{name}_s"], _ = timed(lambda: launch.run_world("kit.launch.selftest:ping", {}, w))
+        res[f"warm_launch_{name}_s"], _ = timed(lambda: launch.run_world("gradkit.launch.selftest:ping", {}, w))
 
     import matplotlib
     matplotlib.use("Agg")
-    from kit.notebooks import explore
+    from gradkit.notebooks import explore
     ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
     res["explorer_run_button_first_s"], _ = timed(ex.run)  # starts the explorer's warm world
-    res["explorer_run_button_warm_s"], _ = timed(ex.run)  # its ranks stayed up (kit.launch.warm_worlds)
+    res["explorer_run_button_warm_s"], _ = timed(ex.run)  # its ranks stayed up (gradkit.launch.warm_worlds)
     launch.stop_warm_worlds()
 
 

@@ -31,7 +31,7 @@ def noise(json_path: str) -> int:
     GA 8 / 32 / 64 (W = 2), and the B3 probe's stages that keep every micro-batch (ZeRO-0 and ZeRO-3, fp32 and
     bf16, N = 8, W = 2), each with its rel. error, |ratio - 1|, misplaced weight and rank spread.
     """
-    from kit.probes import bf16_leak, zero_boundary
+    from gradkit.probes import bf16_leak, zero_boundary
 
     rows = []
     for r in bf16_leak.run(world_size=2, ga_values=(8, 32, 64), cases=("leak", "bf16_accum", "control"), timeout_s=900):
@@ -71,9 +71,9 @@ def fp16_noise() -> list[dict]:
 
     import torch
 
-    from kit.judge import oracle
-    from kit.probes import ds_config as dc
-    from kit.probes.ranks import common as c, ds_config as rank_dc
+    from gradkit.judge import oracle
+    from gradkit.probes import ds_config as dc
+    from gradkit.probes.ranks import common as c, ds_config as rank_dc
 
     out = []
     for accum in ("fp16", "fp32"):
@@ -119,19 +119,19 @@ def fp16_noise() -> list[dict]:
 
 
 def profile(json_path: str) -> int:
-    """Where the explorer's warm B3 Run goes: the caller, each rank's start-up (interpreter and ``import kit``,
-    the imports of the stack, ``init_distributed``), and per configuration (``kit.probes.ranks.common.phase``)."""
+    """Where the explorer's warm B3 Run goes: the caller, each rank's start-up (interpreter and ``import gradkit``,
+    the imports of the stack, ``init_distributed``), and per configuration (``gradkit.probes.ranks.common.phase``)."""
     import matplotlib
     matplotlib.use("Agg")
 
-    from kit import launch
-    from kit.notebooks import explore
-    from kit.probes import zero_boundary as zb
+    from gradkit import launch
+    from gradkit.notebooks import explore
+    from gradkit.probes import zero_boundary as zb
 
     _, kw = explore.probe_call(explore.default_selection("B3"))
     cases = zb.plan(kw["n_values"], kw["stages"], kw["dtypes"], kw["fixes"], kw["fix_n_values"])
     world = launch.World(world_size=2, timeout_s=600)
-    launch.run_world("kit.launch.selftest:ping", {}, world)  # warm: comm op built, page cache
+    launch.run_world("gradkit.launch.selftest:ping", {}, world)  # warm: comm op built, page cache
     ex = explore.ProbeExplorer(explore.default_selection("B3"), interactive=False)  # a one-shot world, profiled
     explorer_s, _ = timed(ex.run)
     warm = explore.ProbeExplorer(explore.default_selection("B3"), interactive=True)
@@ -178,28 +178,28 @@ SWEEP_RELEASES = ("0.18.6", "installed")  # the sweep table of docs/sweep.md
 def sweep_bench(json_path: str) -> int:
     """``gradkit check`` and the sweep, against their targets (``SWEEP_TARGETS``), on this machine.
 
-    - check: ``python -m kit check`` of a B3-pattern config (ZeRO-2, config GA = 1, N = 4), every loop style, as a
+    - check: ``python -m gradkit check`` of a B3-pattern config (ZeRO-2, config GA = 1, N = 4), every loop style, as a
       user runs it (a fresh process), after one warm-up run;
     - sweep: the default spec (``scripts/sweeps/default.yaml``: every model shape, 3 judged steps a point) on the
-      sweep table's releases (docs/sweep.md, ``SWEEP_RELEASES``) into an empty folder, ``kit.commands.sweep.run.JOBS`` worlds at a
+      sweep table's releases (docs/sweep.md, ``SWEEP_RELEASES``) into an empty folder, ``gradkit.commands.sweep.run.JOBS`` worlds at a
       time, the points alone (the reproductions of unknown groups are not timed), in configurations per minute;
     - side by side: a sample of the same points, one launch per point (each with its control), in configs/min.
     """
     import random
     import subprocess
 
-    from kit import launch
-    from kit.commands.sweep import run as sweep_run
-    from kit.commands.sweep import spec as sweep_spec
-    from kit.probes import runner
-    from kit.probes import ds_config
+    from gradkit import launch
+    from gradkit.commands.sweep import run as sweep_run
+    from gradkit.commands.sweep import spec as sweep_spec
+    from gradkit.probes import runner
+    from gradkit.probes import ds_config
 
     res = {"cpus": os.cpu_count(), "targets": SWEEP_TARGETS}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-sweep-") as tmp:
         cfg = Path(tmp) / "b3.json"
         cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
                                    "zero_optimization": {"stage": 2}}))
-        cmd = [sys.executable, "-m", "kit", "check", str(cfg), "--loop", "all"]
+        cmd = [sys.executable, "-m", "gradkit", "check", str(cfg), "--loop", "all"]
         subprocess.run(cmd, capture_output=True, cwd=REPO)  # warm-up: overlays, comm op, page cache
         res["check_warm_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
         res["check_exit"] = out.returncode
@@ -237,7 +237,7 @@ def sweep_bench(json_path: str) -> int:
 
 def runall_bench(json_path: str, cold: bool) -> int:
     """The default run-all into a temporary folder, warm, then (``cold``) from an empty kit cache."""
-    from kit.notebooks import runall
+    from gradkit.notebooks import runall
 
     path = Path(json_path)
     try:
@@ -275,11 +275,11 @@ BISECT_TARGET_S = 180.0
 
 
 def bisect_bench(json_path: str) -> int:
-    """``gradkit bisect`` of B5's config (``kit.commands.bisect.known``) from ``BISECT_FROM`` to the installed release, as a
+    """``gradkit bisect`` of B5's config (``gradkit.commands.bisect.known``) from ``BISECT_FROM`` to the installed release, as a
     user runs it: once to fill the kit's cache (overlays, comm ops; not timed), then timed with them cached."""
     import subprocess
 
-    from kit.commands.bisect import known
+    from gradkit.commands.bisect import known
 
     res = {"cpus": os.cpu_count(), "target_s": BISECT_TARGET_S}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-bisect-") as tmp:
@@ -287,7 +287,7 @@ def bisect_bench(json_path: str) -> int:
         user, loop = known.RECIPES["B5"].config, known.RECIPES["B5"].loop
         cfg.write_text(json.dumps(user))
         out = Path(tmp) / "bisect.json"
-        cmd = [sys.executable, "-m", "kit", "bisect", str(cfg), "--loop", loop, "--from", BISECT_FROM, "--no-progress",
+        cmd = [sys.executable, "-m", "gradkit", "bisect", str(cfg), "--loop", loop, "--from", BISECT_FROM, "--no-progress",
                "--json", str(out)]
         res["cold_s"], first = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
         res["bisect_s"], again = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
@@ -316,7 +316,7 @@ def corpus_bench(json_path: str) -> int:
 
     res = {"cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="gradkit-bench-corpus-") as tmp:
-        cmd = [sys.executable, "-m", "kit", "check", "tests/configs/corpus", "--out", str(Path(tmp) / "table")]
+        cmd = [sys.executable, "-m", "gradkit", "check", "tests/configs/corpus", "--out", str(Path(tmp) / "table")]
         subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         res["check_dir_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
         doc = json.loads((Path(tmp) / "table.json").read_text())
@@ -339,7 +339,7 @@ def paths_bench(json_path: str) -> int:
 
     res = {"cpus": os.cpu_count()}
     for name, args in PATH_CHECKS.items():
-        cmd = [sys.executable, "-m", "kit", "check", *args]
+        cmd = [sys.executable, "-m", "gradkit", "check", *args]
         subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         res[f"check_{name}_s"], out = timed(lambda: subprocess.run(cmd, capture_output=True, text=True, cwd=REPO))
         res[f"check_{name}_exit"] = out.returncode

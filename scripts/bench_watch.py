@@ -67,14 +67,14 @@ def one_shape(rounds: int = 10, ga: int = 4, rows: int = 4, seq: int = 64, size:
     import psutil
     import torch
 
-    from kit.watch import Watch
+    from gradkit.watch import Watch
 
     torch.manual_seed(0)
     model = _model(*size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     proc = psutil.Process()
-    from kit.watch import reference
+    from gradkit.watch import reference
 
     out = {"none": [], "unjudged": [], "judged": [], "half": [], "floor": []}
     names = [n for n, _ in model.named_parameters()]

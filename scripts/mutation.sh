@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
-.venv/bin/python -c "import cosmic_ray" 2>/dev/null || .venv/bin/python -m pip install -q cosmic-ray==8.7.0
+.venv/bin/python -c "import cosmic_ray" 2>/dev/null || .venv/bin/python -m pip install -q -c constraints.txt cosmic-ray
 export PYTHONDONTWRITEBYTECODE=1 GRADKIT_CACHE="${GRADKIT_CACHE:-$PWD/.gradkit-cache}"
 [ "${1:-}" = "--readme" ] || git diff --quiet -- kit || {
   echo "error: kit/ has uncommitted changes; a mutation run rewrites its files in place" >&2; exit 2; }

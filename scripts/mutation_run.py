@@ -136,7 +136,7 @@ def restore(module: str) -> None:
 def table(summary: dict, page: str = PAGE) -> str:
     """The mutation table of ``page``: per module its mutants, killed, surviving, equivalent, score and wall time."""
     sys.path.insert(0, str(REPO))
-    from kit.judge.tables import markdown_table
+    from gradkit.judge.tables import markdown_table
 
     rows = [{"module": f"`{m}`", "mutants": s["killed"] + s["survived"], "killed": s["killed"],
              "survived": s["survived"] - s["equivalent"], "equivalent (listed with why)": s["equivalent"],
@@ -153,7 +153,7 @@ def fill_readme(path: str = PAGE) -> int:
     """Write the mutation table into the MUTATION block of ``path`` (relative to the repository: mutation.sh runs
     from its root)."""
     sys.path.insert(0, str(REPO))
-    from kit.notebooks import readme_tables
+    from gradkit.notebooks import readme_tables
 
     summary = json.loads((OUT / "summary.json").read_text())
     readme = (REPO / path).resolve()

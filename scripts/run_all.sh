@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 args=("$@")
 [[ " $* " == *" --params "* ]] || args=(--params scripts/params/default.yaml "${args[@]}")
-exec .venv/bin/python -m kit.notebooks.runall "${args[@]}"
+exec .venv/bin/python -m gradkit.notebooks.runall "${args[@]}"

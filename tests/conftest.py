@@ -14,10 +14,10 @@ def repo() -> Path:
 
 @pytest.fixture(scope="module")
 def warm_module():
-    """The module's probe runs share warm worlds, as a notebook's cells do in a kernel (``kit.probes.runner.run``): a
-    stack's imports and DeepSpeed's first ``initialize`` are paid once per module, not once per run. The worlds
+    """The module's probe runs share warm worlds, as a notebook's cells do in a kernel (``gradkit.probes.runner.run``):
+    a stack's imports and DeepSpeed's first ``initialize`` are paid once per module, not once per run. The worlds
     are still real 2-rank worlds; ``test_warm_worlds`` shows a warm world's records equal a fresh world's."""
-    from kit import launch
+    from gradkit import launch
 
     with launch.warm_worlds(keep=False):  # its worlds go at the module's end; the fork servers stay for the next
         yield

@@ -2,8 +2,8 @@
 huggingface/accelerate#2790 (0.30.1 stepped the optimizer on every micro-batch under ``sync_each_batch``)."""
 import pytest
 
-from kit.judge import oracle, records
-from kit.probes import accelerate_ga
+from gradkit.judge import oracle, records
+from gradkit.probes import accelerate_ga
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -58,7 +58,7 @@ def test_sync_each_batch_stepped_every_micro_batch_before_accelerate_0_31_and_no
 
 
 def test_a_stack_naming_another_package_is_refused_before_any_launch():
-    from kit import config as kconfig
+    from gradkit import config as kconfig
 
     with pytest.raises(kconfig.ConfigError, match="runs accelerate releases only"):
         accelerate_ga.run(stacks=({"deepspeed": "0.18.6"},))

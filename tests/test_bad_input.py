@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kit import config
+from gradkit import config
 
 REPO = config.REPO_ROOT
 
@@ -18,8 +18,8 @@ def runall(tmp_path, *args, env=None, params=None):
         args = (*args, "--params", str(tmp_path / "p.yaml"))
     e = {**os.environ, **(env or {})}
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "kit.notebooks.runall", "04_bf16_leak", "--out", str(tmp_path / "o"),
-                          "--no-progress", *args], cwd=str(REPO), env=e, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "gradkit.notebooks.runall", "04_bf16_leak", "--out",
+                          str(tmp_path / "o"), "--no-progress", *args], cwd=str(REPO), env=e, capture_output=True, text=True, timeout=120)
     return out.returncode, out.stderr.strip(), time.monotonic() - t0
 
 
@@ -64,7 +64,7 @@ def test_an_unusable_cache_or_out_folder_exits_2_and_leaves_nothing(tmp_path):
 
 
 def test_an_unknown_release_leaves_no_lock_file(tmp_path, monkeypatch):
-    from kit.stacks import versions
+    from gradkit.stacks import versions
 
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))
     with pytest.raises(versions.UnknownVersion, match="9.9.9"):
@@ -76,11 +76,11 @@ def test_world_validation_leaves_no_world_folder(tmp_path, monkeypatch):
     import glob
     import tempfile
 
-    from kit import launch
+    from gradkit import launch
 
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path / "a_file"))
     (tmp_path / "a_file").write_text("x")
     before = set(glob.glob(f"{tempfile.gettempdir()}/gradkit-world-*"))
     with pytest.raises(config.ConfigError, match="GRADKIT_CACHE"):
-        launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="torch")
+        launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="torch")
     assert set(glob.glob(f"{tempfile.gettempdir()}/gradkit-world-*")) == before

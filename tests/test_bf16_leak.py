@@ -1,8 +1,8 @@
 """B4 on real 2-rank CPU worlds: affected on a pre-fix DeepSpeed, not affected on the installed one."""
 import pytest
 
-from kit.judge import oracle, records, tolerances
-from kit.probes import bf16_leak
+from gradkit.judge import oracle, records, tolerances
+from gradkit.probes import bf16_leak
 
 pytestmark = pytest.mark.world
 OLD = "0.18.9"  # allreduce_gradients() before backward_epilogue() (the seed: 0.18.6-0.18.10)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kit.commands import bisect
-from kit.commands.bisect import diff, search
-from kit.judge import oracle
+from gradkit.commands import bisect
+from gradkit.commands.bisect import diff, search
+from gradkit.judge import oracle
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0]}
 
@@ -93,7 +93,7 @@ def test_a_change_and_its_undoing_inside_one_stride_is_seen_with_stride_one():
 
 
 def test_bad_input_is_refused_before_anything_launches(tmp_path):
-    from kit import config as kconfig
+    from gradkit import config as kconfig
 
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}))
@@ -149,7 +149,7 @@ def test_b4_fix_is_found_exactly_between_0_18_9_and_0_19_0_with_the_change_in_th
     assert "+        if bf16_optimizer:" in epilogue["diff"] and "self.optimizer.backward_epilogue()" in epilogue["diff"]
     assert "git log --oneline v0.18.9..v0.19.0 -- deepspeed/runtime/bf16_optimizer.py" in text
     # the report of the check on the bad release: config, range, the change, the reproduction and what it printed
-    from kit.commands import check, report as upstream
+    from gradkit.commands import check, report as upstream
 
     checked = tmp_path / "check.json"
     assert check.main([str(cfg), "--deepspeed", "0.18.9", "--loop", "engine", "--json", str(checked)]) == 1
@@ -189,7 +189,7 @@ def _found(bug, measured, changes):
 
 
 def test_a_known_bugs_bisect_agrees_with_the_table_only_where_its_boundary_lies_inside_a_change():
-    from kit.notebooks import bisect_known
+    from gradkit.notebooks import bisect_known
 
     ok = _found("B4", {"0.18.9": bad("own rank's boundary micro-batch"), "0.19.0": GOOD},
                 [{"before": "0.18.9", "after": "0.19.0", "between": [], "from": bad(), "to": GOOD}])
@@ -228,7 +228,7 @@ def test_a_probe_is_bisected_over_another_package_and_a_change_of_the_measured_s
 
 
 def test_the_opt_out_loop_runs_exactly_from_the_release_that_has_the_key():
-    from kit.notebooks import bisect_known
+    from gradkit.notebooks import bisect_known
 
     ok = _found("B3 opt-out", {"0.19.3": SKIP, "0.19.4": GOOD}, [])
     assert bisect_known.violations(ok) == []

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kit.commands import bisect
-from kit.commands.bisect import diff, known, listing, result, search
-from kit.judge import oracle
-from kit.stacks import versions
-from kit import config as kconfig
+from gradkit.commands import bisect
+from gradkit.commands.bisect import diff, known, listing, result, search
+from gradkit.judge import oracle
+from gradkit.stacks import versions
+from gradkit import config as kconfig
 
 from tests.test_bisect import GOOD, bad, measuring
 
@@ -229,8 +229,8 @@ def test_a_probes_measure_judges_its_case_by_the_worst_configuration_and_names_i
 
 
 def test_a_configs_measure_runs_the_checks_probe_on_the_release_and_a_release_that_cannot_install_is_skipped(monkeypatch):
-    from kit.commands import check
-    from kit.probes import ds_config
+    from gradkit.commands import check
+    from gradkit.probes import ds_config
 
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.18.6")
     calls = []
@@ -293,8 +293,8 @@ def test_the_first_pass_takes_every_strideth_release_and_the_last():
 
 
 def test_the_first_pass_is_installed_up_front_for_the_probe_and_package_bisected(monkeypatch):
-    from kit.stacks import prefetch as kprefetch
-    from kit.probes import ds_config
+    from gradkit.stacks import prefetch as kprefetch
+    from gradkit.probes import ds_config
 
     monkeypatch.setattr(versions, "installed_version", lambda p: "0.4.0")
     asked = []
@@ -634,7 +634,7 @@ def test_the_command_exits_1_when_the_newest_release_that_ran_is_affected_and_3_
 
 def test_the_command_says_how_the_config_was_read_and_cuts_a_reason_at_120_characters(command, capsys, tmp_path,
                                                                                       monkeypatch):
-    from kit.probes import ds_config
+    from gradkit.probes import ds_config
 
     cfg, state = command
     auto = tmp_path / "auto.json"
@@ -691,7 +691,7 @@ def test_the_command_refuses_bad_numbers_and_a_missing_json_folder_before_anythi
 
 def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_axis_given(command, monkeypatch, capsys,
                                                                                          tmp_path):
-    from kit import probes
+    from gradkit import probes
 
     cfg, state = command
     probe = probes.get("B1")
@@ -712,7 +712,7 @@ def test_a_probe_is_bisected_with_its_quick_plan_on_its_measured_case_over_the_a
 
 
 def test_another_package_is_held_at_one_release_and_a_probes_case_is_chosen(command, monkeypatch, capsys):
-    from kit import probes
+    from gradkit import probes
 
     cfg, state = command
     made = []
@@ -756,7 +756,7 @@ def test_a_known_bug_is_bisected_by_its_recipe_from_its_oldest_release(command, 
 
 def test_a_known_bugs_bisect_keeps_what_it_measured_in_the_release_history_when_asked(command, monkeypatch, capsys,
                                                                                        tmp_path):
-    from kit.judge import history
+    from gradkit.judge import history
 
     cfg, state = command
     monkeypatch.setattr(history, "PATH", tmp_path / "history.json")
@@ -821,10 +821,11 @@ def test_the_json_file_is_indented_one_space_a_level(command, tmp_path):
 
 def test_run_as_a_module_the_release_history_says_the_command_from_its_own_arguments(command, monkeypatch, capsys,
                                                                                        tmp_path):
-    """``python -m kit.commands.bisect ...`` gives main no arguments: they are sys.argv's after the script's path."""
+    """``python -m gradkit.commands.bisect ...`` gives main no arguments: they are sys.argv's after the script's
+    path."""
     import sys
 
-    from kit.judge import history
+    from gradkit.judge import history
 
     monkeypatch.setattr(history, "PATH", tmp_path / "history.json")
     monkeypatch.setattr(known, "measure", lambda r, *a: measuring({"0.14.4": GOOD, "0.15.2": bad("z")})[0])

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kit import launch
-from kit.notebooks import runall
+from gradkit import launch
+from gradkit.notebooks import runall
 
 pytestmark = pytest.mark.world
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -104,8 +104,8 @@ def releases_ready():
     """The releases the explorer's Runs below use, installed and their comm ops built first, as run-all's prefetch
     does before its kernels: the Interrupt and Stop steps then catch a world while its ranks start, not while pip
     installs 0.18.6 (on a fresh clone, with the other xdist worker busy, that alone passed the 240 s wait)."""
-    from kit.stacks import prefetch
-    from kit.probes import zero_boundary as zb
+    from gradkit.stacks import prefetch
+    from gradkit.probes import zero_boundary as zb
 
     done, problems = prefetch.prefetch(prefetch.needs_of([(zb.PROBE, {}), (zb.PROBE, {"deepspeed": "0.18.6"})]),
                                        progress=False)
@@ -129,7 +129,7 @@ KILL_GUARD_S = 30.0  # stopped ranks die within seconds (tests/test_faults.py us
 
 def _ranks(server_pid: int) -> list:
     """The rank processes below the JupyterLab server (its kernel's worlds)."""
-    from kit import launch
+    from gradkit import launch
 
     return [p for _, p in launch.ranks_below(server_pid)]
 

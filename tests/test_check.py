@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from kit import config, launch
-from kit.commands import check
-from kit.judge import expectations, oracle, parts
-from kit.probes import ds_config
+from gradkit import config, launch
+from gradkit.commands import check
+from gradkit.judge import expectations, oracle, parts
+from gradkit.probes import ds_config
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -82,7 +82,7 @@ def test_the_console_command_says_one_sentence_and_exits_2(tmp_path):
     bad = tmp_path / "broken.json"
     bad.write_text("{\"zero_optimization\": ")
     for argv in (["check", str(bad)], ["check", str(tmp_path / "missing.json")], ["frobnicate"], ["check"]):
-        out = subprocess.run([sys.executable, "-m", "kit", *argv], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([sys.executable, "-m", "gradkit", *argv], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, (argv, out.stderr)
         lines = [line for line in out.stderr.splitlines() if line.strip() and "WARNING" not in line]
         assert len(lines) == 1 and lines[0].startswith("error: "), (argv, out.stderr)
@@ -316,7 +316,7 @@ def test_the_check_summary_takes_the_worse_of_the_step_and_the_logged_norm_and_e
 
 
 def _resolved(ga=2):
-    from kit.probes import ds_config
+    from gradkit.probes import ds_config
 
     return ds_config.resolve({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ga,
                               "zero_optimization": {"stage": 2}}, 2, ga, "fp32")
@@ -426,7 +426,7 @@ def test_a_model_is_a_shape_by_name_and_an_adapter_needs_a_hugging_face_model():
 
 
 def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(tmp_path, monkeypatch, capsys):
-    from kit.probes import ds_config
+    from gradkit.probes import ds_config
 
     runs = []
 

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from kit.commands import check
-from kit.judge import oracle
+from gradkit.commands import check
+from gradkit.judge import oracle
 
 pytestmark = pytest.mark.world
 
 # Reasons a config of the corpus may go unjudged, each a sentence the kit or DeepSpeed writes for a person: the kit's
-# refusals (kit.probes.ds_features), DeepSpeed's own refusal of a key this release removed, a CUDA-only op.
+# refusals (gradkit.probes.ds_features), DeepSpeed's own refusal of a key this release removed, a CUDA-only op.
 ACTIONABLE = ("could not run: the optimizer", "could not run: compile.deepcompile", "could not run: zero_optimization.zenflow",
               "could not run: tensor_parallel.autotp_size", "DeepSpeed 0.19.8 refuses this config itself")
 # fp16 with a client optimizer at ZeRO-0: DeepSpeed 0.19.8's engine.backward scales the loss only for a ZeRO optimizer
@@ -43,7 +43,9 @@ def test_the_corpus_is_judged_in_the_loops_frameworks_run_and_only_a_real_bug_is
     assert {r["loop"] for r in doc["rows"] if r["loop"] != "-"} == {"engine", "boundary"}  # the frameworks' loops
     md = (tmp_path / "table.md").read_text()
     assert md.startswith("| config | precision | loop | verdict |") and "set verdict: affected (exit 1)" in md
-    assert all(c["wall_s"] < 30 for c in doc["configs"] if "wall_s" in c)
+    # a hang guard only, far above normal (a few seconds a config, slower on a loaded machine): the speed target is
+    # the performance table's row of `scripts/bench.py --corpus`
+    assert all(c["wall_s"] < 300 for c in doc["configs"] if "wall_s" in c)
 
 
 def test_each_frameworks_training_config_is_checked_on_the_path_and_loop_it_runs(repo, tmp_path, capsys):

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from kit import config, launch
-from kit.commands import check
+from gradkit import config, launch
+from gradkit.commands import check
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -84,7 +84,7 @@ def test_an_accelerate_config_the_check_cannot_judge_is_refused_with_one_sentenc
 # (no world: the plan is asserted before anything launches; the summary and report on records made by hand)
 
 def _plan(*argv):
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     return check_paths.plan(check.parser().parse_args(list(argv)))
 
@@ -142,7 +142,7 @@ def test_accelerate_checks_the_loop_its_config_and_flags_name_with_the_last_wind
                                       ("mixed_precision: no\n", True), ("mixed_precision:\n", True),
                                       ("mixed_precision: fp16\n", False), ("{}\n", True)])
 def test_an_accelerate_config_in_fp32_is_taken_and_one_in_mixed_precision_is_not(tmp_path, text, ok):
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     cfg = tmp_path / "acc.yaml"
     cfg.write_text(text)
@@ -196,7 +196,7 @@ def _path_recs():
 
 
 def test_a_path_check_summary_judges_each_measured_loop_with_its_own_fix_and_the_worst_verdict():
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     s = check_paths.summarise(_path_recs())
     assert (s["verdict"], s["exit"]) == ("affected", 1)
@@ -218,7 +218,7 @@ def test_a_path_check_summary_judges_each_measured_loop_with_its_own_fix_and_the
 
 
 def test_a_path_check_report_prints_each_loops_numbers_and_what_is_known_of_it():
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     recs = _path_recs()
     a = check.parser().parse_args(["--path", "accelerate"])
@@ -246,7 +246,7 @@ def test_a_path_check_report_prints_each_loops_numbers_and_what_is_known_of_it()
 
 
 def test_the_path_check_runs_its_plan_in_one_world_and_writes_what_it_printed(tmp_path, monkeypatch, capsys):
-    from kit.probes import runner
+    from gradkit.probes import runner
 
     seen = {}
 
@@ -279,7 +279,7 @@ def test_the_path_check_runs_its_plan_in_one_world_and_writes_what_it_printed(tm
 def test_the_path_checks_measure_the_world_notebook_07_measures():
     """The check's cases are the probe's own at the user's setting: the same model size, micro-batch and data seed
     as notebook 07's cells, so that a check's numbers are the notebook's."""
-    from kit.probes import accelerate_ga, fsdp2
+    from gradkit.probes import accelerate_ga, fsdp2
 
     for path, probe_plan in (("fsdp2", fsdp2.plan((4,))), ("accelerate", accelerate_ga.plan((4,)))):
         _, cases, _, _ = _plan("--path", path)
@@ -289,7 +289,7 @@ def test_the_path_checks_measure_the_world_notebook_07_measures():
 
 
 def test_an_fsdp_accelerate_config_without_a_version_is_fsdp1_and_refused(tmp_path):
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     cfg = tmp_path / "acc.yaml"
     cfg.write_text("distributed_type: FSDP\nfsdp_config: {}\n")
@@ -298,7 +298,7 @@ def test_an_fsdp_accelerate_config_without_a_version_is_fsdp1_and_refused(tmp_pa
 
 
 def test_each_record_is_explained_by_its_own_paths_mechanism_and_each_loop_gets_its_own_fix():
-    from kit.commands import check_paths
+    from gradkit.commands import check_paths
 
     hft = _rec("trainer", "measured", "affected", bug="HFT", versions={"torch": "2.13.0", "transformers": "4.45.2"})
     assert check_paths.explanation(hft).startswith("each micro-batch's loss is the mean over its own label tokens")
@@ -312,8 +312,8 @@ def test_each_record_is_explained_by_its_own_paths_mechanism_and_each_loop_gets_
 
 
 def test_a_long_reason_is_cut_at_300_characters_and_the_json_is_indented_by_one(tmp_path, monkeypatch):
-    from kit.commands import check_paths
-    from kit.probes import runner
+    from gradkit.commands import check_paths
+    from gradkit.probes import runner
 
     recs = [_rec("accumulate", "measured", "affected", reason="r" * 400),
             _rec("sync_each_batch", "measured", "not-affected", shape="every micro-batch x1")]

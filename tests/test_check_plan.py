@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from kit import config, launch
-from kit.commands import check
-from kit.commands.check import known, many, one, plan
-from kit.judge import oracle
-from kit.judge.expectations import KNOWN
-from kit.judge import verdict as kverdict
-from kit.probes import ds_config, ds_features
+from gradkit import config, launch
+from gradkit.commands import check
+from gradkit.commands.check import known, many, one, plan
+from gradkit.judge import oracle
+from gradkit.judge.expectations import KNOWN
+from gradkit.judge import verdict as kverdict
+from gradkit.probes import ds_config, ds_features
 
 A, N, C = oracle.AFFECTED, oracle.NOT_AFFECTED, oracle.CANNOT_RUN
 FP16_HERE = {"fp16": "fp16 cannot run here"}
@@ -228,7 +228,7 @@ def test_a_training_configs_own_ga_precision_and_notes_are_what_runs(repo):
     """LLaMA-Factory's run (GA 2, --bf16, ZeRO-3 with "auto" values) is resolved with its own GA and precision, its
     lines said once (the framework's, not resolve's "auto" lines again); --ga and --precision still win; a world
     size the run names is said beside the one the check runs."""
-    from kit import frameworks
+    from gradkit import frameworks
 
     run = frameworks.read(repo / "tests/configs/frameworks/llamafactory_full_sft.yaml")
     todo = one.prepare(run, _args(), "mlp", [])
@@ -250,7 +250,7 @@ def test_a_training_configs_own_ga_precision_and_notes_are_what_runs(repo):
 
 def test_an_open_precision_of_a_framework_is_said_with_its_own_rule_and_a_precision_not_here_is_skipped(
         repo, monkeypatch):
-    from kit import frameworks
+    from gradkit import frameworks
 
     calls = []
     monkeypatch.setattr(ds_config, "run", _fake_run(calls))
@@ -347,7 +347,7 @@ def test_a_matrix_set_orders_its_rows_as_named_then_by_release_and_says_each_cel
 
 
 def test_a_runs_own_ga_of_1_is_judged_as_such_and_autotp_picks_a_model_with_a_tensor_parallel_policy(repo):
-    from kit import frameworks
+    from gradkit import frameworks
 
     run = frameworks.read(repo / "tests/configs/frameworks/llamafactory_full_sft.yaml")
     run.ga = 1  # the Trainer accumulates nothing: judged at GA 1, not at --ga as a bare config's GA 1 is

@@ -1,17 +1,17 @@
-"""The probes' shared judging pieces (``kit.probes.ranks.common``) in one process with a one-rank gloo group: a plain
-SGD loop whose exact gradient is known, with a defect planted in the loop, must be judged as that defect, step by step.
-The same code runs inside every rank of the world tests; here each behaviour has a test that takes seconds, so a defect
-planted in common.py fails one (issue 27's mutation runs use these as their fast stage)."""
+"""The probes' shared judging pieces (``gradkit.probes.ranks.common``) in one process with a one-rank gloo group: a
+plain SGD loop whose exact gradient is known, with a defect planted in the loop, must be judged as that defect, step by
+step. The same code runs inside every rank of the world tests; here each behaviour has a test that takes seconds, so a
+defect planted in common.py fails one (issue 27's mutation runs use these as their fast stage)."""
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from kit import shapes
-from kit.judge import oracle, records, tolerances
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit import shapes
+from gradkit.judge import oracle, records, tolerances
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 SEED, HIDDEN, MB, DEPTH = 0, 8, 3, 2
 
@@ -432,7 +432,7 @@ def test_outside_a_world_a_process_is_rank_0_of_1():
     import subprocess
     import sys
 
-    code = "from kit.probes.ranks import common as c; print(c.rank(), c.world_size())"
+    code = "from gradkit.probes.ranks import common as c; print(c.rank(), c.world_size())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "1"]
 
@@ -567,7 +567,7 @@ def test_versions_name_deepspeed_where_a_rank_imported_it(fake_deepspeed):
 
 
 def test_a_probe_case_takes_two_judged_steps_by_default():
-    from kit.probes.ranks import ddp_no_sync
+    from gradkit.probes.ranks import ddp_no_sync
 
     out = ddp_no_sync.run_case({"name": "control", "ga": 2, "micro_batch": MB, "hidden": HIDDEN, "seed": SEED})
     assert [s["step"] for s in out["steps"]] == [0, 1] and judging.STEPS == 2

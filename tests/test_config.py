@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from kit import config, launch
-from kit.notebooks import runall, runall_params
-from kit.probes import bf16_leak
+from gradkit import config, launch
+from gradkit.notebooks import runall, runall_params
+from gradkit.probes import bf16_leak
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -70,7 +70,7 @@ def test_runall_refuses_bad_params_file_before_running_anything(repo, tmp_path):
 
 
 def test_an_old_transformers_gets_companions_for_the_pins_it_checks(tmp_path):
-    from kit.stacks import versions
+    from gradkit.stacks import versions
 
     pkg = tmp_path / "transformers"
     pkg.mkdir()

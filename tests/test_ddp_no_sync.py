@@ -1,11 +1,11 @@
 """The fifth probe: torch DDP on a real 2-rank world, and the registry that makes it appear everywhere."""
 import pytest
 
-from kit import probes
-from kit.judge import oracle, records
-from kit.notebooks import explore, overview, runall
-from kit.probes.probe import Probe
-from kit.probes import ddp_no_sync
+from gradkit import probes
+from gradkit.judge import oracle, records
+from gradkit.notebooks import explore, overview, runall
+from gradkit.probes.probe import Probe
+from gradkit.probes import ddp_no_sync
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -62,22 +62,23 @@ def test_every_shipped_probe_is_registered_once_with_its_notebook():
 
 
 def test_every_probe_is_split_at_the_process_boundary():
-    """A probe's caller side is ``kit.probes.<module>`` (its ``PROBE``), what its ranks run ``kit.probes.ranks.<module>``
+    """A probe's caller side is ``gradkit.probes.<module>`` (its ``PROBE``), what its ranks run ``gradkit.probes.ranks.<module>``
     (the ``ranks`` package adds no probe); a rank module never imports the caller's side: the runner, another
     probe's caller module, the commands, the notebooks."""
     import subprocess
     import sys
 
-    from kit.probes import ds_config
+    from gradkit.probes import ds_config
 
     every = [*probes.registry().values(), ds_config.CHECK]
     assert {"B1", "B2", "B3", "B4", "DDP", "FSDP2", "ACC", "HFT"} == set(probes.registry())
-    assert all(p.target == f"kit.probes.ranks.{p.module}:run_rank" for p in every)
+    assert all(p.target == f"gradkit.probes.ranks.{p.module}:run_rank" for p in every)
     code = ("import importlib, sys\n"
             f"for m in {[p.module for p in every]!r}:\n"
-            "    assert callable(importlib.import_module('kit.probes.ranks.' + m).run_rank)\n"
-            "print(' '.join(m for m in sys.modules if m.startswith(('kit.probes.', 'kit.commands', 'kit.notebooks'))\n"
-            "               and not m.startswith(('kit.probes.ranks', 'kit.probes.probe'))))")
+            "    assert callable(importlib.import_module('gradkit.probes.ranks.' + m).run_rank)\n"
+            "print(' '.join(m for m in sys.modules\n"
+            "               if m.startswith(('gradkit.probes.', 'gradkit.commands', 'gradkit.notebooks'))\n"
+            "               and not m.startswith(('gradkit.probes.ranks', 'gradkit.probes.probe'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == []
 
@@ -103,7 +104,7 @@ def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_
         assert "T9" in ex.bug.options
         ex.run()
         assert calls[-1] == ("T9", {"world_sizes": [2], "ga_values": [2]})
-        assert toy.target == "kit.probes.ranks.ddp_no_sync:run_rank"
+        assert toy.target == "gradkit.probes.ranks.ddp_no_sync:run_rank"
     finally:
         probes.unregister("T9")
     assert "T9" not in probes.registry()
@@ -111,7 +112,7 @@ def test_a_registered_probe_reaches_the_overview_and_the_explorer_with_no_other_
 
 @pytest.mark.world
 def test_the_runner_reports_progress_from_the_ranks_as_cases_finish():
-    from kit.probes import runner
+    from gradkit.probes import runner
 
     events = []
     with runner.listen(events.append):
@@ -124,8 +125,8 @@ def test_the_runner_reports_progress_from_the_ranks_as_cases_finish():
 
 
 def test_a_first_launch_says_what_makes_it_slow(tmp_path, monkeypatch):
-    from kit.probes import runner
-    from kit.probes import bf16_leak
+    from gradkit.probes import runner
+    from gradkit.probes import bf16_leak
 
     monkeypatch.setenv("GRADKIT_CACHE", str(tmp_path))  # nothing installed, nothing built
     said = runner.first_time({"deepspeed": "0.18.2"}, bf16_leak.PROBE)

@@ -10,8 +10,8 @@ from urllib.parse import unquote
 import nbformat
 import pytest
 
-from kit.judge import tolerances
-from kit.notebooks import readme_tables, site
+from gradkit.judge import tolerances
+from gradkit.notebooks import readme_tables, site
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -84,7 +84,7 @@ def test_every_relative_link_resolves_to_a_file_of_the_repo_or_a_page_of_the_sit
 
 # a path of the repository named in backticks: kit/judge/oracle.py, scripts/params/*.yaml, kit/shapes/, ...
 PATH = re.compile(r"`((?:kit|scripts|notebooks|tests|docs)/[\w./*<>-]*)`")
-DOTTED = re.compile(r"`(kit(?:\.\w+)+)`")
+DOTTED = re.compile(r"`(gradkit(?:\.\w+)+)`")
 
 
 @pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.relative_to(REPO).as_posix())
@@ -129,7 +129,8 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     sweep's, the performance and the mutation tables on theirs, each first line naming its page; in the README only
     the pinned ranges (scripts/refresh_table writes them there and on the bugs page)."""
     blocks = {"B1": readme_tables.PAGE, "B2": readme_tables.PAGE, "B3": readme_tables.PAGE, "B4": readme_tables.PAGE,
-              "SWEEP": "docs/sweep.md", "PERF": "docs/speed.md", "MUTATION": "docs/tests.md"}
+              "SWEEP": "docs/sweep.md", "PERF": "docs/speed.md", "MUTATION": "docs/tests.md",
+              "SUPPORT": "docs/watch.md"}
     found = {}
     for page in [README, *DOCS]:
         for m in readme_tables.BLOCK.finditer(page.read_text()):
@@ -137,10 +138,10 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     assert {k: [p for p, _ in v] for k, v in found.items()} == {**{k: [p] for k, p in blocks.items()},
                                                                 "RANGES": ["README.md", readme_tables.PAGE]}
     assert all("`scripts/refresh_table --ranges-only`" in body.splitlines()[0] for _, body in found["RANGES"])
-    for name in ("SWEEP", "PERF", "MUTATION"):
+    for name in ("SWEEP", "PERF", "MUTATION", "SUPPORT"):
         (page, body), = found[name]
         assert f"--readme {page}`" in body.splitlines()[0], (name, body.splitlines()[0])
-    assert "python -m kit.notebooks.readme_tables" in found["B4"][0][1].splitlines()[0]
+    assert "python -m gradkit.notebooks.readme_tables" in found["B4"][0][1].splitlines()[0]
     bugs = (REPO / readme_tables.PAGE).read_text()
     assert f"readme_tables runs/latest --readme {readme_tables.PAGE}" in bugs  # the page names its own command
 

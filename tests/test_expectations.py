@@ -1,8 +1,8 @@
 """The upstream table: pinned releases are asserted, newer ones are findings, B3 depends on the configuration."""
 import pytest
 
-from kit.judge import expectations as ex
-from kit.stacks.versions import version_key
+from gradkit.judge import expectations as ex
+from gradkit.stacks.versions import version_key
 
 
 @pytest.mark.parametrize("bug, package, version, want", [

@@ -1,14 +1,14 @@
 """Each known bug's range in words (``Known.range_text``, ``ranges_short``, ``ranges_table``), the boundary between
 the last release known affected and the fix, and a pinned release no rule covers: the real pin table's sentences
-(release numbers as ``kit/judge/pins.py`` and the module docstring of ``kit.judge.expectations`` document them), and
+(release numbers as ``kit/judge/pins.py`` and the module docstring of ``gradkit.judge.expectations`` document them), and
 a synthetic bug put in the tables for the cases the real one lacks (nothing written to disk)."""
 import dataclasses
 
 import pytest
 
-from kit.judge import expectations as ex
-from kit.judge import pins
-from kit.judge.pins import Pin
+from gradkit.judge import expectations as ex
+from gradkit.judge import pins
+from gradkit.judge.pins import Pin
 
 # ------------------------------------------------------------------ the real table
 

@@ -2,9 +2,9 @@
 findings on releases newer than the table, and the mismatches a notebook asserts empty."""
 import pytest
 
-from kit.judge import expectations as ex
-from kit.judge import oracle
-from kit.stacks.versions import version_key
+from gradkit.judge import expectations as ex
+from gradkit.judge import oracle
+from gradkit.stacks.versions import version_key
 
 
 @pytest.mark.parametrize("version, key", [("0.19.8", (0, 19, 8)), ("0.19.8+cpu", (0, 19, 8)), ("1.2rc1", (1, 2)),

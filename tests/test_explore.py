@@ -2,8 +2,8 @@
 import matplotlib
 import pytest
 
-from kit import config
-from kit.notebooks import explore
+from gradkit import config
+from gradkit.notebooks import explore
 
 matplotlib.use("Agg")
 
@@ -102,7 +102,7 @@ def test_a_front_end_click_in_a_real_kernel_moves_the_progress_bar_then_reports(
 
     km, kc = start_new_kernel(kernel_name="gradkit", cwd=str(repo))
     try:
-        setup = kc.execute("import matplotlib; matplotlib.use('Agg')\nfrom kit.notebooks import explore\n"
+        setup = kc.execute("import matplotlib; matplotlib.use('Agg')\nfrom gradkit.notebooks import explore\n"
                            "ex = explore.ProbeExplorer(explore.default_selection('B4'), interactive=True)\n"
                            "print(ex.button.model_id, ex.progress.model_id, ex.status.model_id)")
         ids = None

@@ -1,10 +1,10 @@
-"""Extra package sets (``kit.stacks.extras``): what some example jobs need, kept out of the kit's environment."""
+"""Extra package sets (``gradkit.stacks.extras``): what some example jobs need, kept out of the kit's environment."""
 import importlib.util
 
 import pytest
 
-from kit import config
-from kit.stacks import extras
+from gradkit import config
+from gradkit.stacks import extras
 
 
 def test_an_unknown_set_is_refused_before_anything_installs():

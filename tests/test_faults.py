@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from kit import launch
-from kit.judge import oracle
-from kit.probes import zero_boundary as zb
+from gradkit import launch
+from gradkit.judge import oracle
+from gradkit.probes import zero_boundary as zb
 
 pytestmark = pytest.mark.world
 
 
 def _workers(pid: int) -> list[psutil.Process]:
-    """The rank processes below ``pid`` now, started or forked (``kit.launch.ranks_below``)."""
+    """The rank processes below ``pid`` now, started or forked (``gradkit.launch.ranks_below``)."""
     return [p for _, p in launch.ranks_below(pid)]
 
 
@@ -52,7 +52,7 @@ def _gone(procs, within_s: float) -> float | None:
 
 
 def test_a_rank_killed_mid_run_is_named_and_the_finished_cases_are_kept():
-    from kit.probes import runner
+    from gradkit.probes import runner
 
     out, cases = {}, []
 
@@ -84,9 +84,9 @@ def test_a_rank_killed_mid_run_is_named_and_the_finished_cases_are_kept():
 
 def test_ranks_die_within_seconds_when_their_caller_is_killed(tmp_path):
     caller = subprocess.Popen([sys.executable, "-c", (
-        "from kit import launch\n"
-        "launch.run_world('kit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch',"
-        " timeout_s=600)\n")], cwd=str(launch.REPO_ROOT))
+        "from gradkit import launch\n"
+        "launch.run_world('gradkit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2,"
+        " init='torch', timeout_s=600)\n")], cwd=str(launch.REPO_ROOT))
     deadline = time.monotonic() + 60
     ranks = {}
     while len(ranks) < 1 and time.monotonic() < deadline:  # rank 1 returns at once; rank 0 hangs
@@ -102,7 +102,7 @@ def test_ranks_die_within_seconds_when_their_caller_is_killed(tmp_path):
     assert took is not None, "a rank outlived its caller by more than 5 s"
     # the killed caller never cleaned its world's folder: the next world does
     assert len(mine) == 1 and mine[0].exists()
-    launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60)
+    launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60)
     assert not mine[0].exists()
 
 
@@ -111,7 +111,8 @@ def test_eight_worlds_at_once_rendezvous_without_a_port_race():
 
     def one():
         try:
-            results.append(launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=240))
+            results.append(launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="torch",
+                                            timeout_s=240))
         except launch.LaunchError as e:
             errors.append(str(e)[:300])
 
@@ -124,9 +125,9 @@ def test_eight_worlds_at_once_rendezvous_without_a_port_race():
     assert len(results) == 8 and all([r["rank_sum"] for r in out] == [1.0, 1.0] for out in results)
 
 
-HANG = ("from kit import launch\n"
-        "launch.run_world('kit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch', "
-        "timeout_s=600)")
+HANG = ("from gradkit import launch\n"
+        "launch.run_world('gradkit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, "
+        "init='torch', timeout_s=600)")
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -137,7 +138,7 @@ def test_stopping_a_run_all_stops_everything_and_says_so(tmp_path, sig, code):
 
     nbs = [_notebook(tmp_path / f"{n}.ipynb", HANG) for n in ("a_world", "b_world", "c_queued")]
     out = tmp_path / "out"
-    runner = subprocess.Popen([sys.executable, "-m", "kit.notebooks.runall", *map(str, nbs), "--out", str(out), "--jobs", "2",
+    runner = subprocess.Popen([sys.executable, "-m", "gradkit.notebooks.runall", *map(str, nbs), "--out", str(out), "--jobs", "2",
                                "--timeout", "600", "--no-progress"], cwd=str(launch.REPO_ROOT))
     deadline, ranks = time.monotonic() + 120, {}
     while len(ranks) < 2 and time.monotonic() < deadline:  # both running notebooks have their hanging rank 0 up
@@ -162,7 +163,7 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
     import glob
     import tempfile
 
-    from kit.notebooks import runall
+    from gradkit.notebooks import runall
     from tests.test_runall import _notebook
 
     nb = _notebook(tmp_path / "limit_world_x7.ipynb", HANG)
@@ -185,7 +186,7 @@ def test_a_notebook_stopped_at_its_limit_takes_its_kernel_ranks_and_world_folder
 
 
 def test_a_lost_rank_is_said_plainly_with_the_cases_it_cost():
-    from kit.judge import tables
+    from gradkit.judge import tables
 
     recs = [{"verdict": "cannot-run", "case": c, "ga": 4, "reason": "could not run: not run: the world stopped after case 3 "
              "of 9: rank 1 died: killed by signal 9 (SIGKILL), without a Python traceback"} for c in ("manual", "control")]
@@ -200,7 +201,7 @@ def test_a_figure_of_a_world_where_nothing_ran_says_so_instead_of_failing(name):
     import matplotlib
 
     matplotlib.use("Agg")
-    from kit.notebooks import probe_plots
+    from gradkit.notebooks import probe_plots
 
     fig = getattr(probe_plots, name)([])
     assert any("nothing to draw" in t.get_text() for ax in fig.axes for t in ax.texts)
@@ -209,10 +210,10 @@ def test_a_figure_of_a_world_where_nothing_ran_says_so_instead_of_failing(name):
 def test_interrupting_an_explorer_run_stops_its_world_within_seconds():
     import _thread
 
-    from kit.notebooks import explore
+    from gradkit.notebooks import explore
 
     hang = lambda module, kwargs: launch.run_world(  # noqa: E731 - a probe that never ends
-        "kit.launch.selftest:hang_on_rank", {"rank": 0, "seconds": 600}, world_size=2, init="torch", timeout_s=600)
+        "gradkit.launch.selftest:hang_on_rank", {"rank": 0, "seconds": 600}, world_size=2, init="torch", timeout_s=600)
     ex = explore.ProbeExplorer(explore.default_selection("B3"), runner=hang, interactive=True)
     seen = []
 
@@ -249,7 +250,7 @@ def test_interrupting_a_probe_cell_in_a_real_kernel_kills_its_ranks(repo):
     km, kc = start_new_kernel(kernel_name="gradkit", cwd=str(repo))
     try:
         kernel = psutil.Process(km.provisioner.process.pid)
-        small = ("from kit.probes import zero_boundary as zb\n"
+        small = ("from gradkit.probes import zero_boundary as zb\n"
                  "recs = zb.run(n_values=(1, 4), stages=(2,), dtypes=('fp32',), fixes=())\n"
                  "assert {r['verdict'] for r in recs} == {'affected', 'not-affected'}")
         assert kc.execute_interactive(small, timeout=120)["content"]["status"] == "ok"

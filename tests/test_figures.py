@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from kit.notebooks import plot_style, probe_plots, verdict_plots  # noqa: E402
+from gradkit.notebooks import plot_style, probe_plots, verdict_plots  # noqa: E402
 
 RELEASES = ["0.18.0", "0.18.2", "0.18.3", "0.18.4", "0.18.6", "0.18.9", "0.19.0", "0.19.2", "0.19.3", "0.19.4",
             "0.19.8", "none"]

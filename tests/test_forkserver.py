@@ -1,5 +1,5 @@
-"""Fork servers (``kit.launch.forkserver``): a probe run forks the ranks of all its worlds of one stack from one process
-that imported the stack once, and the server stays for the next run of that stack. The same measurements as
+"""Fork servers (``gradkit.launch.forkserver``): a probe run forks the ranks of all its worlds of one stack from one
+process that imported the stack once, and the server stays for the next run of that stack. The same measurements as
 ranks started one by one, and the ranks still die with their caller."""
 import signal
 import subprocess
@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kit import launch
-from kit.probes import runner
-from kit.probes import zero_boundary as zb
+from gradkit import launch
+from gradkit.probes import runner
+from gradkit.probes import zero_boundary as zb
 
 pytestmark = pytest.mark.world
 
@@ -44,7 +44,7 @@ def os_pid():
 
 def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monkeypatch):
     recs, seen = _run_and_watch()
-    assert len(seen) == 3 and all("kit.launch.forkserver" in cmd for _, cmd in seen.values()), seen  # 1 + 2 ranks
+    assert len(seen) == 3 and all("gradkit.launch.forkserver" in cmd for _, cmd in seen.values()), seen  # 1 + 2 ranks
     (server,) = {ppid for ppid, _ in seen.values()}
     assert not [p for _, p in launch.ranks_below(os_pid()) if p.ppid() == server], "a rank outlived its run"
     assert psutil.pid_exists(server), "the server did not stay for the next run of its stack"
@@ -52,7 +52,7 @@ def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monk
     assert again and {ppid for ppid, _ in again.values()} == {server}  # no second import of the stack
     monkeypatch.setenv(launch.NO_FORK_ENV, "1")
     started, seen = _run_and_watch()
-    assert seen and not any("kit.launch.forkserver" in cmd for _, cmd in seen.values())
+    assert seen and not any("gradkit.launch.forkserver" in cmd for _, cmd in seen.values())
     key = lambda r: (r["world_size"], r["case"], r["ga"])  # noqa: E731
     assert [(key(r), r["verdict"], r["metrics"]) for r in sorted(recs, key=key)] == \
         [(key(r), r["verdict"], r["metrics"]) for r in sorted(started, key=key)]
@@ -61,9 +61,9 @@ def test_a_probe_run_forks_its_worlds_from_one_server_and_measures_the_same(monk
 
 def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_killed():
     caller = subprocess.Popen([sys.executable, "-c", (
-        "from kit import launch\n"
+        "from gradkit import launch\n"
         "with launch.warm_worlds():\n"
-        "    launch.run_world('kit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch',"
+        "    launch.run_world('gradkit.launch.selftest:hang_on_rank', {'rank': 0, 'seconds': 600}, world_size=2, init='torch',"
         " timeout_s=600)\n")], cwd=str(launch.REPO_ROOT))
     deadline, ranks = time.monotonic() + 60, []
     while len(ranks) < 2 and time.monotonic() < deadline:
@@ -71,13 +71,13 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
         time.sleep(0.1)
     assert len(ranks) == 2, "the warm world's ranks never came up"
     tree = psutil.Process(caller.pid).children(recursive=True)
-    assert any("kit.launch.forkserver" in " ".join(p.cmdline()) for p in tree)
+    assert any("gradkit.launch.forkserver" in " ".join(p.cmdline()) for p in tree)
     mine = [f for f in Path(tempfile.gettempdir()).glob("gradkit-world-*")
             if (f / launch.OWNER_FILE).exists() and (f / launch.OWNER_FILE).read_text().split()[0] == str(caller.pid)]
     caller.send_signal(signal.SIGKILL)
     caller.wait()
     gone, alive = psutil.wait_procs(tree, timeout=30.0)  # a hang guard: they go within a second or two
     assert not alive, f"outlived their caller by 30 s: {[p.pid for p in alive]}"
-    # the killed caller never removed its warm world's folder: the next launch does (kit.launch.remove_stale_worlds)
+    # the killed caller never removed its warm world's folder: the next launch does (gradkit.launch.remove_stale_worlds)
     launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
     assert len(mine) == 1 and not mine[0].exists()

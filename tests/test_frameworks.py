@@ -1,4 +1,4 @@
-"""kit.frameworks: a training config / launch line, resolved as its framework resolves it (no world, no framework
+"""gradkit.frameworks: a training config / launch line, resolved as its framework resolves it (no world, no framework
 imported). Each fixture under tests/configs/frameworks/ is read, its fields checked, and its notes said."""
 import json
 import re
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import frameworks
-from kit.config import ConfigError
+from gradkit import frameworks
+from gradkit.config import ConfigError
 
 HERE = Path(__file__).resolve().parent / "configs" / "frameworks"
 SHIPPED = Path(__file__).resolve().parent.parent / "scripts" / "configs" / "shipped"
@@ -391,9 +391,10 @@ def test_config_paths_look_in_the_config_folder_then_cwd(tmp_path):
 
 
 def test_no_framework_is_imported():
-    code = ("import sys, kit.frameworks as f; f.read(sys.argv[1]); "
+    code = ("import sys, gradkit.frameworks as f; f.read(sys.argv[1]); "
             "bad = [m for m in ('transformers', 'trl', 'accelerate', 'deepspeed', 'axolotl', 'llamafactory', 'torch',"
-            " 'kit.commands', 'kit.probes', 'kit.launch', 'kit.notebooks') if m in sys.modules]; print(bad)")
+            " 'gradkit.commands', 'gradkit.probes', 'gradkit.launch', 'gradkit.notebooks') if m in sys.modules];"
+            " print(bad)")
     out = subprocess.run([sys.executable, "-c", code, str(HERE / "launch_torchrun.sh")], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) on real 2-rank gloo worlds, judged by the same oracle as every DeepSpeed probe."""
 import pytest
 
-from kit.judge import oracle, records
-from kit.probes import fsdp2
+from gradkit.judge import oracle, records
+from gradkit.probes import fsdp2
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -52,7 +52,7 @@ def test_a_part_some_micro_batches_skip_is_exact_in_fp32_and_fails_loudly_under_
 
 
 def test_a_setting_the_probe_does_not_know_is_refused_before_any_launch():
-    from kit import config as kconfig
+    from gradkit import config as kconfig
 
     with pytest.raises(kconfig.ConfigError, match="unknown FSDP2 setting 'bf16'"):
         fsdp2.run(settings=("bf16",))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kit.judge import naming, oracle, parts, tolerances
+from gradkit.judge import naming, oracle, parts, tolerances
 
 # 2 ranks x 2 micro-batches (rank-major rows 0..3); 7 parameters: the trunk (0-3) every micro-batch reaches, the
 # expert (4-6) only micro-batch 1 of each rank (rows 0 and 2) reaches

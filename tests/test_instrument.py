@@ -2,11 +2,11 @@
 numbers docs/judge.md states and records made by hand, so that a planted defect in kit/ fails here with its name."""
 import pytest
 
-from kit import launch
-from kit.commands import check, repro
-from kit.commands.sweep import grouping
-from kit.commands.check import summary as summary_module
-from kit.judge import oracle, records
+from gradkit import launch
+from gradkit.commands import check, repro
+from gradkit.commands.sweep import grouping
+from gradkit.commands.check import summary as summary_module
+from gradkit.judge import oracle, records
 
 CONTROL = {"metrics": {"rel_l2": 0.0, "norm_ratio": 1.0, "cosine": 1.0}, "dtype": "fp32"}
 # The limits docs/judge.md states (kit/judge/tolerances.py's TOLERANCES, set from measured noise): written here, not
@@ -54,8 +54,9 @@ def test_the_spread_of_ranks_sees_any_rank_that_disagrees():
 
 @pytest.mark.world
 def test_a_world_whose_ranks_applied_different_steps_reports_their_spread():
-    agree = launch.run_world("kit.launch.selftest:judge_with_rank_offset", {"offset": 0.0}, world_size=2, timeout_s=120)
-    differ = launch.run_world("kit.launch.selftest:judge_with_rank_offset", {"offset": 1e-3}, world_size=2, timeout_s=120)
+    target = "gradkit.launch.selftest:judge_with_rank_offset"
+    agree = launch.run_world(target, {"offset": 0.0}, world_size=2, timeout_s=120)
+    differ = launch.run_world(target, {"offset": 1e-3}, world_size=2, timeout_s=120)
     assert agree[0]["rank_spread"]["effective gradients"] == 0.0
     assert abs(differ[0]["rank_spread"]["effective gradients"] - 1e-3) < 1e-9  # rank 1's step is 1.001 x rank 0's
 

@@ -6,16 +6,16 @@ import json
 import pytest
 import torch
 
-from kit import config, launch
-from kit.commands import check, repro
-from kit.commands.sweep import grouping
-from kit.notebooks import sweep as sweep_notebook
-from kit.commands.sweep import run as sweep_run
-from kit.commands.sweep import spec as sweep_spec
-from kit.judge import naming, oracle, records
-from kit.probes import runner
-from kit.probes import ds_config
-from kit.probes.ranks import ds_config as ds_ranks
+from gradkit import config, launch
+from gradkit.commands import check, repro
+from gradkit.commands.sweep import grouping
+from gradkit.notebooks import sweep as sweep_notebook
+from gradkit.commands.sweep import run as sweep_run
+from gradkit.commands.sweep import spec as sweep_spec
+from gradkit.judge import naming, oracle, records
+from gradkit.probes import runner
+from gradkit.probes import ds_config
+from gradkit.probes.ranks import ds_config as ds_ranks
 
 
 def _basis(k, size=300, seed=0):

@@ -5,28 +5,28 @@ import time
 
 import pytest
 
-from kit import launch
-from kit.stacks import versions
+from gradkit import launch
+from gradkit.stacks import versions
 
 pytestmark = pytest.mark.world
 
 
 def test_every_rank_answers_through_a_real_collective():
-    out = launch.run_world("kit.launch.selftest:ping", {"echo": 7}, world_size=2, init="torch", timeout_s=60)
+    out = launch.run_world("gradkit.launch.selftest:ping", {"echo": 7}, world_size=2, init="torch", timeout_s=60)
     assert [r["rank"] for r in out] == [0, 1]
     assert all(r["rank_sum"] == 1.0 and r["world_size"] == 2 and r["echo"] == 7 for r in out)
     assert out[0]["pid"] != out[1]["pid"]
 
 
 def test_deepspeed_world_answers():
-    out = launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="deepspeed", timeout_s=300)
+    out = launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="deepspeed", timeout_s=300)
     assert [r["rank_sum"] for r in out] == [1.0, 1.0]
 
 
 def test_a_raising_rank_surfaces_its_traceback():
     t0 = time.time()
     with pytest.raises(launch.RankFailed) as e:
-        launch.run_world("kit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-42"}, world_size=2,
+        launch.run_world("gradkit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-42"}, world_size=2,
                          init="torch", timeout_s=60)
     assert e.value.rank == 1
     assert "needle-42" in str(e.value) and "Traceback" in e.value.traceback and "fail_on_rank" in e.value.traceback
@@ -36,7 +36,7 @@ def test_a_raising_rank_surfaces_its_traceback():
 def test_a_hung_rank_is_killed_within_its_timeout():
     t0 = time.time()
     with pytest.raises(launch.RankTimeout) as e:
-        launch.run_world("kit.launch.selftest:hang_on_rank", {"rank": 0}, world_size=2, init="torch", timeout_s=8)
+        launch.run_world("gradkit.launch.selftest:hang_on_rank", {"rank": 0}, world_size=2, init="torch", timeout_s=8)
     elapsed = time.time() - t0
     assert 8 <= elapsed < 90, elapsed  # not before its timeout; the upper bound only catches a hang (10x)
     assert e.value.rank == 0 and "timeout of 8 s" in str(e.value)
@@ -44,7 +44,7 @@ def test_a_hung_rank_is_killed_within_its_timeout():
 
 def test_a_missing_target_is_a_failure_not_a_hang():
     with pytest.raises(launch.RankFailed, match="no_such_function"):
-        launch.run_world("kit.launch.selftest:no_such_function", {}, world_size=2, init="torch", timeout_s=60)
+        launch.run_world("gradkit.launch.selftest:no_such_function", {}, world_size=2, init="torch", timeout_s=60)
 
 
 def test_an_unknown_release_is_refused_before_launch():
@@ -56,7 +56,7 @@ def test_a_case_failing_on_one_rank_stops_the_world_and_keeps_the_finished_cases
     cases = [{"name": "fine", "ga": 1}, {"name": "desync", "ga": 1}, {"name": "never", "ga": 1}]
     t0 = time.time()
     with pytest.raises(launch.RankFailed) as e:
-        launch.run_world("kit.launch.selftest:cases_then_desync", {"cases": cases}, world_size=2, init="torch",
+        launch.run_world("gradkit.launch.selftest:cases_then_desync", {"cases": cases}, world_size=2, init="torch",
                          timeout_s=120, env={"GRADKIT_SYNC_TIMEOUT_S": "5"})
     assert time.time() - t0 < 60  # found by the monitored barrier, long before the world's timeout
     assert "WorldDesynchronised" in str(e.value) and "only rank 1 fails here" in str(e.value)
@@ -64,9 +64,9 @@ def test_a_case_failing_on_one_rank_stops_the_world_and_keeps_the_finished_cases
 
 
 def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
-    from kit.judge import oracle
-    from kit.probes import runner
-    from kit.probes import bf16_leak
+    from gradkit.judge import oracle
+    from gradkit.probes import runner
+    from gradkit.probes import bf16_leak
 
     def stopped(*a, **k):
         raise launch.RankFailed("rank 1 raised WorldDesynchronised: case 'b' ...", rank=1,
@@ -83,8 +83,8 @@ def test_records_keep_finished_cases_and_mark_the_rest_cannot_run(monkeypatch):
 def test_a_users_stop_ends_the_probe_run_and_launches_no_further_world(monkeypatch):
     """A world stopped by the user is not a failed world whose cases become cannot-run records while the run goes
     on to its next world: the stop reaches the caller (the explorer), and nothing else is launched."""
-    from kit.probes import runner
-    from kit.probes import bf16_leak
+    from gradkit.probes import runner
+    from gradkit.probes import bf16_leak
 
     calls = []
 
@@ -102,14 +102,14 @@ def test_a_users_stop_ends_the_probe_run_and_launches_no_further_world(monkeypat
 
 
 def test_a_rank_that_crashes_in_tear_down_after_its_result_keeps_the_result(capfd):
-    out = launch.run_world("kit.launch.selftest:abort_after_result", {"rank": 0}, world_size=2, init="torch", timeout_s=60)
+    out = launch.run_world("gradkit.launch.selftest:abort_after_result", {"rank": 0}, world_size=2, init="torch", timeout_s=60)
     assert [r["rank"] for r in out] == [0, 1]
     assert "rank 0 wrote its result, then killed by signal 6 (SIGABRT)" in capfd.readouterr().err
 
 
 def test_a_rank_that_aborts_before_its_result_is_a_failure():
     with pytest.raises(launch.RankFailed, match="SIGABRT"):
-        launch.run_world("kit.launch.selftest:abort_after_result", {"rank": 0, "before": True}, world_size=2, init="torch",
+        launch.run_world("gradkit.launch.selftest:abort_after_result", {"rank": 0, "before": True}, world_size=2, init="torch",
                          timeout_s=60)
 
 
@@ -135,7 +135,7 @@ def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvo
     """An interrupt kills the ranks while they start; the rank that notices first reads "Connection reset by peer",
     which looks like a rendezvous failure. The world must not be launched again after the stop (the explorer's
     Interrupt then Stop in a busy JupyterLab saw a relaunched world)."""
-    from kit.launch import lifecycle
+    from gradkit.launch import lifecycle
 
     calls = []
 
@@ -146,7 +146,7 @@ def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvo
 
     monkeypatch.setattr(lifecycle, "_run_world_once", once)
     with pytest.raises(launch.WorldStopped):  # said as the stop it was, never as a failed world
-        launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2), keep_dir=None)
+        launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=2), keep_dir=None)
     assert calls == [1]
 
     def flaky(*a, **k):  # without a stop, the same error is a rendezvous failure and is launched again
@@ -156,7 +156,7 @@ def test_a_world_stopped_on_purpose_is_never_launched_again_as_a_failed_rendezvo
         return ["ok", "ok"]
 
     monkeypatch.setattr(lifecycle, "_run_world_once", flaky)
-    assert launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2)) == ["ok", "ok"] and calls == [1, 2, 2]
+    assert launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=2)) == ["ok", "ok"] and calls == [1, 2, 2]
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["one-shot", "warm"])
@@ -167,7 +167,7 @@ def test_a_stop_while_the_ranks_start_kills_them_as_they_come_up(monkeypatch, wa
     then stayed up as a warm world, so the browser test's next Run reused it and never saw new ranks."""
     import contextlib
 
-    from kit.launch import lifecycle, warm as kwarm
+    from gradkit.launch import lifecycle, warm as kwarm
 
     real, counted = lifecycle.start_ranks, []
 
@@ -179,13 +179,13 @@ def test_a_stop_while_the_ranks_start_kills_them_as_they_come_up(monkeypatch, wa
     monkeypatch.setattr(kwarm if warm else lifecycle, "start_ranks", start_then_stop)
     with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():
         with pytest.raises(launch.WorldStopped, match="while its ranks started"):
-            launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
+            launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
     assert counted == [1]  # the world being started is one of the worlds stopped
     assert not launch.ranks_below(os.getpid())  # killed, not left running (nor kept warm)
     assert not kwarm._WARM
     monkeypatch.undo()
     with launch.warm_worlds(keep=False) if warm else contextlib.nullcontext():  # the next call runs as usual
-        assert [r["rank_sum"] for r in launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2))] == [1.0, 1.0]
+        assert [r["rank_sum"] for r in launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=2))] == [1.0, 1.0]
 
 
 def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_that_world(monkeypatch):
@@ -193,7 +193,7 @@ def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_
     rendezvous on a busy machine and died (the ranks the test had seen), the Interrupt came while the world
     launched again was starting, and that second world ran to its end and stayed up. A stop at any point of
     a call, retries included, stops the world the call is starting."""
-    from kit.launch import lifecycle
+    from gradkit.launch import lifecycle
 
     real, calls = lifecycle.start_ranks, []
 
@@ -207,5 +207,5 @@ def test_a_stop_while_a_world_is_launched_again_after_a_failed_rendezvous_stops_
 
     monkeypatch.setattr(lifecycle, "start_ranks", start)
     with pytest.raises(launch.WorldStopped):
-        launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
+        launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=2, timeout_s=60))
     assert len(calls) == 2 and not launch.ranks_below(os.getpid())

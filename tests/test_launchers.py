@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kit import config, launch
+from gradkit import config, launch
 
 JOB = Path("/shared/job")
 
@@ -18,7 +18,7 @@ def _hostfile(tmp_path, text="node-a slots=8\nnode-b slots=8  # second node\n"):
 
 def test_local_launcher_starts_one_worker_per_rank():
     cmds = launch.launch_commands(launch.World(world_size=2, launcher="local"), JOB, 29500)
-    assert cmds == [[sys.executable, "-m", "kit.launch.worker", str(JOB)]] * 2
+    assert cmds == [[sys.executable, "-m", "gradkit.launch.worker", str(JOB)]] * 2
 
 
 def test_torchrun_on_two_nodes_runs_node_0_here_and_node_1_over_ssh(tmp_path):
@@ -28,10 +28,10 @@ def test_torchrun_on_two_nodes_runs_node_0_here_and_node_1_over_ssh(tmp_path):
     here, there = launch.launch_commands(world, JOB, 29500)
     torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "8"]
     assert here == [sys.executable, *torchrun, "--node_rank", "0", "--master_addr", "node-a", "--master_port", "29500",
-                    "-m", "kit.launch.worker", str(JOB)]
+                    "-m", "gradkit.launch.worker", str(JOB)]
     assert there[:2] == ["ssh", "node-b"]
-    assert there[2].startswith(f"cd {launch.REPO_ROOT} && PYTHONPATH={launch.REPO_ROOT} ")
-    assert " ".join(torchrun) + " --node_rank 1 --master_addr node-a --master_port 29500 -m kit.launch.worker /shared/job" in there[2]
+    assert there[2].startswith(f"cd {JOB} && ")
+    assert " ".join(torchrun) + " --node_rank 1 --master_addr node-a --master_port 29500 -m gradkit.launch.worker /shared/job" in there[2]
 
 
 def test_deepspeed_launcher_gets_the_hostfile_and_the_worker_module(tmp_path):
@@ -40,7 +40,7 @@ def test_deepspeed_launcher_gets_the_hostfile_and_the_worker_module(tmp_path):
     world.validate()
     (cmd,) = launch.launch_commands(world, JOB, 29501)
     assert cmd == [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", "node-a", "--master_port", "29501",
-                   "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "8", "--no_local_rank", "--module", "kit.launch.worker",
+                   "--hostfile", hf, "--num_nodes", "2", "--num_gpus", "8", "--no_local_rank", "--module", "gradkit.launch.worker",
                    str(JOB)]
 
 
@@ -74,7 +74,7 @@ def test_impossible_launches_are_refused_before_anything_starts(tmp_path, kw, ho
 @pytest.mark.world
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_real_world_through_each_launcher(launcher):
-    out = launch.run_world("kit.launch.selftest:ping", {"echo": 3}, launch.World(world_size=2, launcher=launcher, init="torch",
+    out = launch.run_world("gradkit.launch.selftest:ping", {"echo": 3}, launch.World(world_size=2, launcher=launcher, init="torch",
                                                                           timeout_s=120))
     assert [r["rank"] for r in out] == [0, 1] and all(r["rank_sum"] == 1.0 and r["echo"] == 3 for r in out)
 
@@ -83,7 +83,7 @@ def test_a_real_world_through_each_launcher(launcher):
 def test_a_raising_rank_under_torchrun_is_named():
     t0 = time.time()
     with pytest.raises(launch.RankFailed) as e:
-        launch.run_world("kit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"},
+        launch.run_world("gradkit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"},
                          launch.World(world_size=2, launcher="torchrun", init="torch", timeout_s=60))
     assert e.value.rank == 1 and "needle-7" in str(e.value)
     assert time.time() - t0 < 60
@@ -96,7 +96,7 @@ def test_a_half_written_error_file_does_not_hide_the_rank_that_raised(tmp_path):
     (tmp_path / "rank1.error.json").write_text(json.dumps({"rank": 1, "time": 1.0, "type": "RuntimeError",
                                                            "message": "needle-8", "traceback": "tb"}))
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
-    from kit.launch import results
+    from gradkit.launch import results
     e = results.blame([0, 1], [1, 1], tmp_path, logs, by_exit=False)
     assert e.rank == 1 and "needle-8" in str(e)
 
@@ -109,7 +109,7 @@ def test_a_rank_that_stopped_because_a_peer_did_is_not_blamed_even_when_seen_fir
         "rank": 0, "time": 1.0, "type": "WorldDesynchronised", "traceback": "tb",
         "message": "case 'x' (GA=4) ended on rank 0 (ok) but not on every rank within 120 s: Connection closed"}))
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
-    from kit.launch import results
+    from gradkit.launch import results
     e = results.blame([0, 1], [1, -9], tmp_path, logs)
     assert e.rank == 1 and str(e).startswith("rank 1 died: killed by signal 9 (SIGKILL)")
     assert "Then: rank 0 exited with code 1 after WorldDesynchronised" in str(e)
@@ -122,7 +122,7 @@ def test_dry_run_prints_the_command_lines(tmp_path, capsys):
     assert launch.main(["--world-size", "16", "--device", "cuda", "--launcher", "deepspeed", "--nnodes", "2",
                         "--hostfile", hf, "--master-addr", "node-a", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f"--hostfile {hf} --num_nodes 2 --num_gpus 8 --no_local_rank --module kit.launch.worker" in out
+    assert f"--hostfile {hf} --num_nodes 2 --num_gpus 8 --no_local_rank --module gradkit.launch.worker" in out
 
 
 def test_world_size_limit_counts_the_nodes(monkeypatch):
@@ -140,7 +140,7 @@ def test_world_size_limit_counts_the_nodes(monkeypatch):
 def test_runall_refuses_cuda_without_a_gpu(repo, tmp_path):
     import torch
 
-    from kit.notebooks import runall
+    from gradkit.notebooks import runall
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(config.ConfigError, match="no CUDA device"):

@@ -4,7 +4,7 @@ import ast
 import nbformat
 import pytest
 
-from kit.notebooks import runall_notebook, runall_params
+from gradkit.notebooks import runall_notebook, runall_params
 
 NOTEBOOKS = sorted(runall_params.NOTEBOOKS.glob("*.ipynb"))
 

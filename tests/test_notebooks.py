@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kit.notebooks import runall
+from gradkit.notebooks import runall
 
 pytestmark = pytest.mark.world
 NOTEBOOKS = tuple(sorted(p.stem for p in runall.NOTEBOOKS.glob("*.ipynb")))  # every notebook the kit ships

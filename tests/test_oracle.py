@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kit.judge import naming, oracle, tolerances
+from gradkit.judge import naming, oracle, tolerances
 
 
 def basis_and_ref(k=8, n=500, seed=0):

@@ -1,10 +1,10 @@
 """The verdict matrix from records: worst verdict wins, the number shown is the telling one, checks that can fail."""
 import pytest
 
-from kit import probes
-from kit.judge import records
-from kit.notebooks import overview
-from kit.stacks import versions
+from gradkit import probes
+from gradkit.judge import records
+from gradkit.notebooks import overview
+from gradkit.stacks import versions
 
 DS = versions.installed_version("deepspeed")
 
@@ -82,7 +82,7 @@ def test_differences_between_runs():
 
 
 def test_loading_from_a_folder_without_records_says_what_to_do(tmp_path):
-    with pytest.raises(FileNotFoundError, match="kit.notebooks.runall"):
+    with pytest.raises(FileNotFoundError, match="gradkit.notebooks.runall"):
         overview.load_results(tmp_path)
 
 
@@ -110,7 +110,7 @@ def test_the_overview_reads_only_this_runs_records_of_notebooks_that_finished(tm
 
 def test_a_relative_results_folder_is_the_repositorys_whatever_the_working_directory(tmp_path, monkeypatch):
     import os
-    from kit import config
+    from gradkit import config
     folder = tmp_path / "runs" / "latest"
     _run_folder(folder, {"04_bf16_leak.ipynb": "ok"}, {"04_bf16_leak": [rec("B4", "leak", "affected", 1.09, run_id="R2")]})
     relative = os.path.relpath(folder, config.REPO_ROOT)
@@ -122,7 +122,7 @@ def test_a_relative_results_folder_is_the_repositorys_whatever_the_working_direc
 
 
 def test_run_probes_refuses_bad_input_before_launching():
-    from kit import config
+    from gradkit import config
     with pytest.raises(config.ConfigError, match="unknown bug"):
         overview.run_probes(bugs=["B7"])
     with pytest.raises(config.ConfigError, match="version"):
@@ -131,7 +131,7 @@ def test_run_probes_refuses_bad_input_before_launching():
 
 def test_b3_cells_honour_the_n1_control_of_the_same_configuration():
     """ZeRO-0 bf16 on DeepSpeed 0.18.4 is off even at N = 1: B3 cannot be judged there (notebook 03's rule)."""
-    from kit.probes import zero_boundary as zb
+    from gradkit.probes import zero_boundary as zb
 
     def b3(verdict, ratio, n, dtype="bf16", stage=0):
         return rec("B3", "manual", verdict, ratio, ga=n, dtype=dtype, zero_stage=stage, reason=f"N={n} {verdict}")

@@ -1,10 +1,10 @@
 """B2 on real 2-rank pipelines (2 stages): every stage sums on DeepSpeed 0.18.2, every stage is a mean on the installed one."""
 import pytest
 
-from kit import config as kconfig
-from kit.judge import oracle, records
-from kit.probes import pipeline_ga as pg
-from kit.probes.ranks.judging import STEPS
+from gradkit import config as kconfig
+from gradkit.judge import oracle, records
+from gradkit.probes import pipeline_ga as pg
+from gradkit.probes.ranks.judging import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 

@@ -14,12 +14,12 @@ import psutil
 import pytest
 import yaml
 
-from kit import launch
-from kit.notebooks import runall_params
-from kit.probes import runner
-from kit.stacks import prefetch
-from kit.stacks import versions as kversions
-from kit.probes import ds_config, zero_boundary
+from gradkit import launch
+from gradkit.notebooks import runall_params
+from gradkit.probes import runner
+from gradkit.stacks import prefetch
+from gradkit.stacks import versions as kversions
+from gradkit.probes import ds_config, zero_boundary
 
 pytestmark = pytest.mark.world
 
@@ -42,8 +42,8 @@ def test_the_prefetch_names_every_stack_the_notebooks_will_run(repo):
     want = {(runner.stack_label(s), "deepspeed") for s in quick["01_trainer_loss_kwargs"]["STACKS"]}
     want |= {(v, "deepspeed") for nb in ("02_pipeline_ga", "03_zero_boundary", "04_bf16_leak") for v in quick[nb]["VERSIONS"]}
     want |= {("installed", "torch")}  # 07: plain torch DDP and FSDP2, and the installed accelerate / transformers
-    from kit.notebooks import without_ds  # 07: every Accelerate release and Trainer stack it names, as plain-torch worlds
-    from kit.probes import trainer_ddp
+    from gradkit.notebooks import without_ds  # 07: every Accelerate release and Trainer stack it names, as plain-torch worlds
+    from gradkit.probes import trainer_ddp
 
     want |= {(runner.stack_label(without_ds.accelerate_stack(v)), "torch") for v in quick["07_without_deepspeed"]["ACCELERATE_VERSIONS"]}
     want |= {(runner.stack_label(trainer_ddp.STACKS[s]), "torch") for s in quick["07_without_deepspeed"]["TRAINER_STACKS"]}
@@ -59,7 +59,7 @@ def test_the_prefetch_names_every_stack_the_notebooks_will_run(repo):
 
 def _cold_env(tmp_path) -> dict:
     """A kit cache with nothing in it: the installed release's comm op has to be built."""
-    return {**os.environ, "GRADKIT_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(launch.REPO_ROOT)}
+    return {**os.environ, "GRADKIT_CACHE": str(tmp_path / "cache")}
 
 
 def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_path, repo):
@@ -74,15 +74,15 @@ def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_p
     # 1. Stopped while it builds: the run-all ends at once, its prefetch, ranks and compiler with it, no notebook ran
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({"notebooks": {"03_zero_boundary": {"VERSIONS": ["installed"]}}}))
-    run = subprocess.Popen([sys.executable, "-m", "kit.notebooks.runall", "03_zero_boundary", "--params", str(params), "--out",
+    run = subprocess.Popen([sys.executable, "-m", "gradkit.notebooks.runall", "03_zero_boundary", "--params", str(params), "--out",
                             str(tmp_path / "out"), "--no-progress", "--no-site"], cwd=str(repo), env=env)
     deadline, building = time.monotonic() + 120, []
     while not building and time.monotonic() < deadline:
-        building = [p for p in psutil.Process(run.pid).children(recursive=True) if "kit.launch.worker" in " ".join(p.cmdline())]
+        building = [p for p in psutil.Process(run.pid).children(recursive=True) if "gradkit.launch.worker" in " ".join(p.cmdline())]
         time.sleep(0.2)
     assert building, "the prefetch never started its one-rank world"
     tree = psutil.Process(run.pid).children(recursive=True)
-    assert any("kit.stacks.prefetch" in " ".join(p.cmdline()) for p in tree)
+    assert any("gradkit.stacks.prefetch" in " ".join(p.cmdline()) for p in tree)
     run.send_signal(signal.SIGINT)
     assert run.wait(30) == 130
     assert psutil.wait_procs(tree, timeout=5)[1] == [], "the prefetch's processes outlived the stop"
@@ -96,17 +96,17 @@ def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_p
     key = kversions.Stack({"deepspeed": kversions.installed_version("deepspeed")}).extensions_key
     suite = Path(os.environ["GRADKIT_CACHE"]) / "torch_extensions" / key
     if not list(suite.rglob("*.o")):  # a fresh clone where no world has built it yet: the suite needs it anyway
-        launch.run_world("kit.launch.selftest:ping", {}, world_size=1, timeout_s=600)
+        launch.run_world("gradkit.launch.selftest:ping", {}, world_size=1, timeout_s=600)
     shutil.copytree(suite, tmp_path / "cache" / "torch_extensions" / key, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("*.so", "lock"))
     needs = tmp_path / "needs.json"
     needs.write_text(json.dumps([n.as_json() for n in need]))
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "kit.stacks.prefetch", "--needs", str(needs), "--no-progress"], env=env,
+    done = subprocess.run([sys.executable, "-m", "gradkit.stacks.prefetch", "--needs", str(needs), "--no-progress"], env=env,
                           cwd=str(repo), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "installed: installed, comm op built" in done.stderr
-    again = subprocess.run([sys.executable, "-c", "from kit.stacks import prefetch; from kit.probes import runner, zero_boundary as z; "
+    again = subprocess.run([sys.executable, "-c", "from gradkit.stacks import prefetch; from gradkit.probes import runner, zero_boundary as z; "
                             "print(runner.first_time({}, z.PROBE) or 'nothing')"], env=env, cwd=str(repo),
                            capture_output=True, text=True, timeout=60)
     assert again.stdout.strip() == "nothing", again.stdout + again.stderr
@@ -117,7 +117,7 @@ def test_a_release_the_index_does_not_have_is_refused_before_any_notebook(tmp_pa
     params = tmp_path / "p.yaml"
     params.write_text(yaml.safe_dump({"notebooks": {"04_bf16_leak": {"VERSIONS": ["0.0.77"]}}}))
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "kit.notebooks.runall", "04_bf16_leak", "--params", str(params), "--out", str(out),
+    res = subprocess.run([sys.executable, "-m", "gradkit.notebooks.runall", "04_bf16_leak", "--params", str(params), "--out", str(out),
                           "--no-progress"], cwd=str(repo), capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().splitlines()[-1] == "error: deepspeed==0.0.77 is not a release on the package index"

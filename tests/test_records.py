@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kit.judge import oracle, records
-from kit.stacks import versions
-from kit.judge.records import NO_DEEPSPEED
+from gradkit.judge import oracle, records
+from gradkit.stacks import versions
+from gradkit.judge.records import NO_DEEPSPEED
 
 
 def test_one_record_means_exactly_one():
@@ -73,7 +73,7 @@ def test_a_run_id_comes_from_the_environment_or_is_made_fresh_and_a_failed_recor
     import subprocess
     import sys
 
-    code = "from kit.judge import records; print(records.RUN_ID)"
+    code = "from gradkit.judge import records; print(records.RUN_ID)"
     given = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"GRADKIT_RUN_ID": "run-42", "PATH": "/usr/bin:/bin"}, cwd=str(records.Path(__file__).parents[1]))
     assert given.stdout.strip() == "run-42", given.stderr[-500:]

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from kit import config as kconfig
-from kit.commands import refresh
-from kit.commands.bisect import known, listing, result, search
-from kit.judge import expectations, history, oracle, pins
-from kit.judge.pins import Pin
-from kit.stacks import prefetch as kprefetch
+from gradkit import config as kconfig
+from gradkit.commands import refresh
+from gradkit.commands.bisect import known, listing, result, search
+from gradkit.judge import expectations, history, oracle, pins
+from gradkit.judge.pins import Pin
+from gradkit.stacks import prefetch as kprefetch
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0], "dtype": "fp32"}
 SKIP = {"verdict": oracle.CANNOT_RUN, "step": None, "ratios": [], "reason": "does not install here"}
@@ -57,7 +57,7 @@ def test_a_recipe_measures_through_the_checks_probe_or_its_own_probe_with_what_i
     assert made[-1] == ("probe", "B1", {**known.RECIPES["B1 on DeepSpeed"].plan, "device": "cpu", "timeout_s": 9},
                         "trainer", "deepspeed", {"transformers": "5.3.0"})
     known.measure(known.RECIPES["HFT"], world_size=2, timeout_s=9)  # no plan: the probe's quick plan
-    from kit import probes
+    from gradkit import probes
     assert made[-1][2] == {**probes.get("HFT").quick_plan(2), "device": "cpu", "timeout_s": 9}
 
 
@@ -93,7 +93,7 @@ def test_the_history_keeps_one_result_per_release_and_says_what_moved(tmp_path):
 
 
 def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table(monkeypatch):
-    from kit.notebooks import bisect_known
+    from gradkit.notebooks import bisect_known
 
     h = history.load()
     assert bisect_known.history_violations(h) == []
@@ -232,7 +232,7 @@ def test_the_refresh_refuses_an_unknown_recipe_and_a_missing_folder_before_anyth
 
 
 def test_a_bugs_timeline_draws_each_release_at_its_worst_ratio_by_verdict_and_each_pin_between_its_releases():
-    from kit.notebooks import plot_style, verdict_plots
+    from gradkit.notebooks import plot_style, verdict_plots
 
     assert verdict_plots.worst_ratio({"ratios": [0.9, 0.2, 1.5]}) == 0.2
     assert verdict_plots.worst_ratio({"ratios": [0.9, 4.0, None]}) == 4.0

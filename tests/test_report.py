@@ -1,7 +1,7 @@
-"""kit.judge.tables: the tables and sentences the notebooks print and the run-all summary collects, on records made by
-hand. Each test asserts what a reader sees: a number's digits, a row per gradient record, a step marked off, a
+"""gradkit.judge.tables: the tables and sentences the notebooks print and the run-all summary collects, on records made
+by hand. Each test asserts what a reader sees: a number's digits, a row per gradient record, a step marked off, a
 lost rank said as such."""
-from kit.judge import oracle, tables
+from gradkit.judge import oracle, tables
 
 
 def _rec(case="manual", verdict="not-affected", **kw):

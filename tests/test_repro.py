@@ -1,4 +1,4 @@
-"""The sweep's standalone reproduction (``kit.commands.repro``) without DeepSpeed: the script written for a record holds that
+"""The sweep's standalone reproduction (``gradkit.commands.repro``) without DeepSpeed: the script written for a record holds that
 record's point, the shape of a step is read as multiples of the right weights, a reproduction is believed only by
 its own judged line, and ``verify`` runs a script under torchrun as a user would (a stand-in script here: the
 DeepSpeed one runs in tests/test_sweep.py's world test)."""
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kit import shapes
-from kit.commands import repro
-from kit.judge import tolerances
+from gradkit import shapes
+from gradkit.commands import repro
+from gradkit.judge import tolerances
 
 
 def _rec(dtype="fp32", judge=None, steps=None, model="mlp", loop="manual", ga=3, mb=2, w=2):
@@ -142,7 +142,7 @@ sys.exit(1)
 
 def test_verify_runs_the_script_under_torchrun_in_the_stacks_environment_and_keeps_its_judged_lines(tmp_path,
                                                                                                     monkeypatch):
-    from kit.stacks import versions
+    from gradkit.stacks import versions
 
     asked = []
     real = versions.resolve_stack

@@ -4,8 +4,8 @@ import json
 import nbformat
 import pytest
 
-from kit import config
-from kit.notebooks import runall, runall_notebook, site
+from gradkit import config
+from gradkit.notebooks import runall, runall_notebook, site
 
 pytestmark = pytest.mark.world
 
@@ -91,7 +91,7 @@ def test_summary_survives_an_older_summary_in_the_folder(tmp_path):
 
 
 def test_the_readmes_command_forms_work_as_written(tmp_path, monkeypatch):
-    """`python -m kit.notebooks.runall 05_explorer.ipynb --params scripts/params/quick.yaml` from anywhere: a bare name is
+    """`python -m gradkit.notebooks.runall 05_explorer.ipynb --params scripts/params/quick.yaml` from anywhere: a bare name is
     found in notebooks/, and quick.yaml serves a subset of the notebooks."""
     monkeypatch.chdir(tmp_path)
     code = runall.main(["05_explorer.ipynb", "--params", str(runall.REPO / "scripts/params/quick.yaml"),
@@ -178,7 +178,7 @@ def test_a_run_all_started_from_a_jupyterlab_kernel_runs_its_notebooks_headless(
     must not inherit that, or a run-all started from a notebook would draw inert widgets instead of figures."""
     monkeypatch.setenv(config.FRONTEND_ENV, "notebooks/00_overview.ipynb")
     assert config.interactive("auto") is True
-    nb = _notebook(tmp_path / "n.ipynb", "from kit.config import interactive\nassert interactive('auto') is False")
+    nb = _notebook(tmp_path / "n.ipynb", "from gradkit.config import interactive\nassert interactive('auto') is False")
     assert runall.main([str(nb), "--out", str(tmp_path / "o"), "--no-progress"]) == 0
 
 

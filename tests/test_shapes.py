@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-from kit import shapes
-from kit.commands import check
-from kit.judge import oracle, parts, records
-from kit.probes import runner
-from kit.probes import ds_config
-from kit.probes.ranks import ds_config as ds_ranks
-from kit.shapes import hf
+from gradkit import shapes
+from gradkit.commands import check
+from gradkit.judge import oracle, parts, records
+from gradkit.probes import runner
+from gradkit.probes import ds_config
+from gradkit.probes.ranks import ds_config as ds_ranks
+from gradkit.shapes import hf
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -172,7 +172,7 @@ def test_a_model_id_whose_config_is_in_the_local_hugging_face_cache_builds_witho
     (repo / "refs" / "main").write_text(snap.name)
     (snap / "config.json").write_text(json.dumps(AutoConfig.for_model("qwen3").to_dict()))
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    code = ("import json; from kit.shapes import hf; keys, notes = hf.user_model('tiny-org/tiny-qwen3'); "
+    code = ("import json; from gradkit.shapes import hf; keys, notes = hf.user_model('tiny-org/tiny-qwen3'); "
             "print(json.dumps({'type': keys['model_config']['model_type'], "
             "'layers': keys['model_config']['num_hidden_layers'], 'notes': notes}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

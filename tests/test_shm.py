@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from kit import launch
-from kit.launch import cleanup, lifecycle
+from gradkit import launch
+from gradkit.launch import cleanup, lifecycle
 
 
 def _segments():
@@ -19,7 +19,7 @@ def _segments():
 def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
     """Each world's own segments (found by the port it held, as DeepSpeed names them) exist while it runs and are
     gone after it, one-shot and warm; other tests' worlds may run meanwhile and are not looked at."""
-    from kit.launch import warm
+    from gradkit.launch import warm
 
     seen = []
     real = cleanup.release_port
@@ -36,9 +36,10 @@ def test_a_deepspeed_world_leaves_no_shared_memory_behind(monkeypatch):
 
     monkeypatch.setattr(lifecycle, "release_port", spy)
     monkeypatch.setattr(warm, "release_port", spy)
-    launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=300)  # DeepSpeed's init_distributed on CPU
+    # DeepSpeed's init_distributed on CPU
+    launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, timeout_s=300)
     with launch.warm_worlds(keep=False):  # a warm world's segments go with it too
-        launch.run_world("kit.launch.selftest:ping", {}, world_size=2, timeout_s=300)
+        launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, timeout_s=300)
     assert len(seen) == 2, seen
     for port, made, left in seen:
         assert len(made) == 2, (port, made)  # DeepSpeed's comm op made one per rank: there was something to remove

@@ -4,10 +4,10 @@ import shutil
 
 import pytest
 
-from kit import launch
-from kit.judge import oracle
-from kit.stacks import versions
-from kit.probes import bf16_leak
+from gradkit import launch
+from gradkit.judge import oracle
+from gradkit.stacks import versions
+from gradkit.probes import bf16_leak
 
 pytestmark = pytest.mark.world
 OLD = "0.18.9"
@@ -17,7 +17,7 @@ OLD = "0.18.9"
 def shared_cache():
     """The suite's cache, with the 0.18.9 overlay installed and the installed release's comm op built (once)."""
     versions.ensure_overlay("deepspeed", OLD)
-    launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=1, init="deepspeed", timeout_s=300))
+    launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=1, init="deepspeed", timeout_s=300))
     return versions.overlay_root().parent
 
 
@@ -39,8 +39,9 @@ def test_a_damaged_overlay_is_cannot_run_never_the_installed_release(private_cac
     # what the ranks would import if the overlay were trusted as it is: the world refuses to run
     stack = versions.Stack(versions={"deepspeed": OLD}, pythonpath=[str(dst)], roots={"deepspeed": str(dst)})
     with pytest.raises(launch.RankFailed, match=r"StackMismatch.*0\.18\.9 was requested, 0\.19\.8 was imported"):
-        launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, init="torch", expect=stack.expect,
-                                                               pythonpath=stack.pythonpath, timeout_s=120))
+        launch.run_world("gradkit.launch.selftest:ping", {},
+                         launch.World(world_size=2, init="torch", expect=stack.expect, pythonpath=stack.pythonpath,
+                                      timeout_s=120))
     # and the manifest written at install names the damage
     assert "missing: deepspeed/__init__.py" in versions.overlay_damage(dst)
 
@@ -77,7 +78,8 @@ def test_a_truncated_comm_op_is_rebuilt_not_a_sigbus(private_cache):
     with open(so, "r+b") as f:
         f.truncate(size // 3)
     assert "truncated" in launch.elf_damage(so)
-    out = launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=300))
+    out = launch.run_world("gradkit.launch.selftest:ping", {},
+                           launch.World(world_size=2, init="deepspeed", timeout_s=300))
     assert [r["rank_sum"] for r in out] == [1.0, 1.0]
     assert launch.elf_damage(so) is None and os.path.getsize(so) > size // 3
 
@@ -90,7 +92,8 @@ def test_a_build_lock_left_by_a_killed_rank_does_not_hang_the_next_world(private
     shutil.copytree(shared / "torch_extensions", ext)
     (lock,) = [so.parent / "lock" for so in (ext / launch.installed_key()).rglob("*.so")]
     lock.touch()  # what a SIGKILL during init_distributed leaves
-    out = launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=60))
+    out = launch.run_world("gradkit.launch.selftest:ping", {},
+                           launch.World(world_size=2, init="deepspeed", timeout_s=60))
     assert [r["rank_sum"] for r in out] == [1.0, 1.0] and not lock.exists()
 
 
@@ -119,7 +122,7 @@ def test_a_build_under_torchs_own_lock_is_waited_for_never_taken_over(tmp_path):
     rank then failed in its own release() (FileNotFoundError): exit 1 before anything was judged."""
     import threading
 
-    from kit.launch.worker import FlockBaton, lock_holder
+    from gradkit.launch.worker import FlockBaton, lock_holder
 
     lock = tmp_path / "lock"
     holder = _hold(lock)
@@ -153,7 +156,7 @@ def test_a_world_waits_for_a_build_under_torchs_own_lock_and_the_holder_ends_wel
     holder = _hold(lock)
     job, out = tmp_path / "world", {}
     world = threading.Thread(target=lambda: out.update(r=launch.run_world(
-        "kit.launch.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=300), keep_dir=str(job))))
+        "gradkit.launch.selftest:ping", {}, launch.World(world_size=2, init="deepspeed", timeout_s=300), keep_dir=str(job))))
     world.start()
     deadline = time.monotonic() + 240  # a hang guard: the ranks reach the build lock within seconds
     said = lambda: "".join(p.read_text(errors="replace") for p in job.glob("rank*.log"))  # noqa: E731

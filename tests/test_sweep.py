@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from kit import config, launch, shapes
-from kit.commands import repro
-from kit.commands.sweep import grouping
-from kit.commands.sweep import run as sweep_run
-from kit.commands.sweep import spec as sweep_spec
-from kit.judge import oracle, records
+from gradkit import config, launch, shapes
+from gradkit.commands import repro
+from gradkit.commands.sweep import grouping
+from gradkit.commands.sweep import run as sweep_run
+from gradkit.commands.sweep import spec as sweep_spec
+from gradkit.judge import oracle, records
 
 SPEC = {
     "world_size": 2,
@@ -69,7 +69,7 @@ def test_the_reproduction_script_reproduces_b3_and_not_a_correct_loop(swept, tmp
     text = script.read_text()
     model = shapes.of_case(bad["config"]).source()
     assert model in text  # the model is the shape's own code, embedded
-    assert "import kit" not in text and "from kit" not in text
+    assert "import gradkit" not in text and "from gradkit" not in text
     assert len(text.replace(model, "").splitlines()) <= 100  # the harness around it stays short enough to read
     rc, output = repro.verify(script)
     assert rc == 1 and "REPRODUCED" in output, output
@@ -114,7 +114,7 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
     """The sweep writes, for a group no known bug explains, the config a user would bisect, the reproduction it ran
     and a report that holds both; ``gradkit report`` rebuilds it from the folder (here B3's group, its name taken
     away, stands for an unknown one)."""
-    from kit.commands import report
+    from gradkit.commands import report
 
     spec, out, recs = swept
     (group,) = grouping.groups(recs, spec["axes"])

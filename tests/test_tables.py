@@ -2,8 +2,8 @@
 import json
 from pathlib import Path
 
-from kit.judge import records
-from kit.notebooks import readme_tables
+from gradkit.judge import records
+from gradkit.notebooks import readme_tables
 
 
 def b4(ds, case, verdict, ratio, run_id="R", ga=4):

@@ -1,8 +1,8 @@
 """The HF Trainer on 2 DDP ranks without DeepSpeed, on both sides of transformers' October 2024 accumulation fix."""
 import pytest
 
-from kit.judge import oracle, records
-from kit.probes import trainer_ddp
+from gradkit.judge import oracle, records
+from gradkit.probes import trainer_ddp
 
 pytestmark = pytest.mark.usefixtures("warm_module")
 
@@ -49,7 +49,7 @@ def test_4_45_weights_each_micro_batch_by_its_own_tokens_and_4_46_3_counts_one_t
 
 
 def test_a_stack_with_deepspeed_is_refused_before_any_launch():
-    from kit import config as kconfig
+    from gradkit import config as kconfig
 
     with pytest.raises(kconfig.ConfigError, match="pins transformers and accelerate only"):
         trainer_ddp.run(stacks=({"deepspeed": "0.18.6"},))

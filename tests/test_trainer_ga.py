@@ -2,10 +2,10 @@
 does any match the reference, on the report's versions and the installed ones."""
 import pytest
 
-from kit import config as kconfig
-from kit.judge import expectations, oracle, records
-from kit.probes import trainer_ga as tg
-from kit.probes.ranks.judging import STEPS
+from gradkit import config as kconfig
+from gradkit.judge import expectations, oracle, records
+from gradkit.probes import trainer_ga as tg
+from gradkit.probes.ranks.judging import STEPS
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 

@@ -1,4 +1,4 @@
-"""Warm worlds (``kit.launch.warm_worlds``): the explorer's ranks stay up between Runs. The same answers as fresh
+"""Warm worlds (``gradkit.launch.warm_worlds``): the explorer's ranks stay up between Runs. The same answers as fresh
 worlds, one set of ranks for job after job, and a failure, an idle limit or a stop never leaves a rank behind."""
 import threading
 import time
@@ -6,10 +6,10 @@ import time
 import psutil
 import pytest
 
-from kit import launch, probes
-from kit.notebooks import explore
-from kit.probes import runner
-from kit.probes import zero_boundary as zb
+from gradkit import launch, probes
+from gradkit.notebooks import explore
+from gradkit.probes import runner
+from gradkit.probes import zero_boundary as zb
 
 pytestmark = pytest.mark.world
 
@@ -51,11 +51,11 @@ def test_job_after_job_in_one_warm_world_gives_the_answers_of_fresh_worlds():
 def test_one_warm_world_per_target_and_never_more_than_warm_max():
     w = launch.World(world_size=2, init="torch", timeout_s=60)
     with launch.warm_worlds():
-        a1 = _pids(launch.run_world("kit.launch.selftest:ping", {}, w))
-        a2 = _pids(launch.run_world("kit.launch.selftest:ping", {"echo": 1}, w))
-        b = _pids(launch.run_world("kit.launch.selftest:hang_on_rank", {"rank": -1}, w))  # nobody hangs
+        a1 = _pids(launch.run_world("gradkit.launch.selftest:ping", {}, w))
+        a2 = _pids(launch.run_world("gradkit.launch.selftest:ping", {"echo": 1}, w))
+        b = _pids(launch.run_world("gradkit.launch.selftest:hang_on_rank", {"rank": -1}, w))  # nobody hangs
         assert a1 == a2 and not set(a1) & set(b)  # same target: same ranks; another target: its own
-        c = _pids(launch.run_world("kit.launch.selftest:ping", {}, launch.World(world_size=1, init="torch", timeout_s=60)))
+        c = _pids(launch.run_world("gradkit.launch.selftest:ping", {}, launch.World(world_size=1, init="torch", timeout_s=60)))
     assert len(launch.warm._WARM) == launch.WARM_MAX == 2
     assert not [p for p in a1 if psutil.pid_exists(p)]  # the least recently used went
     assert all(psutil.pid_exists(p) for p in b + c)
@@ -64,13 +64,13 @@ def test_one_warm_world_per_target_and_never_more_than_warm_max():
 def test_a_failing_job_takes_its_warm_world_down_and_the_next_call_starts_a_new_one():
     with launch.warm_worlds():
         ok = {"rank": -1}  # nobody fails
-        first = _pids(launch.run_world("kit.launch.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
+        first = _pids(launch.run_world("gradkit.launch.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
         with pytest.raises(launch.RankFailed, match="needle-7") as e:
-            launch.run_world("kit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"}, world_size=2,
+            launch.run_world("gradkit.launch.selftest:fail_on_rank", {"rank": 1, "message": "needle-7"}, world_size=2,
                              init="torch", timeout_s=60)
         assert e.value.rank == 1
         assert not [p for p in first if psutil.pid_exists(p)], "the failed warm world's ranks live on"
-        second = _pids(launch.run_world("kit.launch.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
+        second = _pids(launch.run_world("gradkit.launch.selftest:fail_on_rank", ok, world_size=2, init="torch", timeout_s=60))
     assert not set(first) & set(second)
 
 
@@ -85,7 +85,7 @@ def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit
 
     def run():
         with launch.warm_worlds():
-            got["pids"] = _pids(launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
+            got["pids"] = _pids(launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
 
     t = threading.Thread(target=run)
     t.start()
@@ -98,12 +98,12 @@ def test_a_warm_world_outlives_the_thread_that_started_it_but_not_its_idle_limit
     servers = [s.proc for s in launch.servers._SERVERS.values() if s is not None]
     assert len(servers) == 1 and servers[0].wait(timeout=15) == 0, "the idle fork server stayed"
     with launch.warm_worlds():  # the next call notices and starts a new world
-        assert not set(got["pids"]) & set(_pids(launch.run_world("kit.launch.selftest:ping", {}, world_size=2,
+        assert not set(got["pids"]) & set(_pids(launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2,
                                                                   init="torch", timeout_s=60)))
 
 
 def test_stopping_the_warm_worlds_kills_their_ranks():
     with launch.warm_worlds():
-        pids = _pids(launch.run_world("kit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
+        pids = _pids(launch.run_world("gradkit.launch.selftest:ping", {}, world_size=2, init="torch", timeout_s=60))
     assert launch.stop_warm_worlds() == 1
     assert not psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=5)[1]

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kit.judge import oracle
-from kit.watch import Affected, Watch, reads
-from kit.watch.judge import STALE
-from kit.watch.sketch import Sketch
+from gradkit.judge import oracle
+from gradkit.watch import Affected, Watch, reads
+from gradkit.watch.judge import STALE
+from gradkit.watch.sketch import Sketch
 
 
 def _job(defect=None, steps=3, ga=4, tmp=None, clip=None, **watch):
@@ -146,8 +146,8 @@ def test_the_consumed_gradient_is_read_in_the_innermost_torch_optimizer():
 
 
 def test_gradkit_report_writes_a_real_jobs_affected_steps_and_refuses_a_clean_one(tmp_path, capsys):
-    from kit import config
-    from kit.commands import report
+    from gradkit import config
+    from gradkit.commands import report
 
     _job("sum", tmp=tmp_path / "bad", steps=2)
     assert report.main([str(tmp_path / "bad")]) == 0

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from kit.judge import oracle
-from kit.notebooks import watch
+from gradkit.judge import oracle
+from gradkit.notebooks import watch
 
 
 
@@ -25,7 +25,7 @@ def test_zero2_with_several_backwards_per_step_is_b3_and_deepspeeds_own_loop_is_
         tmp_path, capsys):
     """The watch on the real job, and the replica (``gradkit check`` on the job's own DeepSpeed config, the kit's toy
     model) give the same verdict per loop and name the same bug."""
-    from kit.commands import check
+    from gradkit.commands import check
 
     manual = _run(tmp_path / "m", "deepspeed_job.py", "--stage", "2", "--loop", "manual")
     assert [r["verdict"] for r in manual] == [oracle.AFFECTED] * 2
@@ -88,7 +88,7 @@ def test_offloaded_optimizers_are_read_from_their_cpu_partitions_and_a_manual_lo
     backwards, one step) on the installed release drops each step's first micro-batch and carries the CPU
     accumulator of the others into the next step (the accumulate-in-CPU path #7981 added for several backwards per
     step, without ``set_gradient_accumulation_boundary``); the replica (``gradkit check``) is affected too."""
-    from kit.commands import check
+    from gradkit.commands import check
 
     engine = _run(tmp_path / "e", "deepspeed_job.py", "--stage", "3", "--loop", "engine", "--offload")
     assert [r["verdict"] for r in engine] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in engine]

@@ -1,4 +1,4 @@
-"""The watch's judgement (``kit.watch.judge``) in one process, on the paths that otherwise run only in 2-rank jobs
+"""The watch's judgement (``gradkit.watch.judge``) in one process, on the paths that otherwise run only in 2-rank jobs
 (tests/test_watch_jobs.py): a partitioned read (ZeRO-1/2, BF16_Optimizer: rank q's optimizer holds one range of the
 flat gradient, here one that cuts a parameter in two), each partition fitted and named on its own, the sums over the
 ranks, a replicated read's agreement, the named steps (hypotheses) by their definitions, the parts a step got wrong
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import kit.watch.judge as wj
-from kit.judge import oracle
-from kit.judge.parts import PART_LOST, PART_STALE
-from kit.watch.judge import STALE, Tally, clipped_by_own_norm, dot64, hypotheses, judgement
-from kit.watch.reference import restricted
-from kit.watch.sketch import Sketch
+import gradkit.watch.judge as wj
+from gradkit.judge import oracle
+from gradkit.judge.parts import PART_LOST, PART_STALE
+from gradkit.watch.judge import STALE, Tally, clipped_by_own_norm, dot64, hypotheses, judgement
+from gradkit.watch.reference import restricted
+from gradkit.watch.sketch import Sketch
 
 SHAPES = [(6, 5), (20,), (2, 5)]
 NUMELS = [30, 20, 10]
@@ -34,7 +34,7 @@ FP32 = oracle.tolerance("fp32")
 
 class FakeWorld:
     """``w`` ranks as ``w`` threads of this process; ``all_gather`` / ``all_sum`` meet at a barrier as the collectives
-    of ``kit.watch.reference`` do (every rank's tensor, or their sum / max, on every rank)."""
+    of ``gradkit.watch.reference`` do (every rank's tensor, or their sum / max, on every rank)."""
 
     def __init__(self, w: int):
         self.w, self.slots, self.me = w, [None] * w, threading.local()
@@ -146,7 +146,7 @@ def judged(monkeypatch, step, grads, counts=COUNTS, per_rank=PER_RANK, coef=1.0,
     of its fragments ``(t, start, values)`` (a read that misses, repeats or misplaces a piece)."""
     w = len(per_rank)
     ref = reference(grads, counts)
-    rr_all = sum(dot64(r) for r in ref)  # as kit.watch.core sums the reference's norm
+    rr_all = sum(dot64(r) for r in ref)  # as gradkit.watch.core sums the reference's norm
     maxref = max(float(r.abs().max()) for r in ref)
     sketch = Sketch(NUMELS, size)
     basis = torch.stack([sketch.of(g) for g in grads])

@@ -1,7 +1,7 @@
-"""Notebook 09's own checks (``kit.notebooks.watch.problems``) on records made by hand: a step is affected where its
+"""Notebook 09's own checks (``gradkit.notebooks.watch.problems``) on records made by hand: a step is affected where its
 applied step or its logged grad norm is, not-affected where both are."""
-from kit.judge import oracle
-from kit.notebooks import watch
+from gradkit.judge import oracle
+from gradkit.notebooks import watch
 
 A, N = oracle.AFFECTED, oracle.NOT_AFFECTED
 

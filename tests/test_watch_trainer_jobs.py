@@ -4,7 +4,7 @@ not is ``not-affected``, and the verdict agrees with the replica's (``gradkit ch
 DeepSpeed and FSDP2 jobs are tests/test_watch_jobs.py (two files: the two test workers take one each)."""
 import pytest
 
-from kit.judge import oracle
+from gradkit.judge import oracle
 from tests.test_watch_jobs import _run
 
 
@@ -15,7 +15,7 @@ def _verdicts(recs, logged: bool = False) -> list:
 @pytest.mark.world
 def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_and_4_46_3_miscounts(tmp_path, capsys):
     """... as ``gradkit check --path trainer`` says of 4.46.3 on the kit's own model and data."""
-    from kit.commands import check
+    from gradkit.commands import check
 
     now = _run(tmp_path / "now", "trainer_job.py", "--collator", "pad")
     assert _verdicts(now) == _verdicts(now, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in now]
@@ -50,7 +50,7 @@ def test_a_packing_collator_is_exact_where_its_token_count_is_right_and_affected
 @pytest.mark.world
 def test_accelerate_0_30_1_steps_on_every_micro_batch_with_sync_each_batch_and_0_31_0_does_not(tmp_path, capsys):
     """... as ``gradkit check --path accelerate`` says of 0.30.1 on the kit's own model and data."""
-    from kit.commands import check
+    from gradkit.commands import check
 
     old = _run(tmp_path / "old", "accelerate_job.py", "--sync-each-batch", stack={"accelerate": "0.30.1"})
     for r in old:

@@ -1,7 +1,7 @@
 """Notebook 07's logic on hand-made records: the matrix, the fixes, the overview's column, the upstream rules."""
-from kit.judge import expectations, oracle
-from kit.notebooks import overview, runall_params, without_ds
-from kit.judge.records import NO_DEEPSPEED
+from gradkit.judge import expectations, oracle
+from gradkit.notebooks import overview, runall_params, without_ds
+from gradkit.judge.records import NO_DEEPSPEED
 
 
 def _rec(bug, case, verdict, release, ratio=1.0, role="measured", **kw):
@@ -72,7 +72,7 @@ def _params(**kw):
 def test_notebook_07s_parameters_are_checked_and_name_every_stack_its_worlds_run():
     import pytest
 
-    from kit import config as kconfig
+    from gradkit import config as kconfig
 
     pairs = without_ds.check_notebook(_params(ACCELERATE_VERSIONS=["installed", "0.30.1"],
                                               TRAINER_STACKS=["installed", "transformers 4.45.2"]))
@@ -115,8 +115,8 @@ def test_the_notebooks_assertions_name_a_missing_path_and_a_pinned_release_that_
 # ---- the mutation run's survivors: the code shown per cell, the matrix's worst record, the fixes' records
 
 def _code(calls, bodies=None):
-    """A stand-in for ``kit.stacks.source.excerpt``: a header naming the version, then numbered lines (9 characters of
-    number and mark, as the real one) of the body given for that release (default: the same for every release)."""
+    """A stand-in for ``gradkit.stacks.source.excerpt``: a header naming the version, then numbered lines (9 characters
+    of number and mark, as the real one) of the body given for that release (default: the same for every release)."""
     def excerpt(package, relpath, qualname, marks, version="installed"):
         calls.append((package, qualname, version))
         body = (bodies or {}).get(version, ["a = 1", "b = 2"])
@@ -130,7 +130,7 @@ def _code(calls, bodies=None):
 
 def test_a_mechanisms_code_is_read_from_the_release_that_ran_and_shown_once_for_releases_that_ship_it_alike(
         monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls))
@@ -150,7 +150,7 @@ def test_a_mechanisms_code_is_read_from_the_release_that_ran_and_shown_once_for_
 
 
 def test_releases_whose_lines_differ_are_shown_apart_and_the_installed_release_is_read_as_installed(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["a = 1"], "0.30.1": ["b = 1"]}))
@@ -165,7 +165,7 @@ def test_releases_whose_lines_differ_are_shown_apart_and_the_installed_release_i
 
 
 def test_a_source_that_cannot_be_read_or_has_no_such_function_is_said(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([], {"0.28.0": "raise", "0.30.1": None}))
     found = without_ds.mechanisms([_rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9),
@@ -175,7 +175,7 @@ def test_a_source_that_cannot_be_read_or_has_no_such_function_is_said(monkeypatc
 
 
 def test_each_trainer_release_is_explained_by_its_own_mechanism(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([]))
 
@@ -252,7 +252,7 @@ def test_a_cells_worst_record_is_the_furthest_from_1_on_either_side_and_one_row_
 
 
 def test_mechanisms_and_fixes_look_past_records_and_releases_that_have_none(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     monkeypatch.setattr(source, "excerpt", _code([]))
     found = without_ds.mechanisms([_rec("DDP", "no_sync", oracle.NOT_AFFECTED, "2.13.0+cpu"),
@@ -283,7 +283,7 @@ def test_a_fix_says_its_ratio_and_a_trajectory_is_no_cell():
 
 
 def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_first_are_apart(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     bodies = {"0.28.0": ["a = 1", "b = 2"], "0.30.1": ["a = 1", "b = 2"], "0.29.0": ["c = 3", "b = 2"]}
     monkeypatch.setattr(source, "excerpt", _code([], bodies))
@@ -293,7 +293,7 @@ def test_a_release_after_a_merged_one_is_still_read_and_lines_that_differ_only_f
 
 
 def test_a_release_after_a_cell_already_read_is_still_read(monkeypatch):
-    from kit.stacks import source
+    from gradkit.stacks import source
 
     calls = []
     monkeypatch.setattr(source, "excerpt", _code(calls, {"0.28.0": ["x = 0"]}))

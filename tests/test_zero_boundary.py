@@ -1,10 +1,10 @@
 """B3 on real CPU worlds (W=1 and W=2): the manual loop loses micro-batches under ZeRO-2, the controls and fixes do not."""
 import pytest
 
-from kit import config as kconfig
-from kit.judge import oracle, records
-from kit.probes import zero_boundary as zb
-from kit.probes.ranks import zero_boundary as zb_ranks
+from gradkit import config as kconfig
+from gradkit.judge import oracle, records
+from gradkit.probes import zero_boundary as zb
+from gradkit.probes.ranks import zero_boundary as zb_ranks
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 

@@ -7,10 +7,10 @@
     gradkit check --path trainer [--average-tokens-across-devices false] [--per-device-train-batch-size 2]
                                [--transformers 4.46.3]
 
-Each runs the user's settings through the path's probe (``kit.probes.fsdp2``, ``accelerate_ga``, ``trainer_ddp``)
+Each runs the user's settings through the path's probe (``gradkit.probes.fsdp2``, ``accelerate_ga``, ``trainer_ddp``)
 in one world of W ranks beside its plain torch.distributed control, and prints the verdict, the
 effective/reference ratio, the cosine, the misplaced weight and what the fitted weights say the step was; for an
-affected (or raising) configuration, the mechanism and upstream reference the kit knows (``kit.notebooks.without_ds``) and
+affected (or raising) configuration, the mechanism and upstream reference the kit knows (``gradkit.notebooks.without_ds``) and
 the fix, re-run in the same world where it is a setting. The exit status is the check's: 0 not affected, 1
 affected, 2 bad input (nothing launched), 3 inconclusive or cannot run.
 """
@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import shapes
-from kit.judge import oracle
-from kit.judge import verdict as kverdict
-from kit.notebooks import without_ds
-from kit.probes import accelerate_ga, fsdp2, runner, trainer_ddp, trainer_ga
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit import shapes
+from gradkit.judge import oracle
+from gradkit.judge import verdict as kverdict
+from gradkit.notebooks import without_ds
+from gradkit.probes import accelerate_ga, fsdp2, runner, trainer_ddp, trainer_ga
+from gradkit.stacks.versions import version_key
 
 PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused
@@ -203,8 +203,8 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
 
 
 def explanation(rec: dict) -> str | None:
-    """The mechanism the kit knows for an affected or raising record (``kit.notebooks.without_ds.MECHANISMS``), else the
-    upstream table's note for its case, else None."""
+    """The mechanism the kit knows for an affected or raising record (``gradkit.notebooks.without_ds.MECHANISMS``), else
+    the upstream table's note for its case, else None."""
     for path, case, explains, *_, sentence in without_ds.MECHANISMS:
         if rec["bug"] == path and rec["case"] == case and explains(rec):
             return sentence

@@ -1,12 +1,12 @@
-"""``scripts/refresh_table`` (``python -m kit.commands.refresh``): the upstream table checked against the package index
-as it is today, as a maintainer runs it weekly.
+"""``scripts/refresh_table`` (``python -m gradkit.commands.refresh``): the upstream table checked against the package
+index as it is today, as a maintainer runs it weekly.
 
     scripts/refresh_table [--only B5,B1] [--full] [--page docs/refresh.md] [--json runs/refresh.json]
     scripts/refresh_table --ranges-only      # only the pinned ranges into README.md and docs/bugs.md (nothing runs)
 
-For every known bug's recipe (``kit.commands.bisect.known``) it measures, each in a fresh world:
+For every known bug's recipe (``gradkit.commands.bisect.known``) it measures, each in a fresh world:
 
-- **each pin** of ``kit.judge.expectations`` (both releases of it): the two must still differ the way the pin says,
+- **each pin** of ``gradkit.judge.expectations`` (both releases of it): the two must still differ the way the pin says,
   and each must be the measurement the release history holds (``kit/judge/history.json``); otherwise the pin moved;
 - **every release newer than the table vouches for** (``newest_pinned``) that the index has now, against the newest
   pinned one: the same result is "as the table says"; another is a **new change**, bisected between the two, with
@@ -16,7 +16,7 @@ For every known bug's recipe (``kit.commands.bisect.known``) it measures, each i
 
 It writes the page (``--page``, a page of the site: what was measured, what moved, each bug's pins with the
 command that found them, every release of its history), the results into the release history, ``--json``, and the
-pinned ranges (``kit.judge.expectations.ranges_table``) into the ``RANGES`` blocks of the README and the bugs page. Exit status: 0 nothing moved,
+pinned ranges (``gradkit.judge.expectations.ranges_table``) into the ``RANGES`` blocks of the README and the bugs page. Exit status: 0 nothing moved,
 1 something moved (a pin no longer holds, a new release changes a bug's result), 2 bad input, 3 a recipe could not
 run at all.
 """
@@ -27,12 +27,12 @@ import json
 import time
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.commands.bisect import diff, known, listing, result, search
-from kit.judge import expectations, history
-from kit.notebooks import readme_tables
-from kit.stacks import prefetch as kprefetch
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit.commands.bisect import diff, known, listing, result, search
+from gradkit.judge import expectations, history
+from gradkit.notebooks import readme_tables
+from gradkit.stacks import prefetch as kprefetch
+from gradkit.stacks.versions import version_key
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "refresh.md"
 

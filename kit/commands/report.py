@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.commands import repro
-from kit.commands.bisect import diff, search
-from kit.commands.sweep.grouping import when_text
-from kit.judge import oracle, records
+from gradkit import config as kconfig
+from gradkit.commands import repro
+from gradkit.commands.bisect import diff, search
+from gradkit.commands.sweep.grouping import when_text
+from gradkit.judge import oracle, records
 
 LOOPS = {
     "engine": "DeepSpeed's own loop: `engine.backward(loss)` and `engine.step()` after every micro-batch, "

@@ -3,8 +3,8 @@
     path = repro.write(record, folder / "repro_<group>.py", title)   # the record of one affected point
     rc, output = repro.verify(path, world_size=2, stack={})             # rc 1: it reproduces
 
-The script builds the point's model (its shape's own source, ``kit.shapes.shape.Shape.source``) and its own data, runs
-the point's loop style with the point's config (SGD,
+The script builds the point's model (its shape's own source, ``gradkit.shapes.shape.Shape.source``) and its own data,
+runs the point's loop style with the point's config (SGD,
 lr = 1, so the update is the gradient) for as many optimizer steps as the point took, reads each step as the
 probe does (the fp32 masters, or the module's own weights where the masters' read disagrees with them), computes
 on rank 0 the fp32 reference of the same global batch from that step's starting weights, fits each micro-batch's
@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import shapes
-from kit.launch import scripts
-from kit.judge import tolerances
-from kit.probes.ranks import ds_config
+from gradkit import shapes
+from gradkit.launch import scripts
+from gradkit.judge import tolerances
+from gradkit.probes.ranks import ds_config
 
 TEMPLATE = '''"""{title}
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import copy
 
-from kit.config import ConfigError
-import kit.frameworks.ds_rules as ds_rules
-from kit.frameworks.run import (
+from gradkit.config import ConfigError
+import gradkit.frameworks.ds_rules as ds_rules
+from gradkit.frameworks.run import (
     Launch,
     TrainingRun,
     load_ds_json,

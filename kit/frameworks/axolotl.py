@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import yaml
 
-from kit.config import ConfigError
-from kit.frameworks.run import Launch, TrainingRun, positive_int, shown, str_to_bool
-from kit.frameworks.trainer import Case, resolve_trainer
+from gradkit.config import ConfigError
+from gradkit.frameworks.run import Launch, TrainingRun, positive_int, shown, str_to_bool
+from gradkit.frameworks.trainer import Case, resolve_trainer
 
 KEYS = frozenset(("base_model", "micro_batch_size", "sequence_len", "sample_packing", "num_epochs", "val_set_size",
                   "lora_r", "pad_to_sequence_len", "base_model_config", "datasets", "adapter", "load_in_4bit",

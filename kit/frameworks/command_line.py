@@ -8,15 +8,15 @@ import re
 import shlex
 from pathlib import Path
 
-from kit.config import ConfigError
-import kit.frameworks.accelerate_cfg as accelerate_cfg
-import kit.frameworks.axolotl as axolotl
-import kit.frameworks.ds_rules as ds_rules
-import kit.frameworks.hf_args as hf_args
-import kit.frameworks.launchers as launchers
-import kit.frameworks.llamafactory as llamafactory
-from kit.frameworks.dispatch import detect_data, read_data
-from kit.frameworks.run import (
+from gradkit.config import ConfigError
+import gradkit.frameworks.accelerate_cfg as accelerate_cfg
+import gradkit.frameworks.axolotl as axolotl
+import gradkit.frameworks.ds_rules as ds_rules
+import gradkit.frameworks.hf_args as hf_args
+import gradkit.frameworks.launchers as launchers
+import gradkit.frameworks.llamafactory as llamafactory
+from gradkit.frameworks.dispatch import detect_data, read_data
+from gradkit.frameworks.run import (
     Launch,
     TrainingRun,
     find_file,

@@ -1,13 +1,13 @@
 """Which framework a config mapping is (by its keys), and the reader for it."""
 from __future__ import annotations
 
-from kit.config import ConfigError
-import kit.frameworks.accelerate_cfg as accelerate_cfg
-import kit.frameworks.axolotl as axolotl
-import kit.frameworks.ds_rules as ds_rules
-import kit.frameworks.hf_args as hf_args
-import kit.frameworks.llamafactory as llamafactory
-from kit.frameworks.run import Launch, TrainingRun
+from gradkit.config import ConfigError
+import gradkit.frameworks.accelerate_cfg as accelerate_cfg
+import gradkit.frameworks.axolotl as axolotl
+import gradkit.frameworks.ds_rules as ds_rules
+import gradkit.frameworks.hf_args as hf_args
+import gradkit.frameworks.llamafactory as llamafactory
+from gradkit.frameworks.run import Launch, TrainingRun
 
 # keys only a DeepSpeed JSON has (deepspeed/runtime/constants.py); HF's bf16 / fp16 are booleans, DeepSpeed's objects
 DS_KEYS = frozenset(("zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from kit.config import ConfigError
-from kit.frameworks.run import TrainingRun, shown, unique, zero_stage_of
+from gradkit.config import ConfigError
+from gradkit.frameworks.run import TrainingRun, shown, unique, zero_stage_of
 
 TRAINER = "transformers integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process"
 PLUGIN = "accelerate utils/dataclasses.py DeepSpeedPlugin.__post_init__"

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import yaml
 
-from kit.config import ConfigError
-import kit.frameworks.command_line as command_line
-from kit.frameworks.dispatch import detect_data, read_data
-from kit.frameworks.run import TrainingRun, load_mapping
+from gradkit.config import ConfigError
+import gradkit.frameworks.command_line as command_line
+from gradkit.frameworks.dispatch import detect_data, read_data
+from gradkit.frameworks.run import TrainingRun, load_mapping
 
 COMMAND_SUFFIXES = (".sh", ".bash", ".zsh", ".cmd")
 

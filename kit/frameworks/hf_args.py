@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 
-from kit.config import ConfigError
-from kit.frameworks.run import Launch, TrainingRun, str_to_bool
-from kit.frameworks.trainer import Case, flag_cases, resolve_trainer
+from gradkit.config import ConfigError
+from gradkit.frameworks.run import Launch, TrainingRun, str_to_bool
+from gradkit.frameworks.trainer import Case, flag_cases, resolve_trainer
 
 # TrainingArguments fields a training config typically sets (training_args.py); any one marks an HF config
 HF_KEYS = frozenset((

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import re
 
-from kit.config import ConfigError
-import kit.frameworks.accelerate_cfg as accelerate_cfg
-from kit.frameworks.run import Launch, find_file, load_mapping
+from gradkit.config import ConfigError
+import gradkit.frameworks.accelerate_cfg as accelerate_cfg
+from gradkit.frameworks.run import Launch, find_file, load_mapping
 
 TORCHRUN_FLAGS = frozenset(("standalone", "no_python", "module", "m", "run_path", "use_env", "virtual_local_rank"))
 DEEPSPEED_FLAGS = frozenset(("no_python", "module", "no_local_rank", "no_ssh_check", "force_multi", "save_pid",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import yaml
 
-from kit.config import ConfigError
-from kit.frameworks.run import Launch, TrainingRun, str_to_bool
-from kit.frameworks.trainer import Case, flag_cases, resolve_trainer
+from gradkit.config import ConfigError
+from gradkit.frameworks.run import Launch, TrainingRun, str_to_bool
+from gradkit.frameworks.trainer import Case, flag_cases, resolve_trainer
 
 STAGES = ("pt", "sft", "rm", "ppo", "dpo", "kto")
 FINETUNING_TYPES = ("lora", "oft", "freeze", "full")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from kit.config import ConfigError
+from gradkit.config import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FRAMEWORKS = ("hf-trainer", "trl", "llamafactory", "axolotl", "accelerate", "deepspeed")
@@ -37,7 +37,7 @@ class TrainingRun:
     adapter: str | None = None
     notes: list[str] = field(default_factory=list)
     # what TrainingArguments' bf16 / fp16 say, i.e. what fills a DeepSpeed config's "auto" precision (the
-    # ``trainer_dtype`` of kit.probes.ds_resolve); differs from ``precision`` for LLaMA-Factory's pure_bf16, and is
+    # ``trainer_dtype`` of gradkit.probes.ds_resolve); differs from ``precision`` for LLaMA-Factory's pure_bf16, and is
     # None where it is not resolved (or no Trainer runs)
     trainer_dtype: str | None = None
     zero_stage: int | None = None       # zero_optimization.stage of ds_config (None: not DeepSpeed, or "auto")

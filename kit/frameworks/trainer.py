@@ -12,9 +12,9 @@ import copy
 import json
 from dataclasses import dataclass
 
-from kit.config import ConfigError
-import kit.frameworks.ds_rules as ds_rules
-from kit.frameworks.run import (
+from gradkit.config import ConfigError
+import gradkit.frameworks.ds_rules as ds_rules
+from gradkit.frameworks.run import (
     Launch,
     TrainingRun,
     find_file,

@@ -3,4 +3,4 @@
 (``parts``), which named hypothesis a step is and what a record's steps are called (``naming``), the records a probe
 leaves (``records``), what is known upstream per bug, with how ``gradkit check`` tells it and its fix
 (``expectations``), the verdict and exit status every command shares (``verdict``), and the tables and sentences
-made of records (``tables``). It imports nothing above it (``kit.config`` and ``kit.stacks.versions`` only)."""
+made of records (``tables``). It imports nothing above it (``gradkit.config`` and ``gradkit.stacks.versions`` only)."""

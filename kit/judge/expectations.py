@@ -17,7 +17,7 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   only where it reduces gradients itself, which the pipeline never does, so the stages sum their micro-batches;
   after the backward rework (#7665, 0.18.3) and the per-output GAS hook (#7724, 0.18.4) earlier stages are divided
   by GA twice (measured 0.18.5 - 0.19.2; 0.18.3 - 0.18.4 refuse the pipeline's backward here);
-  deepspeedai/DeepSpeed#8154 fixes it in 0.19.3. Every boundary found by gradkit bisect (``kit.judge.pins``).
+  deepspeedai/DeepSpeed#8154 fixes it in 0.19.3. Every boundary found by gradkit bisect (``gradkit.judge.pins``).
 - B3 (config GA = 1, N manual backwards, ZeRO-1/2 keep only the last micro-batch): a regression of the backward
   rework, found by gradkit bisect: <= 0.17.5 keep every micro-batch in this loop, 0.17.6 - 0.18.2 crash in it, 0.18.3
   is the first affected; the opt-out ``"managed_gradient_accumulation": false`` arrives in 0.19.4
@@ -85,7 +85,7 @@ loop bugs the oracle must see, and documented behaviours.
 - HFT (transformers, the Trainer on several ranks without DeepSpeed): before 4.46.0 each micro-batch's mean loss
   is divided by GAS (huggingface/transformers#34191, #34198, first in 4.46.0); from 4.46 the labels are counted
   before the shift (one token per sequence too many, B1's count) and ``average_tokens_across_devices`` (from 4.46.2)
-  defaults off until 5.0. On the way (gradkit bisect over all 86 releases, ``kit.judge.pins``): 4.46.2 leaves the
+  defaults off until 5.0. On the way (gradkit bisect over all 86 releases, ``gradkit.judge.pins``): 4.46.2 leaves the
   wrong micro-batch out of ``no_sync``, 4.47.0 - 4.48.0 sum the micro-batches, 5.2.0 - 5.5.3 divide by GA once more;
   5.10.1 is exact. 4.45.2 is the oldest release that runs here, with accelerate 1.0.1 beside it.
 """
@@ -93,9 +93,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kit.judge import oracle, pins
-from kit.judge.parts import PART_LOST, PART_STALE
-from kit.stacks.versions import version_key
+from gradkit.judge import oracle, pins
+from gradkit.judge.parts import PART_LOST, PART_STALE
+from gradkit.stacks.versions import version_key
 
 AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
 
@@ -125,7 +125,7 @@ class Known:
 
     @property
     def pins(self) -> tuple:
-        """The boundaries of this bug's range the kit's own bisect found (``kit.judge.pins``), oldest first."""
+        """The boundaries of this bug's range the kit's own bisect found (``gradkit.judge.pins``), oldest first."""
         return pins.PINS.get(self.bug, ())
 
     def rule_for(self, case: str | None, version: str, ga: int | None = None) -> str | None:

@@ -1,9 +1,9 @@
 """The release history: every release a known bug was measured on, by any bisect, the table's refresh or notebook 08,
 kept in one place (``history.json`` beside this module, committed) as one **series** per recipe
-(``kit.commands.bisect.known``: "B5", "B3 opt-out", "B1 on DeepSpeed"), one result per release: the verdict, the
+(``gradkit.commands.bisect.known``: "B5", "B3 opt-out", "B1 on DeepSpeed"), one result per release: the verdict, the
 step in words, the ratio of each judged step, the cosine, the misplaced weight, and the command and day that
-measured it. The pins of ``kit.judge.expectations`` cite it; the timeline figures (``kit.notebooks.history_plots``)
-and the refresh page draw it.
+measured it. The pins of ``gradkit.judge.expectations`` cite it; the timeline figures
+(``gradkit.notebooks.history_plots``) and the refresh page draw it.
 
 ``merge`` adds a search's results and says which stored results they contradict (a release measured otherwise
 now: what moved); ``series`` / ``releases`` read it back in release order.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit.stacks.versions import version_key
+from gradkit.stacks.versions import version_key
 
 PATH = Path(__file__).with_name("history.json")
 KEPT = ("verdict", "step", "ratios", "cosine", "misplaced_weight", "dtype", "reason")
@@ -53,7 +53,7 @@ def compact(res: dict, how: str, day: str) -> dict:
 def merge(history: dict, name: str, bug: str, axis: str, fixed: dict, measured: dict, how: str, day: str,
           same) -> list[str]:
     """Add ``measured`` ({release: result}) to series ``name``; returns one sentence per release whose stored result
-    ``same`` (``kit.commands.bisect.result.same``) says is another measurement now. A release that cannot run now
+    ``same`` (``gradkit.commands.bisect.result.same``) says is another measurement now. A release that cannot run now
     keeps its stored result (a run that failed here says nothing of the release)."""
     s = history["series"].setdefault(name, {"bug": bug, "axis": axis, "with": dict(fixed), "releases": {}})
     moved = []

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from kit.judge.oracle import AFFECTED, clipped, compare, matches_reference, norm_verdict, severity
-from kit.judge.parts import groups_off, multiple, part_pattern, unclipped
-from kit.judge.tolerances import TOLERANCES
+from gradkit.judge.oracle import AFFECTED, clipped, compare, matches_reference, norm_verdict, severity
+from gradkit.judge.parts import groups_off, multiple, part_pattern, unclipped
+from gradkit.judge.tolerances import TOLERANCES
 
 
 def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0) -> dict:

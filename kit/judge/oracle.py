@@ -19,16 +19,16 @@ Three questions, in this order:
    1/2 * sum_k |w_k - n_k/N| is the share of the gradient that went to the
    wrong micro-batches (0 = correct).
 
-``signals`` judges every number a measurement carries against its dtype's limits (``kit.judge.tolerances``), and
+``signals`` judges every number a measurement carries against its dtype's limits (``gradkit.judge.tolerances``), and
 ``verdict`` turns a measurement and its control into one of four words. Built on these: each parameter group of
-a step judged on its own (``kit.judge.parts``), and which named hypothesis a step is, its fitted weights in words
-and what a record's steps are called (``kit.judge.naming``).
+a step judged on its own (``gradkit.judge.parts``), and which named hypothesis a step is, its fitted weights in words
+and what a record's steps are called (``gradkit.judge.naming``).
 """
 from __future__ import annotations
 
 import math
 
-from kit.judge.tolerances import tolerance
+from gradkit.judge.tolerances import tolerance
 
 AFFECTED = "affected"
 NOT_AFFECTED = "not-affected"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from kit.judge.oracle import attribute, severity
-from kit.judge.tolerances import tolerance
+from gradkit.judge.oracle import attribute, severity
+from gradkit.judge.tolerances import tolerance
 
 PART_STALE = "an old gradient applied (to a part with none of its own, or the previous step's added)"
 PART_LOST = "a part the boundary micro-batch missed lost its gradient"

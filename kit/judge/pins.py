@@ -2,7 +2,7 @@
 last release with the old result and the first with the new one, both measured (adjacent on the package index, or
 with the releases between them that cannot run here named). Each cites the command that found it and the code that
 changed between its two releases (the bisect's diff); both releases' results are in the release history
-(``kit/judge/history.json``, series ``Pin.series``). ``kit.judge.expectations.Known.pins`` reads them; ``ranges``
+(``kit/judge/history.json``, series ``Pin.series``). ``gradkit.judge.expectations.Known.pins`` reads them; ``ranges``
 says each bug's range in words (notebooks 00, 01, 07, 08, the README and the bugs page print it).
 
 Refresh them with ``scripts/refresh_table`` (every pin measured again, every newer release measured).
@@ -17,7 +17,7 @@ class Pin:
     what: str  # what starts at ``after``: "introduced", "fixed", "the step changes: ...", "the opt-out key arrives"
     before: str
     after: str
-    series: str  # the recipe measured (kit.commands.bisect.known.RECIPES) and its series in the history
+    series: str  # the recipe measured (gradkit.commands.bisect.known.RECIPES) and its series in the history
     found_by: str  # the gradkit bisect command line
     code: str  # the function(s) whose change the diff between the two releases shows
     between: tuple = ()  # releases between ``before`` and ``after`` that cannot run here

@@ -1,4 +1,5 @@
-"""Probe results as JSON records: their format, their files, and how to read them (``kit.probes.runner`` makes them).
+"""Probe results as JSON records: their format, their files, and how to read them (``gradkit.probes.runner`` makes
+them).
 
 A record is a flat dict: what ran (bug, probe, case, role, config, seed, world size, GA,
 dtype, requested and imported versions, device), what was measured (metrics, attribution,
@@ -14,14 +15,16 @@ import platform
 import uuid
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.judge import oracle
-from kit.stacks import versions
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit.judge import oracle
+from gradkit.stacks import versions
+from gradkit.stacks.versions import version_key
 
 RUN_ID_ENV = "GRADKIT_RUN_ID"
-RUN_FILE = "run.json"  # {"run_id", "notebooks": {name: status}}, written by kit.notebooks.runall: which records are whose
-# One id per run: kit.notebooks.runall sets it for every notebook it starts; a kernel or script on its own gets its own.
+# {"run_id", "notebooks": {name: status}}, written by gradkit.notebooks.runall: which records are whose
+RUN_FILE = "run.json"
+# One id per run: gradkit.notebooks.runall sets it for every notebook it starts; a kernel or script on its own gets its
+# own.
 RUN_ID = os.environ.get(RUN_ID_ENV) or f"{datetime.datetime.now():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 RECORD_KEYS = ("bug", "probe", "case", "role", "version", "versions", "device", "world_size", "seed", "ga",
@@ -89,8 +92,8 @@ def run_records(folder, notebooks=None) -> tuple[list[dict], list[str]]:
     try:
         run = json.loads((folder / RUN_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no readable {RUN_FILE} in {folder} ({type(e).__name__}): it is written by "
-                                "`python -m kit.notebooks.runall`; run that first, or run the probes here") from None
+        raise FileNotFoundError(f"no readable {RUN_FILE} in {folder} ({type(e).__name__}): it is written by `python -m "
+                                "gradkit.notebooks.runall`; run that first, or run the probes here") from None
     out, said = [], []
     for name, entry in sorted(run["notebooks"].items()):
         stem = Path(name).stem

@@ -1,7 +1,7 @@
 """Tables and sentences from records: what the notebooks print and what the run-all summary collects."""
 from __future__ import annotations
 
-from kit.judge import oracle
+from gradkit.judge import oracle
 
 
 def fmt(x, digits: int = 4) -> str:

@@ -1,6 +1,6 @@
 """How far an effective gradient may sit from the fp32 reference and still count as correct, per dtype, and why:
 ``TOLERANCES`` (one ``Tolerance`` per dtype, each limit with the noise it was set against), ``tolerance(dtype)``,
-and ``ROUNDING`` (how far a low-precision module weight may sit from its fp32 master). ``kit.judge.oracle`` judges
+and ``ROUNDING`` (how far a low-precision module weight may sit from its fp32 master). ``gradkit.judge.oracle`` judges
 every signal against these."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Tolerance:
 #   correct engine (measured: 0.0 everywhere, fp32 and bf16 models alike: the compared vectors are
 #   fp32 masters or accumulators). 1e-6 (~16 fp32 ulps) allows a reduction that rounds per rank.
 # - fp16: 11 significant bits, unit roundoff 2**-11 ~ 5e-4, 4x finer than bf16. Measured on DeepSpeed's own fp16
-#   engine on CPU (0.19.8, the CPU accelerator told fp16 is supported: kit.probes.ranks.ds_config.allow_fp16_on_cpu;
+#   engine on CPU (0.19.8, the CPU accelerator told fp16 is supported: gradkit.probes.ranks.ds_config.allow_fp16_on_cpu;
 #   ZeRO-1/2/3, a static loss scale of 256 or a dynamic one, clip 0 and 1, W = 2, the worst of 3 steps): rel. error
 #   <= 5.5e-4 / 5.8e-4 / 7.9e-4 / 1.8e-3 and misplaced weight <= 7.8e-5 / 1.1e-4 / 3.9e-4 / 1.0e-3 at GA 4 / 8 / 32 /
 #   64, |ratio - 1| <= 1.9e-4 (the engine's arithmetic emulated in plain torch, `scripts/bench.py --noise`, had

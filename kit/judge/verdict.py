@@ -1,9 +1,10 @@
 """The verdict of a command and its exit status, one rule for every command (``gradkit check``, ``check --path``,
 ``bisect``): 0 not affected, 1 a measured ``affected`` and nothing else, 3 inconclusive or cannot run (2, bad input,
-is ``kit.config.run_cli``'s, before anything launches). Several verdicts of one configuration combine to the worst."""
+is ``gradkit.config.run_cli``'s, before anything launches). Several verdicts of one configuration combine to the
+worst."""
 from __future__ import annotations
 
-from kit.judge import oracle
+from gradkit.judge import oracle
 
 EXIT = {oracle.NOT_AFFECTED: 0, oracle.AFFECTED: 1, oracle.INCONCLUSIVE: 3, oracle.CANNOT_RUN: 3}
 

@@ -2,10 +2,10 @@
 
 Importing an older DeepSpeed costs ~7 s of one core (0.18.x imports transformers and torch._inductor at import;
 the installed 0.19 ~2 s), and every rank of every world paid it: a probe that runs one stack at world sizes 2
-and 4 imported it six times. ``kit.launch`` starts one server per stack inside a ``launch.warm_worlds`` block
-(``kit.probes.runner.run`` opens one per probe run) and forks each rank of that stack's worlds from it; the rank then
-runs ``kit.launch.worker.main`` as a started one would (its own session, log, environment, process group). The server
-imports nothing it was not asked for, starts no thread, and leaves when its caller closes its stdin or dies, or
+and 4 imported it six times. ``gradkit.launch`` starts one server per stack inside a ``launch.warm_worlds`` block
+(``gradkit.probes.runner.run`` opens one per probe run) and forks each rank of that stack's worlds from it; the rank
+then runs ``gradkit.launch.worker.main`` as a started one would (its own session, log, environment, process group). The
+server imports nothing it was not asked for, starts no thread, and leaves when its caller closes its stdin or dies, or
 when it has had no rank for ``idle_s`` (the caller then starts a new one when it needs one).
 
 Protocol (JSON lines): the caller writes the server's spec, ``{"pythonpath", "expect", "init", "idle_s"}``; the server
@@ -24,8 +24,8 @@ import time
 import traceback
 from pathlib import Path
 
-from kit.launch import worker
-from kit.launch.processes import die_with_parent
+from gradkit.launch import worker
+from gradkit.launch.processes import die_with_parent
 
 
 def _say(obj) -> None:
@@ -34,7 +34,8 @@ def _say(obj) -> None:
 
 
 def _child(req: dict) -> None:
-    """In the forked rank: become a rank started by ``kit.launch`` and run ``kit.launch.worker.main``; never returns."""
+    """In the forked rank: become a rank started by ``gradkit.launch`` and run ``gradkit.launch.worker.main``; never
+    returns."""
     code = 70
     try:
         os.setsid()  # its own process group, as a started rank: killed as one with what it starts
@@ -56,7 +57,7 @@ def _child(req: dict) -> None:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # no interpreter tear-down (see kit.launch.worker)
+        os._exit(code)  # no interpreter tear-down (see gradkit.launch.worker)
 
 
 def _reap(children: dict[int, str]) -> None:

@@ -8,13 +8,13 @@ import shutil
 import subprocess
 import sys
 
-from kit import config as kconfig
-from kit.launch.cleanup import new_world_folder, release_port, remove_stale_worlds
-from kit.launch.processes import check_stop, kill_groups, stop_count, track_world, untrack_world
-from kit.launch.ranks import start_ranks, wait_for_ranks
-from kit.launch.results import read_partials, tail
-from kit.launch.spec import LaunchError, RankFailed, World, WorldStopped
-from kit.launch.warm import run_warm, warm_wanted
+from gradkit import config as kconfig
+from gradkit.launch.cleanup import new_world_folder, release_port, remove_stale_worlds
+from gradkit.launch.processes import check_stop, kill_groups, stop_count, track_world, untrack_world
+from gradkit.launch.ranks import start_ranks, wait_for_ranks
+from gradkit.launch.results import read_partials, tail
+from gradkit.launch.spec import LaunchError, RankFailed, World, WorldStopped
+from gradkit.launch.warm import run_warm, warm_wanted
 
 
 def run_world(target: str, payload: dict, world: World | None = None, keep_dir: str | None = None, on_partial=None,
@@ -26,7 +26,7 @@ def run_world(target: str, payload: dict, world: World | None = None, keep_dir: 
     rank's traceback is attached), ``RankTimeout`` when the world outlives
     ``world.timeout_s`` (all ranks are killed first), ``ConfigError`` on bad
     input before anything starts. ``on_partial(piece)`` is called in the caller, while the world runs, with
-    each piece rank 0 reports (``kit.launch.worker.report_partial``): progress, and results kept as they come.
+    each piece rank 0 reports (``gradkit.launch.worker.report_partial``): progress, and results kept as they come.
     """
     world = world or World(**kw)
     world.validate()

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from kit.launch.spec import RANK_NAME, WorldStopped
+from gradkit.launch.spec import RANK_NAME, WorldStopped
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -18,7 +18,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
     Used as ``preexec_fn`` of every process the kit starts (ranks, launchers, papermill): a kernel restart or a
     ``kill -9`` of the caller then takes its ranks with it instead of leaving them re-parented to PID 1. The
-    setting survives ``exec``; ``kit.launch.worker`` also watches its parent's pid, for the platforms without it.
+    setting survives ``exec``; ``gradkit.launch.worker`` also watches its parent's pid, for the platforms without it.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -101,8 +101,8 @@ def kill_tree(pid: int, timeout_s: float = 3.0) -> list[int]:
 
 def ranks_below(pid: int) -> list[tuple[int, "psutil.Process"]]:
     """``(rank, process)`` of the kit's ranks among the processes below ``pid`` (a caller, a kernel, a run-all).
-    A rank names itself ``gradkit-rank<R>`` (``kit.launch.worker``); one still starting is found by its command line
-    (``kit.launch.worker``), or as a fork of a fork server, with rank -1 until it has named itself."""
+    A rank names itself ``gradkit-rank<R>`` (``gradkit.launch.worker``); one still starting is found by its command line
+    (``gradkit.launch.worker``), or as a fork of a fork server, with rank -1 until it has named itself."""
     import psutil
 
     out = []
@@ -115,9 +115,9 @@ def ranks_below(pid: int) -> list[tuple[int, "psutil.Process"]]:
             name, cmd = p.name(), " ".join(p.cmdline())
             if name.startswith(RANK_NAME):
                 out.append((int(name[len(RANK_NAME):]), p))
-            elif "kit.launch.worker" in cmd:
+            elif "gradkit.launch.worker" in cmd:
                 out.append((int(p.environ().get("RANK", -1)), p))
-            elif "kit.launch.forkserver" in cmd and "kit.launch.forkserver" in " ".join(p.parent().cmdline()):
+            elif "gradkit.launch.forkserver" in cmd and "gradkit.launch.forkserver" in " ".join(p.parent().cmdline()):
                 out.append((-1, p))
         except (psutil.Error, ValueError):
             pass  # gone while being looked at

@@ -1,5 +1,5 @@
 """Starting a world's ranks (processes of their own, or forks of a fork server) and waiting for them: every rank's
-result, or the error that names the rank to blame (``kit.launch.results``), or a timeout, with every rank killed."""
+result, or the error that names the rank to blame (``gradkit.launch.results``), or a timeout, with every rank killed."""
 from __future__ import annotations
 
 import json
@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kit.launch.processes import kill_groups, session_dying_with_parent
-from kit.launch.results import PartialReader, blame, how_it_ended, is_complete, tail
-from kit.launch.spec import REPO_ROOT, RankTimeout, World, launch_commands, launcher_env, rank_env, repair_extensions
+from gradkit.launch.processes import kill_groups, session_dying_with_parent
+from gradkit.launch.results import PartialReader, blame, how_it_ended, is_complete, tail
+from gradkit.launch.spec import RankTimeout, World, launch_commands, launcher_env, rank_env, repair_extensions
 
 if TYPE_CHECKING:
-    from kit.launch.servers import Server
+    from gradkit.launch.servers import Server
 
 GRACE_AFTER_FAILURE_S = 5.0  # other ranks usually block in a collective once one dies
 POLL_S = 0.1
@@ -24,7 +24,7 @@ POLL_S = 0.1
 def start_ranks(world: World, job: Path, task: dict, server: "Server | None" = None):
     """Write the world's spec into ``job`` and start its processes: ``(procs, logs, holder)``; ``task`` is the
     spec's target and payload (a one-shot world) or ``{"serve": True, ...}`` (a warm world). With ``server`` (a
-    fork server of the world's stack, ``kit.launch.forkserver``) the ranks are forked from it, imports paid; ``job``
+    fork server of the world's stack, ``gradkit.launch.forkserver``) the ranks are forked from it, imports paid; ``job``
     comes from ``new_world_folder``."""
     # Local ranks meet through a file store in the job folder (as DeepSpeed's DistributedTest does), so nothing
     # races for a port; the port is held (bound, never listened on) for the world's life so that no other world
@@ -38,7 +38,7 @@ def start_ranks(world: World, job: Path, task: dict, server: "Server | None" = N
     (job / "spec.json").write_text(json.dumps({
         **task, "device": world.device, "init": world.init, "timeout_s": world.timeout_s, "expect": world.expect,
         "init_method": f"file://{job / 'rendezvous'}" if world.launcher == "local" else "env://",
-        "pythonpath": [*world.pythonpath, str(REPO_ROOT)],
+        "pythonpath": list(world.pythonpath),
         "env": {k: env0[k] for k in ("TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env0}}))
     if world.launcher != "local":
         holder.close()  # torchrun / the DeepSpeed launcher listen on it themselves (a race a retry absorbs)
@@ -58,7 +58,7 @@ def start_ranks(world: World, job: Path, task: dict, server: "Server | None" = N
         for r, cmd in enumerate(commands):
             env = rank_env(world, r, port) if world.launcher == "local" else launcher_env(world, port)
             with open(logs[r], "wb") as log:
-                procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO_ROOT), stdout=log, stderr=subprocess.STDOUT,
+                procs.append(subprocess.Popen(cmd, env=env, cwd=str(job), stdout=log, stderr=subprocess.STDOUT,
                                               preexec_fn=session_dying_with_parent))
     except BaseException:
         kill_groups(procs)

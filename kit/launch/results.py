@@ -6,7 +6,7 @@ import json
 import signal
 from pathlib import Path
 
-from kit.launch.spec import RankFailed
+from gradkit.launch.spec import RankFailed
 
 
 def tail(path: Path, n: int = 4000) -> str:
@@ -69,8 +69,8 @@ def _read_whole(path: Path) -> dict | None:
         return None
 
 
-# Errors a rank raises because a peer failed (kit.probes.ranks.judging: a peer did not reach the barrier after a case):
-# never the cause where another rank failed too, whatever the order in which their exits were seen
+# Errors a rank raises because a peer failed (gradkit.probes.ranks.judging: a peer did not reach the barrier after a
+# case): never the cause where another rank failed too, whatever the order in which their exits were seen
 CONSEQUENCES = ("WorldDesynchronised",)
 
 

@@ -1,5 +1,5 @@
 """A user's own script on W ranks, as the user runs it (``torchrun --standalone``), under a stack of releases: the
-standalone reproductions (``kit.commands.repro``) and the watch's example jobs (``examples/watch``) run this way.
+standalone reproductions (``gradkit.commands.repro``) and the watch's example jobs (``examples/watch``) run this way.
 The script's ranks start in sessions of their own: a timeout kills the whole tree, and the shared-memory segments
 DeepSpeed's CPU comm op leaves behind are removed."""
 from __future__ import annotations
@@ -9,24 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.launch.cleanup import remove_orphan_segments
-from kit.launch.processes import die_with_parent, kill_tree
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit.launch.cleanup import remove_orphan_segments
+from gradkit.launch.processes import die_with_parent, kill_tree
+from gradkit.stacks import versions
 
 
 def torchrun(path, args=(), world_size: int = 2, stack: dict | None = None, packages=("deepspeed",),
              device: str = "cpu", timeout_s: float = 300, cwd=None, env: dict | None = None,
-             kit_on_path: bool = False, paths=()) -> tuple[int, str, str]:
+             paths=()) -> tuple[int, str, str]:
     """``(exit status, stdout, stderr)`` of ``torchrun --standalone --nproc_per_node=W path args``; 124 and what it
     printed so far (its whole tree killed) where it ran past ``timeout_s``. ``stack`` pins releases (``{"deepspeed": "0.18.9"}``), the
-    others of ``packages`` are the installed ones. ``kit_on_path``: the script imports the kit (the watch's jobs); a
-    standalone reproduction does not, and runs without it. ``paths``: more folders on the ranks' path (an extra
-    package set, ``kit.stacks.extras``)."""
+    others of ``packages`` are the installed ones. ``paths``: more folders on the ranks' path (an extra
+    package set, ``gradkit.stacks.extras``)."""
     path = Path(path).resolve()  # it runs from its own folder: a path relative to the caller's is made whole first
     resolved = versions.resolve_stack(stack or {}, tuple(packages))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*resolved.pythonpath, *map(str, paths),
-                                                        *([str(kconfig.REPO_ROOT)] if kit_on_path else [])]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*resolved.pythonpath, *map(str, paths)]),
                OMP_NUM_THREADS="1", **(env or {}),
                TORCH_EXTENSIONS_DIR=str(kconfig.cache_dir() / "torch_extensions" / resolved.extensions_key))
     if device == "cpu":

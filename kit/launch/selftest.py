@@ -1,15 +1,15 @@
 """Tiny rank functions that check the launcher itself: one that answers, one that raises, one that hangs.
 
-    python -m kit.launch.selftest          # a 2-rank world answers: the set-up works
+    python -m gradkit.launch.selftest          # a 2-rank world answers: the set-up works
 """
 from __future__ import annotations
 
 import os
 import time
 
-from kit.judge import oracle
-from kit.probes.ranks import common
-from kit.probes.ranks import judging
+from gradkit.judge import oracle
+from gradkit.probes.ranks import common
+from gradkit.probes.ranks import judging
 
 
 def ping(payload: dict) -> dict:
@@ -43,10 +43,10 @@ def hang_on_rank(payload: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from kit import launch
+    from gradkit import launch
 
     t0 = time.time()
-    out = launch.run_world("kit.launch.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
+    out = launch.run_world("gradkit.launch.selftest:ping", {"echo": "ok"}, world_size=2, init="deepspeed")
     print(f"2-rank DeepSpeed world answered in {time.time() - t0:.1f} s: {out}")
 
 
@@ -84,7 +84,7 @@ def abort_after_result(payload: dict) -> dict:
 
 
 def judge_with_rank_offset(payload: dict) -> dict:
-    """Every rank hands ``kit.probes.ranks.common.judge`` the reference step of a tiny MLP, rank r's moved by
+    """Every rank hands ``gradkit.probes.ranks.common.judge`` the reference step of a tiny MLP, rank r's moved by
     ``payload['offset'] * r`` (relative): the rank agreement the oracle reports for ranks that disagree (or not)."""
     import torch
 

@@ -1,13 +1,13 @@
 """Fork servers.
 
 Inside a warm_worlds block, the ranks of a stack's warm worlds are forked from one process that imported the
-stack once (``kit.launch.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
+stack once (``gradkit.launch.forkserver``): a probe that runs a stack at several world sizes, or groups of cases in
 several worlds, pays DeepSpeed's import once (0.18.x: ~7 s of a core per rank). CPU worlds only (a fork after
 CUDA is initialised is not safe); a server that cannot start (its stack does not import) means ranks started
 the usual way, which then say why themselves. A server outlives the run that started it, for the next run of
 its stack (a test module, a script's next probe: ~5 s of a core each); it leaves after ``SERVER_IDLE_S``
 without a rank, when ``SERVER_MAX`` others were used since, on ``stop_warm_worlds()``, and with this process
-(parent-death signal). Its ranks never outlive their run: they are the warm worlds' (``kit.launch.warm``).
+(parent-death signal). Its ranks never outlive their run: they are the warm worlds' (``gradkit.launch.warm``).
 """
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.launch.processes import kill_groups, session_dying_with_parent
-from kit.launch.spec import REPO_ROOT, World, rank_env
+from gradkit import config as kconfig
+from gradkit.launch.processes import kill_groups, session_dying_with_parent
+from gradkit.launch.spec import World, rank_env
 
 SERVER_MAX = 3  # servers kept at once (each holds a whole stack in memory): the least recently used goes
 SERVER_IDLE_S = 60.0  # a server with no rank for this long leaves (a kernel's warm worlds idled out after WARM_IDLE_S)
@@ -117,10 +118,10 @@ def _start_server(world: World) -> "Server | None":
     import select
 
     env = rank_env(world, 0, 0)
-    proc = subprocess.Popen([sys.executable, "-m", "kit.launch.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, cwd=str(REPO_ROOT), text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "gradkit.launch.forkserver"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env, cwd=tempfile.gettempdir(), text=True,
                             preexec_fn=session_dying_with_parent)
-    proc.stdin.write(json.dumps({"pythonpath": [*world.pythonpath, str(REPO_ROOT)], "expect": world.expect,
+    proc.stdin.write(json.dumps({"pythonpath": list(world.pythonpath), "expect": world.expect,
                                  "init": world.init, "idle_s": SERVER_IDLE_S}) + "\n")
     proc.stdin.flush()
     ready, _, _ = select.select([proc.stdout], [], [], world.timeout_s)

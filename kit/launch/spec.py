@@ -1,5 +1,5 @@
 """The world spec and the commands that start it: ``World``, the errors a launch raises, and each rank's or
-launcher's command line and environment (``python -m kit.launch --dry-run`` prints them). Also the torch-extensions
+launcher's command line and environment (``python -m gradkit.launch --dry-run`` prints them). Also the torch-extensions
 cache's check for damaged build outputs, run before any rank starts."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit.stacks import versions
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = kconfig.REPO_ROOT
 LAUNCHERS = kconfig.LAUNCHERS
 RANK_NAME = "gradkit-rank"  # a rank's process name (what ps -e and psutil's name() show): gradkit-rank<R>
 
@@ -27,7 +27,7 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.traceback = traceback
         self.logs = logs or {}
-        self.partial = partial or {}  # rank -> the pieces it reported with kit.launch.worker.report_partial
+        self.partial = partial or {}  # rank -> the pieces it reported with gradkit.launch.worker.report_partial
 
 
 class RankFailed(LaunchError):
@@ -54,7 +54,8 @@ class World:
     env: dict[str, str] = field(default_factory=dict)
     init: str = "deepspeed"  # "deepspeed" | "torch": how the worker initialises the process group
     extensions_key: str | None = None  # names the torch-extensions cache; default: the installed DeepSpeed
-    expect: dict = field(default_factory=dict)  # {package: {"version", "root"}} every rank checks (kit.launch.worker)
+    # {package: {"version", "root"}} every rank checks (gradkit.launch.worker)
+    expect: dict = field(default_factory=dict)
     # How the ranks are started (defaults from the environment, so notebooks and run-all need no new knobs):
     # "local" = the kit starts one process per rank on this machine; "torchrun" = torchrun (one per node,
     # over ssh for the other nodes of the hostfile); "deepspeed" = the DeepSpeed launcher with the hostfile.
@@ -98,7 +99,7 @@ class World:
 
 
 def main(argv=None) -> int:
-    """``python -m kit.launch --dry-run``: print the command lines a world would be started with."""
+    """``python -m gradkit.launch --dry-run``: print the command lines a world would be started with."""
     import argparse
 
     ap = argparse.ArgumentParser(description="Print how the kit would start a world of ranks (GRADKIT_* variables apply).")
@@ -148,7 +149,7 @@ def read_hostfile(path) -> list[tuple[str, int]]:
 
 
 def worker_module_args(job: Path) -> list[str]:
-    return ["kit.launch.worker", str(job)]
+    return ["gradkit.launch.worker", str(job)]
 
 
 def launch_commands(world: World, job: Path, port: int) -> list[list[str]]:
@@ -172,8 +173,8 @@ def launch_commands(world: World, job: Path, port: int) -> list[list[str]]:
         cmd = [py, "-m", "torch.distributed.run", "--nnodes", str(world.nnodes), "--nproc_per_node",
                str(world.nproc_per_node), "--node_rank", str(node), "--master_addr", world.master_addr,
                "--master_port", str(port), "-m", *worker_module_args(job)]
-        if node > 0:  # the other nodes: over ssh, in the same folder, with the kit's PYTHONPATH
-            cmd = ["ssh", host, f"cd {REPO_ROOT} && PYTHONPATH={REPO_ROOT} " + " ".join(cmd)]
+        if node > 0:  # the other nodes: over ssh, in the job's folder (the same interpreter imports gradkit there)
+            cmd = ["ssh", host, f"cd {job} && " + " ".join(cmd)]
         cmds.append(cmd)
     return cmds
 
@@ -210,7 +211,7 @@ def rank_env(world: World, rank: int, port: int) -> dict[str, str]:
         env.setdefault("LOCAL_SIZE", str(world.world_size))
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["CUDA_VISIBLE_DEVICES"] = ""
-    paths = [*world.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH", "")]
+    paths = [*world.pythonpath, env.get("PYTHONPATH", "")]  # gradkit itself: installed in this interpreter
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     return env
 

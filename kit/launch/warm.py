@@ -1,7 +1,7 @@
 """Warm worlds.
 
 A warm world keeps its ranks between calls: they joined the process group and paid their imports once
-(``kit.launch.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
+(``gradkit.launch.worker.serve``: torch._dynamo, DeepSpeed's engine), and each call writes one job for them. Used where
 the same probe is asked again and again by a person waiting (the explorer's Run); one-shot worlds stay the
 default. A warm world serves one target only (one probe): jobs of the same target are what the cases of one
 world already are, while another probe's job could inherit global state (B2's pipeline topology broke a B4 job
@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.launch.cleanup import new_world_folder, release_port, remove_stale_worlds
-from kit.launch.processes import check_stop, kill_groups, track_world, untrack_world
-from kit.launch.ranks import start_ranks, wait_for_ranks
-from kit.launch.results import read_partials
-from kit.launch.servers import (Forked, forget_unstarted, server_for, server_key, server_keys, stack_fields,
+from gradkit.launch.cleanup import new_world_folder, release_port, remove_stale_worlds
+from gradkit.launch.processes import check_stop, kill_groups, track_world, untrack_world
+from gradkit.launch.ranks import start_ranks, wait_for_ranks
+from gradkit.launch.results import read_partials
+from gradkit.launch.servers import (Forked, forget_unstarted, server_for, server_key, server_keys, stack_fields,
                                 stop_servers)
-from kit.launch.spec import LaunchError, World
+from gradkit.launch.spec import LaunchError, World
 
 WARM_IDLE_S = 600.0
 WARM_MAX = 2
@@ -55,8 +55,8 @@ def warm_worlds(keep: bool = True):
     same stack, started on first use: ``with launch.warm_worlds(): probe.run(...)``.
 
     ``keep=False``: the warm worlds the block started are stopped when it ends, unless an enclosing block keeps
-    them (``kit.probes.runner.run`` reuses the ranks of one stack between its own worlds, and leaves no rank behind).
-    Their fork servers stay for the next run of their stack, until ``SERVER_IDLE_S`` without a rank."""
+    them (``gradkit.probes.runner.run`` reuses the ranks of one stack between its own worlds, and leaves no rank
+    behind). Their fork servers stay for the next run of their stack, until ``SERVER_IDLE_S`` without a rank."""
     before = getattr(_WARM_FLAG, "on", False)
     with _WARM_LOCK:
         had, had_servers = set(_WARM), server_keys()

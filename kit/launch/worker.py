@@ -1,4 +1,4 @@
-"""The process every rank runs: ``python -m kit.launch.worker <job dir>`` (started by ``kit.launch``).
+"""The process every rank runs: ``python -m gradkit.launch.worker <job dir>`` (started by ``gradkit.launch``).
 
 Reads ``spec.json``, joins the process group, calls the target function with
 the payload, and writes ``rank<R>.json`` (the result) or ``rank<R>.error.json``
@@ -18,8 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
-from kit.launch.spec import RANK_NAME
-from kit.stacks.versions import module_name
+from gradkit.launch.spec import RANK_NAME
+from gradkit.stacks.versions import module_name
 
 
 def init_process_group(device: str, how: str, timeout_s: float, init_method: str = "env://") -> None:
@@ -53,7 +53,7 @@ class FlockBaton:
     it removes a ``lock`` file left behind. The interface is ``FileBaton``'s, as ``cpp_extension`` calls it.
 
     A ``lock`` file a live process holds open is torch's own baton of a process that is not one of the kit's ranks
-    (the sweep's reproduction script, which ``kit.commands.repro.verify`` runs as plain DeepSpeed in the kit's build folder):
+    (the sweep's reproduction script, which ``gradkit.commands.repro.verify`` runs as plain DeepSpeed in the kit's build folder):
     that build is waited for, never taken over. Removing its lock made the holder's own ``release()`` fail
     (``FileNotFoundError``) and its rank exit 1 in ``init_distributed``."""
 
@@ -206,7 +206,7 @@ def resolve(target: str):
 
 
 def _started_at() -> float:
-    """When this process started (the interpreter's own start-up and ``import kit`` come before ``main``)."""
+    """When this process started (the interpreter's own start-up and ``import gradkit`` come before ``main``)."""
     try:
         import psutil
         return psutil.Process().create_time()

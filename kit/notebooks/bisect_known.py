@@ -1,9 +1,9 @@
 """The known bugs' releases, found again by ``gradkit bisect``: the proof that bisect is right (notebook 08).
 
 Each known bug is bisected with the configuration (or the probe) that shows it, and what bisect finds is checked
-against ``kit.judge.expectations.KNOWN``: every release it measured that the table pins must have the table's verdict,
-and a change it finds between two releases must hold the table's boundary in between (``(before, after]``; exact
-where the two are neighbours on the index). A boundary bisect finds that the table does not have is a finding.
+against ``gradkit.judge.expectations.KNOWN``: every release it measured that the table pins must have the table's
+verdict, and a change it finds between two releases must hold the table's boundary in between (``(before, after]``;
+exact where the two are neighbours on the index). A boundary bisect finds that the table does not have is a finding.
 
 - B4: bf16 + ``grad_accum_dtype: fp32`` + ZeRO-1, DeepSpeed's own loop (fixed in 0.19.0);
 - B5: ZeRO-2 + ``offload_optimizer`` cpu, GA 8, DeepSpeed's own loop (#6550 brought it, fixed in 0.19.0);
@@ -16,27 +16,27 @@ where the two are neighbours on the index). A boundary bisect finds that the tab
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.commands.bisect import known, listing, result, search
-from kit.judge import expectations as ex
-from kit.judge import oracle
-from kit.judge.expectations import UNMANAGED_SINCE
-from kit.probes import ds_config
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit.commands.bisect import known, listing, result, search
+from gradkit.judge import expectations as ex
+from gradkit.judge import oracle
+from gradkit.judge.expectations import UNMANAGED_SINCE
+from gradkit.probes import ds_config
+from gradkit.stacks.versions import version_key
 
-BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")  # the recipes (kit.commands.bisect.known) notebook 08 bisects
+BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")  # the recipes (gradkit.commands.bisect.known) notebook 08 bisects
 
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
     """Bisect one known bug over ``releases`` (in order; ``installed`` allowed), each change confirmed, measured as
-    its recipe says (``kit.commands.bisect.known``)."""
+    its recipe says (``gradkit.commands.bisect.known``)."""
     recipe = known.RECIPES[bug]
     order, _ = listing.release_list(None, kconfig.INSTALLED, ",".join(releases), recipe.axis)
     return {"bug": bug, **search.search(order, known.measure(recipe, **kw), stride)}
 
 
 def needs(releases_by_bug: dict) -> list:
-    """The ``(probe, stack)`` pairs the bisects will run (for ``kit.stacks.prefetch``); "story" is a config through
+    """The ``(probe, stack)`` pairs the bisects will run (for ``gradkit.stacks.prefetch``); "story" is a config through
     the check's probe."""
     out = []
     for bug, releases in releases_by_bug.items():
@@ -55,7 +55,7 @@ def _expected(bug: str, release: str) -> str | None:
 
 def _boundaries(bug: str) -> list[tuple[str, str]]:
     """The releases where the table says the result changes: ``(release, what)``, what starts there: the pins of
-    the bug's series (``kit.judge.pins``), else its ``introduced_in`` and ``fixed_in``."""
+    the bug's series (``gradkit.judge.pins``), else its ``introduced_in`` and ``fixed_in``."""
     k = ex.KNOWN[known.RECIPES[bug].bug]
     mine = [(p.after, p.what) for p in k.pins if p.series == bug]
     if mine:
@@ -98,7 +98,7 @@ def violations(found: dict) -> list[str]:
 
 
 def history_violations(hist: dict) -> list[str]:
-    """Where the release history (``kit.judge.history``) and the table disagree: a pin whose two releases are not
+    """Where the release history (``gradkit.judge.history``) and the table disagree: a pin whose two releases are not
     both in its series, measured and different; a release between a pin's two that ran after all; a release of a
     bug's own series (its package, nothing held) whose verdict is not the one the table pins for it."""
     out = []
@@ -133,8 +133,8 @@ def summary_rows(founds: list[dict]) -> list[dict]:
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 08, by its name there (the notebook and ``kit.notebooks.runall`` call it first); returns
-    the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 08, by its name there (the notebook and ``gradkit.notebooks.runall`` call it first); returns
+    the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     if not isinstance(p["STORY_CONFIG"], dict):
         raise kconfig.ConfigError(f"STORY_CONFIG must be a DeepSpeed config (a mapping), got {p['STORY_CONFIG']!r}")
     if p["STORY_LOOP"] not in ds_config.LOOPS:

@@ -1,12 +1,12 @@
 """Record browsers for JupyterLab (``INTERACTIVE = True``; papermill never calls them): dropdowns over the records a
 notebook already has that redraw one of its probe's figures (notebooks 01-04). The explorer that runs a probe with a
-Run button is ``kit.notebooks.explore``.
+Run button is ``gradkit.notebooks.explore``.
 
-Each browser imports ``kit.notebooks.probe_plots`` (matplotlib) only when called.
+Each browser imports ``gradkit.notebooks.probe_plots`` (matplotlib) only when called.
 """
 from __future__ import annotations
 
-from kit.judge import records
+from gradkit.judge import records
 
 
 def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict | None = None,
@@ -36,7 +36,7 @@ def _explorer(grad: list[dict], what: str, select: dict, figure, options: dict |
 
 def accumulator_explorer(recs: list[dict]):
     """Dropdowns over version, case and GA that redraw the per-rank accumulator-norm figure."""
-    from kit.notebooks import probe_plots
+    from gradkit.notebooks import probe_plots
 
     return _explorer([r for r in recs if r.get("accumulator_norms") and r["role"] != "symptom"], "accumulator norms",
                      {"version": "version", "case": "case", "ga": "ga"},
@@ -45,7 +45,7 @@ def accumulator_explorer(recs: list[dict]):
 
 def attribution_explorer(recs: list[dict]):
     """Dropdowns over version, case, ZeRO stage, dtype, world size and N that redraw the attribution bars."""
-    from kit.notebooks import probe_plots
+    from gradkit.notebooks import probe_plots
 
     def figure(found, chosen):
         probe_plots.attribution_bars(found[:1])
@@ -59,7 +59,7 @@ def attribution_explorer(recs: list[dict]):
 
 def pipeline_explorer(recs: list[dict]):
     """Dropdowns over version, world size, dtype and ZeRO stage that redraw the per-stage ratio figure."""
-    from kit.notebooks import probe_plots
+    from gradkit.notebooks import probe_plots
 
     return _explorer([r for r in recs if r.get("stages")], "per-stage pipeline results",
                      {k: k for k in ("version", "world_size", "dtype", "zero_stage")},
@@ -68,7 +68,7 @@ def pipeline_explorer(recs: list[dict]):
 
 def path_explorer(recs: list[dict]):
     """Dropdowns over version stack and case that redraw the effective/reference ratio per training path."""
-    from kit.notebooks import probe_plots
+    from gradkit.notebooks import probe_plots
 
     grad = [r for r in recs if r.get("metrics") and r.get("path")]
     return _explorer(grad, "Trainer metrics", {"version": "version"},

@@ -1,15 +1,15 @@
 """The probe explorer of notebook 05: a probe's knobs as widgets, a Run button, a progress bar and the redrawn figure
 (``ProbeExplorer``; headless, e.g. under papermill, ``run()`` draws straight into the cell), and the checks of the
-notebook's parameters. The record browsers of notebooks 01-04 are ``kit.notebooks.browse``."""
+notebook's parameters. The record browsers of notebooks 01-04 are ``gradkit.notebooks.browse``."""
 from __future__ import annotations
 
 import contextlib
 import threading
 
-from kit import config as kconfig
-from kit import launch, probes
-from kit.judge import tables
-from kit.probes import pipeline_ga, runner
+from gradkit import config as kconfig
+from gradkit import launch, probes
+from gradkit.judge import tables
+from gradkit.probes import pipeline_ga, runner
 
 KNOB_LABELS = {"world_size": "world size W", "ga": "GA / N", "zero_stage": "ZeRO stage", "dtype": "dtype",
                "version": "version"}
@@ -44,8 +44,8 @@ def probe_call(sel: dict, device: str = "cpu", timeout_s: float = 600) -> tuple[
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 05, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 05, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     kconfig.check_timeout(p["TIMEOUT_S"])
     bug, kwargs = probe_call({"bug": p["BUG"], "world_size": p["WORLD_SIZE"], "ga": p["GA"], "zero_stage": p["ZERO_STAGE"],
                 "dtype": p["DTYPE"], "version": p["VERSION"]}, p["DEVICE"], p["TIMEOUT_S"])
@@ -161,7 +161,7 @@ class ProbeExplorer:
                              widgets.HBox([self.button, self.stop_button, self.progress]), self.status, self.output])
 
     def prewarm(self) -> bool:
-        """Start the warm world the current selection will run in (``kit.launch.prewarm``), so that even the first
+        """Start the warm world the current selection will run in (``gradkit.launch.prewarm``), so that even the first
         Run finds its ranks up and their imports paid; False (and nothing said) when it cannot: Run will say why."""
         sel = self.selection()
         try:
@@ -205,7 +205,7 @@ class ProbeExplorer:
             self.progress.value = 0.0
             return []
         result: dict = {}
-        heard: dict = {"done": 0, "planned": 0, "worlds": 0, "first_time": ""}  # from the ranks (kit.probes.runner.listen)
+        heard: dict = {"done": 0, "planned": 0, "worlds": 0, "first_time": ""}  # from the ranks (gradkit.probes.runner.listen)
 
         def hear(event):
             if event["kind"] == "world":
@@ -286,7 +286,7 @@ class ProbeExplorer:
         import matplotlib.pyplot as plt
         from IPython.display import display
 
-        from kit.notebooks import probe_plots
+        from gradkit.notebooks import probe_plots
 
         sel = sel or self.selection()
         fig = probe_plots.explorer_result(self.rows, title=_title(sel))

@@ -17,12 +17,12 @@ import json
 import math
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import probes
-from kit.judge import oracle, records, tolerances
-from kit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
-from kit.probes import runner
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit import probes
+from gradkit.judge import oracle, records, tolerances
+from gradkit.judge.records import NO_DEEPSPEED, column_key, column_label, deepspeed_version  # noqa: F401 - notebooks read them here
+from gradkit.probes import runner
+from gradkit.stacks import versions
 
 _RANK = {v: i for i, v in enumerate(reversed(oracle.WORST_FIRST))}  # higher = worse
 
@@ -35,8 +35,8 @@ def quick_plan(world_size: int = 2) -> dict:
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 00, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (none when it reads ``LOAD_RESULTS``)."""
+    """Every parameter of notebook 00, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (none when it reads ``LOAD_RESULTS``)."""
     if not isinstance(p["LOAD_RESULTS"], str):
         raise kconfig.ConfigError(f"LOAD_RESULTS must be a folder name or \"\", got {p['LOAD_RESULTS']!r}")
     kconfig.check_list("VERSIONS", p["VERSIONS"])
@@ -62,7 +62,7 @@ def run_probes(versions=(kconfig.INSTALLED,), bugs=(), world_size: int = 2, devi
 
     A probe whose stack does not name DeepSpeed runs once, on its installed stack. ``progress``: "" none,
     "text" a text bar on stdout, "widget" a JupyterLab bar; either counts the cases the ranks finish
-    (``kit.probes.runner.case_bar``) and names the probe, the stack, and what makes a first launch slow.
+    (``gradkit.probes.runner.case_bar``) and names the probe, the stack, and what makes a first launch slow.
     """
     kconfig.check_list("versions", versions)
     if progress not in ("", "text", "widget"):
@@ -91,7 +91,7 @@ def load_results(folder) -> tuple[list[dict], list[str]]:
     recs, said = records.run_records(folder, stems)
     if not recs:
         raise FileNotFoundError(f"no records of a finished bug notebook in {kconfig.repo_path(folder)} "
-                                f"({'; '.join(said) or 'none listed'}): run `python -m kit.notebooks.runall` first, or run "
+                                f"({'; '.join(said) or 'none listed'}): run `python -m gradkit.notebooks.runall` first, or run "
                                 "the probes here")
     return recs, said
 
@@ -192,7 +192,7 @@ def save_matrix(cells: list[dict], folder) -> tuple[Path, Path]:
     import matplotlib.pyplot as plt
 
     # here, not at import: run-all reads this module to check parameters (0.5 s of matplotlib)
-    from kit.notebooks import plot_style, verdict_plots
+    from gradkit.notebooks import plot_style, verdict_plots
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

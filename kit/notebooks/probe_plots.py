@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from kit.notebooks.plot_style import SMALL, VERDICT_COLOURS, panels
+from gradkit.notebooks.plot_style import SMALL, VERDICT_COLOURS, panels
 
 
 def accumulator_norms(recs: list[dict], title: str = ""):
@@ -286,7 +286,7 @@ def fitted_weights_per_step(rec: dict, title: str = ""):
 def explorer_result(rows: list[dict], title: str = ""):
     """Two bar panels, effective/reference ratio and cosine, one bar per case (per stage), coloured by verdict.
 
-    ``rows`` come from ``kit.notebooks.explore.result_rows``. The grey line marks 1.0: a correct engine's bar ends on it.
+    ``rows`` come from ``gradkit.notebooks.explore.result_rows``. The grey line marks 1.0: a correct engine's bar ends on it.
     """
     fig, axes = plt.subplots(1, 2, figsize=(10, 0.9 + 0.42 * max(1, len(rows))), sharey=True)
     labels = [r["label"] for r in rows]

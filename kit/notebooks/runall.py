@@ -1,6 +1,6 @@
 """Execute the notebooks with papermill, in parallel, and collect their verdicts into one summary.
 
-    python -m kit.notebooks.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--jobs 2]
+    python -m gradkit.notebooks.runall [--params scripts/params/quick.yaml] [--out runs/latest] [--jobs 2]
                          [--timeout 1800] [NOTEBOOK ...]
 
 - **Parameters** come from a YAML file (``defaults`` for every notebook that has the knob, ``notebooks``
@@ -11,7 +11,7 @@
   ``--timeout``); at the limit the process group, kernel included, is killed. ``--jobs`` notebooks run
   at a time (each launches its own ranks). A failed or timed-out notebook is reported with its failing
   cell and does not stop the others.
-- **Prefetch** (``kit.stacks.prefetch``; ``--no-prefetch``: none): before any notebook starts, every overlay the
+- **Prefetch** (``gradkit.stacks.prefetch``; ``--no-prefetch``: none): before any notebook starts, every overlay the
   notebooks' stacks need is installed and every DeepSpeed comm op their worlds load is built, in parallel and
   with a progress bar of its own, so that no notebook cell waits on pip or a compiler. A release the package
   index does not have is bad input (exit 2, no notebook started).
@@ -19,8 +19,8 @@
   bug notebooks and read the records those just wrote.
 - **The summary** (``summary.md``, ``summary.json``, ``verdict_matrix.png`` / ``.json``) links to every
   executed notebook, and lists any verdict that changed since the previous run into the same folder.
-- **The site** (``OUT/site/index.html``, ``kit.notebooks.site``): the summary and every executed notebook as static HTML
-  pages with their figures and a table of contents, to read without running anything (``--no-site``: none).
+- **The site** (``OUT/site/index.html``, ``gradkit.notebooks.site``): the summary and every executed notebook as static
+  HTML pages with their figures and a table of contents, to read without running anything (``--no-site``: none).
 Exit status: 0 all notebooks ran, 1 one or more failed, 2 bad input (nothing ran).
 
 Where each part is: ``runall_params`` (the parameters file, each notebook's parameters, the checks of their values
@@ -38,13 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.notebooks import site
-from kit.notebooks.runall_batch import default_jobs, new_run_id, run
-from kit.notebooks.runall_notebook import STOP
-from kit.notebooks.runall_params import NOTEBOOKS, REPO, load_params, resolve_notebook
-from kit.notebooks.runall_summary import summarise
-from kit.stacks import prefetch as kprefetch
+from gradkit import config as kconfig
+from gradkit.notebooks import site
+from gradkit.notebooks.runall_batch import default_jobs, new_run_id, run
+from gradkit.notebooks.runall_notebook import STOP
+from gradkit.notebooks.runall_params import NOTEBOOKS, REPO, load_params, resolve_notebook
+from gradkit.notebooks.runall_summary import summarise
+from gradkit.stacks import prefetch as kprefetch
 
 DEFAULT_TIMEOUT_S = 1800.0
 LOCK_FILE = ".runall.lock"
@@ -136,8 +136,8 @@ def main(argv=None) -> int:
 
 
 def build_site(out: Path):
-    """The static site of the executed notebooks (``kit.notebooks.site``): its index, or False (said on stderr) when it
-    could not be built; the run's own results stand either way."""
+    """The static site of the executed notebooks (``gradkit.notebooks.site``): its index, or False (said on stderr) when
+    it could not be built; the run's own results stand either way."""
     try:
         return site.build(out)
     except Exception as e:  # noqa: BLE001 - a site that fails to render is reported, the run is kept

@@ -13,18 +13,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import launch, probes
-from kit.notebooks.runall_notebook import LIVE, STOP, execute
-from kit.notebooks.runall_params import (
+from gradkit import config as kconfig
+from gradkit import launch, probes
+from gradkit.notebooks.runall_notebook import LIVE, STOP, execute
+from gradkit.notebooks.runall_params import (
     AGGREGATE_PARAMETER,
     REPO,
     check_notebook_values,
     notebook_parameters,
     params_for,
 )
-from kit.notebooks.runall_summary import write_run_file
-from kit.stacks import prefetch as kprefetch
+from gradkit.notebooks.runall_summary import write_run_file
+from gradkit.stacks import prefetch as kprefetch
 
 
 def default_jobs() -> int:
@@ -40,8 +40,8 @@ def new_run_id() -> str:
 
 
 def prefetch(needs: list, jobs: int, progress: bool) -> dict:
-    """``kit.stacks.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs and
-    one-rank worlds with it): ``{"status", "wall_s", "done", "problems"}``. A release the package index does not
+    """``gradkit.stacks.prefetch`` of the run's stacks, in a process of its own that Stop kills whole (its pip installs
+    and one-rank worlds with it): ``{"status", "wall_s", "done", "problems"}``. A release the package index does not
     have is bad input (``ConfigError``): no notebook starts."""
     needs = kprefetch.needs_of(needs)
     if not kprefetch.pending(needs):
@@ -49,7 +49,7 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="gradkit-prefetch-") as tmp:
         (Path(tmp) / "needs.json").write_text(json.dumps([n.as_json() for n in needs]))
-        cmd = [sys.executable, "-m", "kit.stacks.prefetch", "--needs", str(Path(tmp) / "needs.json"), "--jobs", str(jobs),
+        cmd = [sys.executable, "-m", "gradkit.stacks.prefetch", "--needs", str(Path(tmp) / "needs.json"), "--jobs", str(jobs),
                "--result", str(Path(tmp) / "result.json")] + ([] if progress else ["--no-progress"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         with STOP.lock:
@@ -64,7 +64,8 @@ def prefetch(needs: list, jobs: int, progress: bool) -> dict:
         try:
             said = json.loads((Path(tmp) / "result.json").read_text())
         except (OSError, ValueError):
-            said = {"done": [], "problems": [f"kit.stacks.prefetch ended with status {code} before saying what it did"]}
+            said = {"done": [],
+                    "problems": [f"gradkit.stacks.prefetch ended with status {code} before saying what it did"]}
     if STOP.signal:
         return {"status": "stopped", "wall_s": round(time.time() - t0, 1), "done": [], "problems": [],
                 "stacks": len(needs)}
@@ -78,8 +79,8 @@ def run(paths: list[Path], out: Path, spec: dict, jobs: int, timeout_s: float, p
         run_id: str = "", prefetch_jobs: int = 0, report: dict | None = None) -> list[dict]:
     """Bug notebooks first, ``jobs`` at a time; then the aggregating ones, reading what the first wave wrote
     (``run.json`` says which notebooks of this run finished: only their records reach the overview).
-    ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name (``kit.stacks.prefetch``,
-    that many builds at a time); what it did goes into ``report["prefetch"]``."""
+    ``prefetch_jobs`` > 0: first the overlays and comm ops of every stack the notebooks name
+    (``gradkit.stacks.prefetch``, that many builds at a time); what it did goes into ``report["prefetch"]``."""
     known = {p: notebook_parameters(p) for p in paths}
     aggregating = [p for p in paths if AGGREGATE_PARAMETER in known[p]]
     first = [p for p in paths if p not in aggregating]

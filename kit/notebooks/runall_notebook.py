@@ -15,11 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import launch
-from kit.judge.records import RUN_ID_ENV
-from kit.notebooks.runall_params import REPO
-from kit.probes.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
+from gradkit import config as kconfig
+from gradkit import launch
+from gradkit.judge.records import RUN_ID_ENV
+from gradkit.notebooks.runall_params import REPO
+from gradkit.probes.runner import PROGRESS_ENV as RUNNER_PROGRESS_ENV
 
 KERNEL = "gradkit"
 # jupyter_client's words when a kernel process ends before it answers its first request: no cell has run, so the
@@ -160,7 +160,8 @@ def _execute(path: Path, out: Path, params: dict, timeout_s: float, run_id: str)
 
 class Live:
     """What a running notebook has done so far, read from outside its kernel: cells from the executed notebook
-    papermill saves after every cell, cases from the events its runner appends (``kit.probes.runner.PROGRESS_ENV``)."""
+    papermill saves after every cell, cases from the events its runner appends
+    (``gradkit.probes.runner.PROGRESS_ENV``)."""
 
     def __init__(self, executed: Path, events: Path):
         self.executed = executed

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import probes
+from gradkit import config as kconfig
+from gradkit import probes
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -81,16 +81,20 @@ def notebook_defaults(path: Path, known: dict | None = None) -> dict:
 
 # The kit's notebooks whose parameters are checked by a module of their own, not by a probe's ``check_notebook``: the
 # notebooks that are not a probe's, and 07, which four probes share.
-TOOL_NOTEBOOKS = {"00_overview.ipynb": "kit.notebooks.overview", "05_explorer.ipynb": "kit.notebooks.explore",
-                  "06_sweep.ipynb": "kit.notebooks.sweep", "07_without_deepspeed.ipynb": "kit.notebooks.without_ds",
-                  "08_new_bug.ipynb": "kit.notebooks.bisect_known", "09_watch.ipynb": "kit.notebooks.watch"}
+TOOL_NOTEBOOKS = {"00_overview.ipynb": "gradkit.notebooks.overview",
+                  "05_explorer.ipynb": "gradkit.notebooks.explore",
+                  "06_sweep.ipynb": "gradkit.notebooks.sweep",
+                  "07_without_deepspeed.ipynb": "gradkit.notebooks.without_ds",
+                  "08_new_bug.ipynb": "gradkit.notebooks.bisect_known",
+                  "09_watch.ipynb": "gradkit.notebooks.watch"}
 
 
 def check_notebook_values(path: Path, params: dict, known: dict | None = None, source: str = "") -> list:
     """Every value a kit notebook will run with (its defaults, then ``params``), checked by the notebook's own
     ``check_notebook`` -- before any kernel starts. ``ConfigError`` names the notebook and where the values
     came from; notebooks outside notebooks/ (a user's, a test's) have no such check. Returns the ``(probe,
-    stack)`` pairs the notebook's worlds will run (what ``kit.stacks.prefetch`` prepares), [] when it does not say."""
+    stack)`` pairs the notebook's worlds will run (what ``gradkit.stacks.prefetch`` prepares), [] when it does not
+    say."""
     import importlib
 
     if path.parent != NOTEBOOKS.resolve():

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import probes
-from kit.judge import records
-from kit.judge import tables
-from kit.notebooks import overview
+from gradkit import probes
+from gradkit.judge import records
+from gradkit.judge import tables
+from gradkit.notebooks import overview
 
 
 def read_run_file(out: Path) -> dict:

@@ -1,6 +1,6 @@
 """The executed notebooks of a run-all folder and the pages of ``docs/``: one static site, read without running.
 
-    python -m kit.notebooks.site runs/latest          # -> runs/latest/site/index.html (kit.notebooks.runall builds it after each run)
+    python -m gradkit.notebooks.site runs/latest          # -> runs/latest/site/index.html (gradkit.notebooks.runall builds it after each run)
 
 nbconvert's HTML exporter (the ``lab`` template) renders every page, and every page is one self-contained
 file (figures embedded), so the folder can be zipped, mailed or served as it is:
@@ -34,7 +34,7 @@ from urllib.parse import unquote
 
 import nbformat
 
-from kit import config as kconfig
+from gradkit import config as kconfig
 
 SITE = "site"
 CONTENTS_DEPTH = 2  # headings listed in a page's contents: # and ##
@@ -215,7 +215,7 @@ def build(out, docs=DOCS) -> Path:
     entries = {Path(e["executed"]).name: e for e in summary.get("notebooks", [])}
     names = sorted(n for n in (entries or {p.name: None for p in out.glob("*.ipynb")}) if (out / n).exists())
     if not names:
-        raise FileNotFoundError(f"no executed notebooks in {out}: run `python -m kit.notebooks.runall --out {out}` first")
+        raise FileNotFoundError(f"no executed notebooks in {out}: run `python -m gradkit.notebooks.runall --out {out}` first")
     site = out / SITE
     tmp = out / f".{SITE}.partial"
     shutil.rmtree(tmp, ignore_errors=True)

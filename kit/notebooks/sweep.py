@@ -1,18 +1,18 @@
 """Notebook 06: its parameters (``check_notebook``, ``notebook_spec``), what it runs and tabulates (the sweep's own
-functions, ``kit.commands.sweep``, imported here so that the notebook calls this one module) and what it asserts about
-a sweep (``violations``: every group named or reproduced, every known bug's points where ``kit/judge/expectations.py``
-puts them)."""
+functions, ``gradkit.commands.sweep``, imported here so that the notebook calls this one module) and what it asserts
+about a sweep (``violations``: every group named or reproduced, every known bug's points where
+``kit/judge/expectations.py`` puts them)."""
 from __future__ import annotations
 
 import json
 
-from kit import config as kconfig
-from kit.commands.sweep.grouping import describe
-from kit.commands.sweep.run import run, summarise  # noqa: F401 - what notebook 06 runs
-from kit.commands.sweep.spec import check_spec, is_main, load_spec, point_id, points  # noqa: F401 - is_main: 06's
-from kit.commands.sweep.tables import model_table, one_at_a_time_table, steps_text  # noqa: F401 - 06's tables
-from kit.judge import expectations, oracle
-from kit.probes import ds_config
+from gradkit import config as kconfig
+from gradkit.commands.sweep.grouping import describe
+from gradkit.commands.sweep.run import run, summarise  # noqa: F401 - what notebook 06 runs
+from gradkit.commands.sweep.spec import check_spec, is_main, load_spec, point_id, points  # noqa: F401 - is_main: 06's
+from gradkit.commands.sweep.tables import model_table, one_at_a_time_table, steps_text  # noqa: F401 - 06's tables
+from gradkit.judge import expectations, oracle
+from gradkit.probes import ds_config
 
 
 def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
@@ -75,8 +75,8 @@ NOTEBOOK_PARAMETERS = ("SPEC", "SWEEP_DIR", "STACKS", "RESULTS_DIR", "INTERACTIV
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 06, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 06, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     if not isinstance(p["SWEEP_DIR"], str):
         raise kconfig.ConfigError(f"SWEEP_DIR must be a folder name or \"\", got {p['SWEEP_DIR']!r}")
     if not isinstance(p["STACKS"], list) or not all(isinstance(s, dict) for s in p["STACKS"]):

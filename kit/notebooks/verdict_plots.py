@@ -14,17 +14,17 @@ import math
 import matplotlib.pyplot as plt
 from matplotlib import transforms
 
-from kit import probes
-from kit.judge import records
-from kit.notebooks.plot_style import SHOWN_WIDTH_IN, SMALL, VERDICT_COLOURS, grid_frame
-from kit.stacks import versions
+from gradkit import probes
+from gradkit.judge import records
+from gradkit.notebooks.plot_style import SHOWN_WIDTH_IN, SMALL, VERDICT_COLOURS, grid_frame
+from gradkit.stacks import versions
 
 
 def verdict_matrix(cells: list[dict], title: str = ""):
     """Bug x DeepSpeed version: each cell coloured by its verdict, with the measured ratio and where it was taken.
 
-    ``cells`` come from ``kit.notebooks.overview.verdict_matrix``. The installed release's column is marked. With more
-    releases than fit the width of a notebook cell, releases go down and bugs across (nothing is scaled down).
+    ``cells`` come from ``gradkit.notebooks.overview.verdict_matrix``. The installed release's column is marked. With
+    more releases than fit the width of a notebook cell, releases go down and bugs across (nothing is scaled down).
     """
     installed = versions.installed_version("deepspeed")
     every = probes.registry()
@@ -180,9 +180,9 @@ def worst_ratio(res: dict) -> float | None:
 
 
 def timeline(series: dict, pins=(), title: str = ""):
-    """A known bug's release history (``kit.judge.history.series``): one panel per series, its releases left to
+    """A known bug's release history (``gradkit.judge.history.series``): one panel per series, its releases left to
     right, each at the norm ratio of its worst judged step (log scale; 1 is the right step) coloured by its verdict;
-    a release that cannot run here is a grey x at the panel's foot. Each pin (``kit.judge.expectations.Pin``) of the
+    a release that cannot run here is a grey x at the panel's foot. Each pin (``gradkit.judge.expectations.Pin``) of the
     series is a dashed line between its two releases, with what starts there."""
     fig, axes = plt.subplots(max(1, len(series)), 1, figsize=(SHOWN_WIDTH_IN, 2.5 * max(1, len(series))), squeeze=False)
     for ax, (name, s) in zip(axes[:, 0], series.items()):

@@ -1,6 +1,6 @@
 """Notebook 09's logic: real training jobs with the watch on them (``examples/watch``), run as users run them
 (torchrun, W ranks), their records read back, tabulated, drawn over the run's steps, and checked against an
-expectation that does not come from the watch: the bug table (``kit.judge.expectations``) for a job on a release
+expectation that does not come from the watch: the bug table (``gradkit.judge.expectations``) for a job on a release
 with or without a known bug, the defect the job plants in itself (a ``compute_loss`` that forgets to divide, a
 packing collator that counts each sequence's first token) for the others."""
 from __future__ import annotations
@@ -9,20 +9,20 @@ import json
 import shutil
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.judge import expectations, oracle
-from kit.launch import scripts
-from kit.stacks import extras
+from gradkit import config as kconfig
+from gradkit.judge import expectations, oracle
+from gradkit.launch import scripts
+from gradkit.stacks import extras
 
 JOBS_DIR = kconfig.REPO_ROOT / "examples" / "watch"
 PACKAGES = {"trainer_job.py": ("transformers", "accelerate"), "trl_job.py": ("transformers", "accelerate"),
             "accelerate_job.py": ("accelerate",), "deepspeed_job.py": ("deepspeed",), "fsdp2_job.py": ("torch",)}
-EXTRAS = {"trl_job.py": "trl"}  # a job's extra package set (kit.stacks.extras), not in the kit's environment
+EXTRAS = {"trl_job.py": "trl"}  # a job's extra package set (gradkit.stacks.extras), not in the kit's environment
 EXPECTS = (oracle.AFFECTED, oracle.NOT_AFFECTED)
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 09 (``kit.notebooks.runall`` runs it before any kernel). The jobs install the
+    """Every parameter of notebook 09 (``gradkit.notebooks.runall`` runs it before any kernel). The jobs install the
     overlays they name themselves: nothing for the prefetch."""
     kconfig.check_list("JOBS", p["JOBS"])
     for job in p["JOBS"]:
@@ -46,7 +46,7 @@ def launch(script: str, args: list, world_size: int = 2, stack: dict | None = No
     ``stack``, with the extra packages it needs (``EXTRAS``) on its ranks' path."""
     paths = [extras.ensure(EXTRAS[script])] if script in EXTRAS else []
     return scripts.torchrun(JOBS_DIR / script, args, world_size=world_size, stack=stack, packages=PACKAGES[script],
-                            timeout_s=timeout_s, kit_on_path=True, paths=paths)
+                            timeout_s=timeout_s, paths=paths)
 
 
 def run(jobs: list, out, world_size: int = 2, timeout_s: int = 300) -> dict:
@@ -131,7 +131,7 @@ def plot(results: dict, title: str = "the watch over each job's judged steps"):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    from kit.notebooks.plot_style import SMALL
+    from gradkit.notebooks.plot_style import SMALL
 
     fig, (ax_r, ax_c) = plt.subplots(1, 2, figsize=(12, 4.6))
     colours = plt.get_cmap("tab10").colors

@@ -1,6 +1,6 @@
 """Notebook 07: every accumulation path without DeepSpeed, judged by the same oracle, in one matrix.
 
-Four probes share the notebook (each its own module and matrix row, ``kit.probes.registry()``): torch DDP
+Four probes share the notebook (each its own module and matrix row, ``gradkit.probes.registry()``): torch DDP
 ``no_sync`` (``DDP``), FSDP2 ``fully_shard`` (``FSDP2``), Accelerate ``accumulate()`` (``ACC``) and the HF Trainer
 on several ranks (``HFT``). This module is the notebook's logic: its parameters (``check_notebook``), its runs
 (``run``), the matrix path x setting x release (``matrix_rows``), the code behind every cell that is not exact
@@ -8,14 +8,14 @@ on several ranks (``HFT``). This module is the notebook's logic: its parameters 
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit import probes
-from kit.judge import expectations, oracle
-from kit.judge import tables
-from kit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
-from kit.stacks import source
-from kit.stacks import versions as kversions
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit import probes
+from gradkit.judge import expectations, oracle
+from gradkit.judge import tables
+from gradkit.probes import accelerate_ga, ddp_no_sync, fsdp2, trainer_ddp
+from gradkit.stacks import source
+from gradkit.stacks import versions as kversions
+from gradkit.stacks.versions import version_key
 
 PARAMETERS = ("WORLD_SIZES", "GA_VALUES", "MICRO_BATCH", "HIDDEN", "MODELS", "FSDP2_SETTINGS", "ACCELERATE_VERSIONS",
               "ACCELERATE_MODELS", "TRAINER_STACKS", "TRAINER_GAS", "TRAINER_WORLD_SIZES", "SEED", "DEVICE", "TIMEOUT_S")
@@ -27,8 +27,8 @@ def accelerate_stack(version: str) -> dict:
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 07 (``kit.notebooks.runall`` runs it before any kernel); the ``(probe, stack)`` pairs its
-    worlds will run (``kit.stacks.prefetch`` installs the overlays up front)."""
+    """Every parameter of notebook 07 (``gradkit.notebooks.runall`` runs it before any kernel); the ``(probe, stack)`` pairs its
+    worlds will run (``gradkit.stacks.prefetch`` installs the overlays up front)."""
     ddp_no_sync.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"])
     fsdp2.validate(p["WORLD_SIZES"], p["GA_VALUES"], p["DEVICE"], p["TIMEOUT_S"], p["MODELS"], p["FSDP2_SETTINGS"])
     kconfig.check_list("ACCELERATE_VERSIONS", p["ACCELERATE_VERSIONS"])

@@ -1,17 +1,17 @@
-"""The probes: every module of this package that defines ``PROBE = kit.probes.probe.Probe(...)``.
+"""The probes: every module of this package that defines ``PROBE = gradkit.probes.probe.Probe(...)``.
 
-    from kit import probes
+    from gradkit import probes
     probes.registry()        # {"B1": Probe, ...}, in matrix order
     probes.get("B3").run(n_values=(1, 4))
 
 A module is found by being here: adding a probe edits no list. ``register`` adds one from elsewhere
 (a plugin, a test); ``unregister`` takes it back.
-What a probe's ranks run is its module of ``kit.probes.ranks`` (``Probe.target``), which defines no ``PROBE``.
+What a probe's ranks run is its module of ``gradkit.probes.ranks`` (``Probe.target``), which defines no ``PROBE``.
 """
 from __future__ import annotations
 
-from kit.probes.probe import Probe
-from kit.registry import Registry
+from gradkit.probes.probe import Probe
+from gradkit.registry import Registry
 
 _REGISTRY: Registry[Probe] = Registry(__name__, "PROBE", Probe, lambda p: p.id, "probe")
 registry = _REGISTRY.all

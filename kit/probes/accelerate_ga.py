@@ -31,13 +31,13 @@ Accelerate was given (``ga + 1``): each judged step is one pass over a dataloade
 expected update is ``ga / (ga + 1)`` of the reference. The releases are overlays of the ``accelerate`` package
 (``stacks=[{"accelerate": "0.30.1"}]``); torch stays the installed one, and every record says which ran.
 
-What its ranks run is ``kit.probes.ranks.accelerate_ga``.
+What its ranks run is ``gradkit.probes.ranks.accelerate_ga``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import oracle
-from kit.probes import ddp_no_sync, runner, shared
+from gradkit import config as kconfig
+from gradkit.judge import oracle
+from gradkit.probes import ddp_no_sync, runner, shared
 
 BUG = "ACC"
 CASES = {"accumulate": "measured", "sync_each_batch": "measured", "accumulate_fsdp2": "measured",

@@ -22,14 +22,14 @@ accumulator norm after each micro-batch (the seed's view), each rank's accumulat
 the effective gradient ``step()`` applied (SGD, lr=1, read from the fp32 masters, cross-checked against the
 module's weights). Rank 0 judges both against the oracle's fp32 reference of the same global batch from that
 step's starting weights; the record is the worst step's, with every step in ``steps``. What its ranks run is
-``kit.probes.ranks.bf16_leak``.
+``gradkit.probes.ranks.bf16_leak``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import expectations, oracle, tolerances
-from kit.probes import runner, shared
-from kit.probes.probe import Probe
+from gradkit import config as kconfig
+from gradkit.judge import expectations, oracle, tolerances
+from gradkit.probes import runner, shared
+from gradkit.probes.probe import Probe
 
 CASES = {
     "leak": {"role": "measured", "dtype": "bf16", "zero_stage": 1, "grad_accum_dtype": "fp32",
@@ -56,9 +56,9 @@ def violations(recs: list[dict], code_order: dict | None = None) -> list[str]:
     2. where the code order of ``_backward_epilogue`` was read (``code_order``: version -> allreduce first?),
        the measured verdicts of that release follow it;
     3. every measured verdict -- every world size of the grid included -- is what the upstream table says of
-       its release (``kit.judge.expectations``; releases newer than the table are findings, not violations);
+       its release (``gradkit.judge.expectations``; releases newer than the table are findings, not violations);
     4. on every affected record each rank's accumulator misplaces (W-1)/W * 1/GA of the weight, to within the
-       attribution noise (the bf16 misplaced-weight limit of ``kit.judge.oracle``, set against the measured noise);
+       attribution noise (the bf16 misplaced-weight limit of ``gradkit.judge.oracle``, set against the measured noise);
     5. the ``immediate_grad_update`` workaround matches the reference wherever it ran.
     """
     bad, tol = [], tolerances.tolerance("bf16")
@@ -131,8 +131,8 @@ def validate(world_size: int, ga_values, versions, device: str, timeout_s: float
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 04, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 04, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     for name in ("GA_VALUES", "VERSIONS", "GRID_WORLD_SIZES", "SYMPTOM_SPLITS"):
         kconfig.check_list(name, p[name])
     kconfig.check_timeout(p["TIMEOUT_S"])
@@ -149,7 +149,7 @@ def run(world_size: int = 2, ga_values=(1, 2, 4, 8), versions=("installed",), mi
         symptom: list[dict] | None = None, stacks=None) -> list[dict]:
     """Run every case for every GA under every DeepSpeed version (or ``stacks``); one world per version.
 
-    Returns one record per (version, GA, case), each with its verdict (see ``kit.probes.runner``).
+    Returns one record per (version, GA, case), each with its verdict (see ``gradkit.probes.runner``).
     Everything is validated before the first launch.
     """
     stacks = runner.stacks_of(versions) if stacks is None else list(stacks)

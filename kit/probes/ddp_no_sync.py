@@ -13,14 +13,14 @@ sum_not_mean    the ``no_sync`` loop without ``/ GA`` (a common loop bug: GA x t
 control         the bare module: local accumulation, one ``all_reduce`` of every grad / W   control
 ==============  ==========================================================================  ==========
 
-What its ranks run is ``kit.probes.ranks.ddp_no_sync``.
+What its ranks run is ``gradkit.probes.ranks.ddp_no_sync``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit import shapes
-from kit.judge import oracle
-from kit.probes import runner, shared
+from gradkit import config as kconfig
+from gradkit import shapes
+from gradkit.judge import oracle
+from gradkit.probes import runner, shared
 
 BUG = "DDP"
 CASES = {"no_sync": "measured", "every_step": "comparison", "sum_not_mean": "comparison", "control": "control"}
@@ -47,7 +47,7 @@ def validate(world_sizes, ga_values, device: str, timeout_s: float, models=("mlp
 def run(world_sizes=(2,), ga_values=(1, 2, 4, 8), micro_batch: int = 4, hidden: int = 32, seed: int = 0,
         device: str = "cpu", timeout_s: float = kconfig.DEFAULT_TIMEOUT_S, stacks=({},), models=("mlp",)
         ) -> list[dict]:
-    """Every case at every GA on every model shape (``kit.shapes``) in one plain-torch world per world size; each
+    """Every case at every GA on every model shape (``gradkit.shapes``) in one plain-torch world per world size; each
     judged against the ``control`` of its GA and shape."""
     validate(world_sizes, ga_values, device, timeout_s, models)
     return runner.run(PROBE, plan(ga_values, micro_batch, hidden, seed, models), list(stacks), world_sizes, device,

@@ -3,11 +3,11 @@
     cfg = ds_config.resolve(json.load(open("ds_config.json")), world_size=2)   # "auto" resolved, notes kept
     recs = ds_config.run(cfg, loops=LOOPS, world_size=2)                    # one world, every loop style
 
-The config runs as ``resolve`` made it (``kit.probes.ds_resolve``: what is kept, what is replaced and why, in its
+The config runs as ``resolve`` made it (``gradkit.probes.ds_resolve``: what is kept, what is replaced and why, in its
 notes; ``resolve`` and ``load`` are reached through this module). Each case takes ``steps`` optimizer steps, each
 judged against the reference from that step's own starting weights (the module's weights, cross-checked against the
 fp32 masters), with the previous step's micro-batches in the basis of its fitted weights; what the ranks run is
-``kit.probes.ranks.ds_config``.
+``gradkit.probes.ranks.ds_config``.
 
 Loop styles (each its own case, all in one world, ``N`` micro-batches per step):
 
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import copy
 
-from kit import config as kconfig
-from kit import launch
-from kit import shapes
-from kit.judge import naming, oracle, records, tolerances
-from kit.probes import ds_features, runner
-from kit.probes.ds_resolve import Resolved, load, resolve  # noqa: F401 - a config is read and resolved here too
-from kit.probes.probe import Probe
-from kit.probes.ranks.ds_config import MASTERS_STEP, UNMANAGED_SINCE
-from kit.stacks import versions
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit import launch
+from gradkit import shapes
+from gradkit.judge import naming, oracle, records, tolerances
+from gradkit.probes import ds_features, runner
+from gradkit.probes.ds_resolve import Resolved, load, resolve  # noqa: F401 - a config is read and resolved here too
+from gradkit.probes.probe import Probe
+from gradkit.probes.ranks.ds_config import MASTERS_STEP, UNMANAGED_SINCE
+from gradkit.stacks import versions
+from gradkit.stacks.versions import version_key
 
 LOOPS = ("engine", "boundary", "manual", "unmanaged")
 STEPS = 3  # optimizer steps per check or sweep point, each judged
@@ -125,8 +125,8 @@ def case_config(cfg: dict, loop: str, fix: str | None = None) -> dict:
 def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps: int = STEPS, model=None
          ) -> tuple[list[dict], list[str]]:
     """The cases of one check (the control first) and a note per loop style left out; each case takes ``steps``
-    optimizer steps, each judged, on ``model``: a shape's name (``kit.shapes``; the MLP by default) or the
-    user's architecture (``{"model_config": ..., "adapter_config": ...}`` from ``kit.shapes.user_model``)."""
+    optimizer steps, each judged, on ``model``: a shape's name (``gradkit.shapes``; the MLP by default) or the
+    user's architecture (``{"model_config": ..., "adapter_config": ...}`` from ``gradkit.shapes.user_model``)."""
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown or not loops:
         raise kconfig.ConfigError(f"unknown loop style(s) {unknown or loops}; known: {', '.join(LOOPS)} (or all)")
@@ -221,7 +221,8 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
     cases, notes = plan(cfg, loops, ds, steps, model)
     meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": steps}
-    if dtype_of(cfg) == "fp16" and device == "cpu":  # the ranks do it (kit.probes.ranks.ds_config.allow_fp16_on_cpu)
+    # the ranks do it (gradkit.probes.ranks.ds_config.allow_fp16_on_cpu)
+    if dtype_of(cfg) == "fp16" and device == "cpu":
         meta["config_notes"].append("fp16 judged on CPU: DeepSpeed's CPU accelerator is told fp16 is supported (torch "
                                     "computes half on any CPU); DeepSpeed's own fp16 code runs: loss scaling, the "
                                     "overflow check, the fp16 optimizers")

@@ -1,5 +1,5 @@
 """The features of shipped DeepSpeed configs that the check runs differently or cannot judge, each with its
-sentence (``apply``, called by ``kit.probes.ds_resolve.resolve``).
+sentence (``apply``, called by ``gradkit.probes.ds_resolve.resolve``).
 
 Each feature is one of three kinds, said in the check's ``as run:`` lines:
 
@@ -10,7 +10,7 @@ Each feature is one of three kinds, said in the check's ``as run:`` lines:
   communicates its own compressed update, ZenFlow, AutoTP groups the world size does not hold).
 
 AutoTP (``tensor_parallel.autotp_size``) is judged: on a model with a tensor-parallel policy (the user's ``--model``,
-else a tiny Llama: ``kit.commands.check.one.prepare``), the ranks of a group feeding the same micro-batches.
+else a tiny Llama: ``gradkit.commands.check.one.prepare``), the ranks of a group feeding the same micro-batches.
 
 A refused config launches nothing and is ``cannot-run``: never ``not-affected``.
 """

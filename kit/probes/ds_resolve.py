@@ -1,4 +1,4 @@
-"""A user's DeepSpeed config as the check (``kit.probes.ds_config``) runs it: read (``load``) and resolved
+"""A user's DeepSpeed config as the check (``gradkit.probes.ds_config``) runs it: read (``load``) and resolved
 (``resolve``).
 
     cfg = ds_config.resolve(ds_config.load("ds_config.json"), world_size=2)   # through the check's module
@@ -15,9 +15,9 @@ from __future__ import annotations
 import copy
 import json
 
-from kit import config as kconfig
-from kit.probes import ds_features
-from kit.probes.ranks.ds_config import DEPTH, HIDDEN, MICRO_BATCH
+from gradkit import config as kconfig
+from gradkit.probes import ds_features
+from gradkit.probes.ranks.ds_config import DEPTH, HIDDEN, MICRO_BATCH
 
 PARAMS = DEPTH * (HIDDEN * HIDDEN + HIDDEN)  # the tiny model's parameter count
 BUCKETS = 3  # the tiny model spans this many buckets
@@ -33,7 +33,7 @@ class Resolved(dict):
 
     notes: list
     refused: str | None = None
-    model: object = None  # what ``kit.commands.check`` runs it on (a shape's name, or an architecture's keys)
+    model: object = None  # what ``gradkit.commands.check`` runs it on (a shape's name, or an architecture's keys)
 
 
 def _auto(value) -> bool:
@@ -63,9 +63,9 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     from ``trainer_dtype``, ``reduce_bucket_size`` = hidden x hidden, ``stage3_prefetch_bucket_size`` =
     0.9 x hidden x hidden, ``stage3_param_persistence_threshold`` = 10 x hidden (hidden: the kit's model's).
     ``micro_batch`` / ``max_grad_norm``: the training run's ``per_device_train_batch_size`` / ``max_grad_norm``
-    where it is known (``kit.frameworks``). ``ga_from_run``: ``ga`` is the run's own GA, so a GA of 1 is judged as
+    where it is known (``gradkit.frameworks``). ``ga_from_run``: ``ga`` is the run's own GA, so a GA of 1 is judged as
     such (a bare config's GA 1 means the user's own loop accumulates: every loop style then takes ``ga``).
-    The shipped-config features the kit judges differently or cannot judge are ``kit.probes.ds_features``'s.
+    The shipped-config features the kit judges differently or cannot judge are ``gradkit.probes.ds_features``'s.
     """
     if not isinstance(user, dict):
         raise kconfig.ConfigError(f"a DeepSpeed config is a JSON object, got {type(user).__name__}")

@@ -21,14 +21,14 @@ Each FSDP case runs under ``SETTINGS`` (``setting`` in its record): resharding a
 the whole model as one unit. A failure FSDP raises itself (e.g. "FSDP reduce-scatter expects uniform gradient
 dtype", pytorch/pytorch#196996) is ``cannot-run`` with FSDP's sentence, never a verdict.
 
-What its ranks run is ``kit.probes.ranks.fsdp2``.
+What its ranks run is ``gradkit.probes.ranks.fsdp2``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import oracle
-from kit.probes import ddp_no_sync, runner, shared
-from kit.probes.ranks.fsdp2 import SETTINGS
+from gradkit import config as kconfig
+from gradkit.judge import oracle
+from gradkit.probes import ddp_no_sync, runner, shared
+from gradkit.probes.ranks.fsdp2 import SETTINGS
 
 BUG = "FSDP2"
 LOOPS = {"sync_last": "measured", "sync_every": "measured", "sum_not_mean": "comparison",

@@ -21,15 +21,15 @@ loss_div_ga        the same, the loss function divided by GA (a user workaround)
 control            the same dtype and ZeRO stage with GA=1 (one micro-batch)     control
 =================  ===========================================================  ==========
 
-What its ranks run is ``kit.probes.ranks.pipeline_ga``.
+What its ranks run is ``gradkit.probes.ranks.pipeline_ga``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import oracle, records, tolerances
-from kit.probes import runner, shared
-from kit.probes.probe import Probe
-from kit.probes.ranks.pipeline_ga import STAGES, STALE
+from gradkit import config as kconfig
+from gradkit.judge import oracle, records, tolerances
+from gradkit.probes import runner, shared
+from gradkit.probes.probe import Probe
+from gradkit.probes.ranks.pipeline_ga import STAGES, STALE
 
 BUG = "B2"
 CASES = {
@@ -94,8 +94,8 @@ def validate(world_sizes, splits, dtypes, zero_stages, versions, device: str, ti
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 02, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 02, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     validate(p["WORLD_SIZES"], p["SPLITS"], p["DTYPES"], p["ZERO_STAGES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["HIDDEN"])
     return [(PROBE, stack) for stack in runner.stacks_of(p["VERSIONS"])]

@@ -4,7 +4,7 @@
 
 For every stack (``{package: version}``, ``{}`` = what is installed) and world size, the cases run in
 one world (or one per ``probe.world_key`` value, so that a case that breaks an engine cannot take the
-others down: the groups are jobs of one warm world, ``kit.launch.warm_worlds``, whose ranks a failed job
+others down: the groups are jobs of one warm world, ``gradkit.launch.warm_worlds``, whose ranks a failed job
 takes down and the next group starts afresh). Each record is judged against the ``control`` case of the same world with the same
 ``probe.control_key``; then ``probe.annotate`` adds what only the probe knows (hypotheses, worst
 stage, per-configuration verdicts). A stack that cannot be installed, or a world that fails, gives
@@ -17,14 +17,14 @@ import json
 import os
 import sys
 
-from kit import config as kconfig
-from kit import launch
-from kit.judge import naming, oracle, records
-from kit.probes.probe import Probe
-from kit.stacks import versions as kversions
+from gradkit import config as kconfig
+from gradkit import launch
+from gradkit.judge import naming, oracle, records
+from gradkit.probes.probe import Probe
+from gradkit.stacks import versions as kversions
 
 _LISTENERS: list = []
-PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (kit.notebooks.runall reads it)
+PROGRESS_ENV = "GRADKIT_PROGRESS"  # a file the runner appends its events to, one JSON line each (gradkit.notebooks.runall reads it)
 
 
 @contextlib.contextmanager
@@ -34,7 +34,7 @@ def listen(callback):
 
     Events: ``{"kind": "world", "probe", "label", "world_size", "planned", "first_time"}`` before a world
     (``first_time`` names the one-off work that makes a first launch slow, or is ""), then ``{"kind": "case",
-    "done", "planned", "case"}`` as each case comes back. With ``GRADKIT_PROGRESS`` set (``kit.notebooks.runall`` sets it
+    "done", "planned", "case"}`` as each case comes back. With ``GRADKIT_PROGRESS`` set (``gradkit.notebooks.runall`` sets it
     for each notebook's kernel) the same events are appended to that file.
     """
     _LISTENERS.append(callback)

@@ -1,12 +1,12 @@
-"""What several probes share on the caller's side (``kit.probes.ranks.common`` is what their ranks share): the check
+"""What several probes share on the caller's side (``gradkit.probes.ranks.common`` is what their ranks share): the check
 of a split of one batch into micro-batch x GA (B2's and B4's notebooks), and the set-up of the plain-torch path probes
 of notebook 07 (``ddp_no_sync``, ``fsdp2``, ``accelerate_ga``): their explorer knobs, their ``PROBE`` and their
 ``annotate``."""
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import naming
-from kit.probes.probe import Probe
+from gradkit import config as kconfig
+from gradkit.judge import naming
+from gradkit.probes.probe import Probe
 
 
 def check_split(split) -> tuple:

@@ -4,8 +4,8 @@ A real ``transformers.Trainer`` on a tiny ``LlamaForCausalLM`` (built from a con
 the kit runs has) over rows whose label counts differ, so each rank and each micro-batch holds a different number of
 label tokens. The reference is the mean over *every* label token of the global batch (plain fp32 PyTorch, one
 process); the control is ``trainer_ga``'s plain-PyTorch harness on the same rows in the same world. The machinery
-is B1's: the Trainer run and its call trace (``kit.probes.ranks.trainer_ga``), the token and GAS factors
-(``kit.probes.trainer_ga``).
+is B1's: the Trainer run and its call trace (``gradkit.probes.ranks.trainer_ga``), the token and GAS factors
+(``gradkit.probes.trainer_ga``).
 
 ==============  =========================================================================  ==========
 case            what                                                                       role
@@ -26,10 +26,10 @@ the first with ``average_tokens_across_devices``, default off), and the installe
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import naming, oracle
-from kit.probes import runner, trainer_ga
-from kit.probes.probe import Probe
+from gradkit import config as kconfig
+from gradkit.judge import naming, oracle
+from gradkit.probes import runner, trainer_ga
+from gradkit.probes.probe import Probe
 
 BUG = "HFT"
 CASES = {"trainer": ("measured", {}), "avg_tokens_on": ("measured", {"average_tokens_across_devices": True}),

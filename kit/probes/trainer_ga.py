@@ -35,19 +35,19 @@ Two named verdicts per step:
 The trace records, per micro-batch, what ``compute_loss`` returned and with which ``num_items_in_batch``
 (against the label tokens the loss really sums over: labels are shifted by one inside the model), and
 what ``accelerator.backward`` received, by wrapping the real calls. What its ranks run is
-``kit.probes.ranks.trainer_ga`` (the trace: ``kit.probes.ranks.trainer_trace``).
+``gradkit.probes.ranks.trainer_ga`` (the trace: ``gradkit.probes.ranks.trainer_trace``).
 """
 from __future__ import annotations
 
 import math
 
-from kit import config as kconfig
-from kit.judge import oracle, tolerances
-from kit.probes import runner
-from kit.probes.probe import Probe
-from kit.probes.ranks.trainer_ga import ARCHS, PATHS
-from kit.stacks import versions
-from kit.stacks.versions import PACKAGES
+from gradkit import config as kconfig
+from gradkit.judge import oracle, tolerances
+from gradkit.probes import runner
+from gradkit.probes.probe import Probe
+from gradkit.probes.ranks.trainer_ga import ARCHS, PATHS
+from gradkit.stacks import versions
+from gradkit.stacks.versions import PACKAGES
 
 BUG = "B1"
 CASES = {
@@ -115,8 +115,8 @@ def validate(stacks, paths, gas_values, cases, world_size: int, global_batch: in
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 01, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 01, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     validate(p["STACKS"], p["PATHS"], p["GAS_VALUES"], p["CASES"], p["WORLD_SIZE"], p["GLOBAL_BATCH"], p["DEVICE"],
              p["TIMEOUT_S"])
     return [(PROBE, stack) for stack in p["STACKS"]]

@@ -24,14 +24,14 @@ gradient (SGD, lr=1, from the fp32 masters, cross-checked against the module's w
 on the whole global batch from that step's starting weights, attributes it to the individual micro-batches (this
 step's and the previous one's), and tests the named hypotheses ``HYPOTHESES`` ("global mean", "last micro-batch /
 N", "sum of micro-batches"). The record is the worst step's, with every step in ``steps``. What its ranks run is
-``kit.probes.ranks.zero_boundary`` (where ``HYPOTHESES`` are).
+``gradkit.probes.ranks.zero_boundary`` (where ``HYPOTHESES`` are).
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit.judge import naming, oracle, records, tolerances
-from kit.probes import runner
-from kit.probes.probe import Probe
+from gradkit import config as kconfig
+from gradkit.judge import naming, oracle, records, tolerances
+from gradkit.probes import runner
+from gradkit.probes.probe import Probe
 
 BUG = "B3"
 CASES = {
@@ -96,8 +96,8 @@ def validate(world_sizes, n_values, stages, dtypes, versions, device: str, timeo
 
 
 def check_notebook(p: dict) -> list:
-    """Every parameter of notebook 03, by its name there (what the notebook and ``kit.notebooks.runall`` call first);
-    returns the ``(probe, stack)`` pairs its worlds will run (``kit.stacks.prefetch``)."""
+    """Every parameter of notebook 03, by its name there (what the notebook and ``gradkit.notebooks.runall`` call
+    first); returns the ``(probe, stack)`` pairs its worlds will run (``gradkit.stacks.prefetch``)."""
     kconfig.check_list("FIX_N_VALUES", p["FIX_N_VALUES"])
     validate(p["WORLD_SIZES"], p["N_VALUES"], p["ZERO_STAGES"], p["DTYPES"], p["VERSIONS"], p["DEVICE"], p["TIMEOUT_S"],
              p["FIX_N_VALUES"], p["MICRO_BATCH"], p["HIDDEN"])

@@ -1,6 +1,6 @@
-"""The model shapes: every module of this package that defines ``SHAPE = kit.shapes.shape.Shape(...)``.
+"""The model shapes: every module of this package that defines ``SHAPE = gradkit.shapes.shape.Shape(...)``.
 
-    from kit import shapes
+    from gradkit import shapes
     shapes.registry()              # {"mlp": Shape, "frozen": Shape, ...}, in order
     shapes.get("conditional")
     shapes.of_case(case)           # a probe case's shape: a registered one, or the user's own (``--model``)
@@ -9,9 +9,9 @@ A shape is found by being here: adding one edits no list.
 """
 from __future__ import annotations
 
-from kit.registry import Registry
-from kit.shapes import hf
-from kit.shapes.shape import Shape
+from gradkit.registry import Registry
+from gradkit.shapes import hf
+from gradkit.shapes.shape import Shape
 
 DEFAULT = "mlp"
 _REGISTRY: Registry[Shape] = Registry(__name__, "SHAPE", Shape, lambda s: s.name, "model shape")

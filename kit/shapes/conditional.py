@@ -19,8 +19,8 @@ the engine's model and the one-process reference take the same path through the 
 """
 from __future__ import annotations
 
-from kit.shapes.mlp import tiny_mlp
-from kit.shapes.shape import Shape
+from gradkit.shapes.mlp import tiny_mlp
+from gradkit.shapes.shape import Shape
 
 EXPERTS = ("skip_first", "skip_middle", "skip_last", "only_first", "idle")
 

@@ -4,8 +4,8 @@ at random (``init_lora_weights=False``) so that both adapter matrices get a grad
 frozen weight's right update is exactly 0."""
 from __future__ import annotations
 
-from kit.shapes.mlp import tiny_mlp
-from kit.shapes.shape import Shape
+from gradkit.shapes.mlp import tiny_mlp
+from gradkit.shapes.shape import Shape
 
 
 def build(seed: int, hidden: int, depth: int):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.shapes.shape import Shape
+from gradkit import config as kconfig
+from gradkit.shapes.shape import Shape
 
 SEQ = 8  # tokens per sample
 # (config key, toy value): the sizes that make a step take seconds; a key the config lacks is left alone

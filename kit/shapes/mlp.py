@@ -1,7 +1,7 @@
 """``mlp``: Linear layers with GELU between them; every parameter gets a gradient from every micro-batch."""
 from __future__ import annotations
 
-from kit.shapes.shape import Shape
+from gradkit.shapes.shape import Shape
 
 
 def tiny_mlp(hidden: int, seed: int, depth: int = 2):

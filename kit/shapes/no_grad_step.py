@@ -3,9 +3,9 @@ used on every other step (steps 1, 3, ...: none of their micro-batches reach it;
 gradient kept from the step before, or a step applied to a parameter that had none, shows on the steps without."""
 from __future__ import annotations
 
-from kit.shapes.conditional import groups_of, routed
-from kit.shapes.mlp import tiny_mlp
-from kit.shapes.shape import Shape
+from gradkit.shapes.conditional import groups_of, routed
+from gradkit.shapes.mlp import tiny_mlp
+from gradkit.shapes.shape import Shape
 
 HEADS = ("every_other_step",)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kit.shapes.data import rank_samples
-from kit.shapes.mlp import build, groups, tiny_mlp
-from kit.shapes.shape import Shape
+from gradkit.shapes.data import rank_samples
+from gradkit.shapes.mlp import build, groups, tiny_mlp
+from gradkit.shapes.shape import Shape
 
 
 def sizes(seed: int, rank: int, ga: int, micro_batch: int, step: int) -> list[int]:

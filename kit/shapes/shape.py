@@ -1,5 +1,5 @@
-"""What a model shape is: one object per module of ``kit.shapes`` (``SHAPE = Shape(...)``), found by
-``kit.shapes.registry()``.
+"""What a model shape is: one object per module of ``gradkit.shapes`` (``SHAPE = Shape(...)``), found by
+``gradkit.shapes.registry()``.
 
 Every probe that takes a model judges it through its shape: the model (``build``), its micro-batches (the
 common samples, with the routing columns a conditional model reads), its loss, and its parameter groups (the
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from kit.shapes.data import micro_batches, mse
+from gradkit.shapes.data import micro_batches, mse
 
 
 def _no_routes(i: int, n: int, step: int) -> list[float]:

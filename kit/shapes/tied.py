@@ -3,8 +3,8 @@ goes through ``embed`` (x W^T), the MLP, then ``head``, whose weight *is* ``embe
 tied weight is the sum of its two uses' contributions."""
 from __future__ import annotations
 
-from kit.shapes.mlp import tiny_mlp
-from kit.shapes.shape import Shape
+from gradkit.shapes.mlp import tiny_mlp
+from gradkit.shapes.shape import Shape
 
 TIED = "tied weight (embedding and head)"
 

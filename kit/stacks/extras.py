@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit.stacks import versions
 
 # what pip resolves for TRL on top of the kit's own pins (pyproject.toml), each pinned
 EXTRAS = {

@@ -1,13 +1,13 @@
 """Get a run's one-off work done up front, in parallel, once: every overlay its stacks need installed and every
-DeepSpeed CPU comm op built, before the notebooks start (``kit.notebooks.runall`` runs it first).
+DeepSpeed CPU comm op built, before the notebooks start (``gradkit.notebooks.runall`` runs it first).
 
-    python -m kit.stacks.prefetch --needs needs.json [--jobs 2] [--no-progress]
+    python -m gradkit.stacks.prefetch --needs needs.json [--jobs 2] [--no-progress]
 
 ``needs.json`` lists what the run's worlds will need, one entry per probe and stack, as each notebook's
 ``check_notebook`` returns it (``needs_of``): ``{"packages": [...], "init": "deepspeed", "stack": {...}}``.
 Installs (network and unpacking) run up to ``INSTALL_JOBS`` at a time; a comm-op build (a compiler, ~40 s of one
 core) starts as soon as its release is installed, ``--jobs`` at a time, in a one-rank world like the notebooks'
-own. What is already in the cache costs nothing (``kit.probes.runner.first_time`` says what is not).
+own. What is already in the cache costs nothing (``gradkit.probes.runner.first_time`` says what is not).
 
 Exit status: 0 everything is ready; 1 something could not be prepared here (said on stderr: the notebooks will
 record those stacks as ``cannot-run``); 2 a stack names a release the package index does not have (nothing ran).
@@ -22,11 +22,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-from kit import config as kconfig
-from kit import launch
-from kit.probes import runner
-from kit.probes.runner import stack_label
-from kit.stacks import versions as kversions
+from gradkit import config as kconfig
+from gradkit import launch
+from gradkit.probes import runner
+from gradkit.probes.runner import stack_label
+from gradkit.stacks import versions as kversions
 
 INSTALL_JOBS = 4  # pip installs wait mostly on the network; the builds are what the cores do
 BUILD_TIMEOUT_S = 900.0
@@ -77,7 +77,7 @@ def pending(needs: list[Need]) -> list[tuple[Need, str]]:
 
 
 def _as_probe(need: Need):
-    """What ``kit.probes.runner.first_time`` reads of a probe: its packages and how its world starts."""
+    """What ``gradkit.probes.runner.first_time`` reads of a probe: its packages and how its world starts."""
     from types import SimpleNamespace
 
     return SimpleNamespace(packages=need.packages, init=need.init)
@@ -91,7 +91,7 @@ def install(need: Need):
 def build(world) -> None:
     """Start DeepSpeed once in a one-rank world of the stack: ``init_distributed`` builds the comm op into the
     kit's cache, where every later world of that release finds it."""
-    launch.run_world("kit.launch.selftest:ping", {}, world)
+    launch.run_world("gradkit.launch.selftest:ping", {}, world)
 
 
 def prefetch(needs: list[Need], jobs: int = 2, progress: bool = True) -> tuple[list[str], list[str]]:
@@ -178,10 +178,10 @@ def default_jobs() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--needs", required=True, help="JSON list of the stacks the run's worlds need (kit.notebooks.runall writes it)")
+    ap.add_argument("--needs", required=True, help="JSON list of the stacks the run's worlds need (gradkit.notebooks.runall writes it)")
     ap.add_argument("--jobs", type=int, default=default_jobs(), help="comm-op builds at the same time")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--result", help="write {done, problems, unknown} here as JSON instead of saying them (kit.notebooks.runall)")
+    ap.add_argument("--result", help="write {done, problems, unknown} here as JSON instead of saying them (gradkit.notebooks.runall)")
     a = ap.parse_args(argv)
     kconfig.check_positive_int("jobs", a.jobs)
     kconfig.check_environment()

@@ -10,8 +10,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.stacks import versions as kversions
+from gradkit import config as kconfig
+from gradkit.stacks import versions as kversions
 
 
 def package_root(package: str, version: str = kconfig.INSTALLED) -> Path:

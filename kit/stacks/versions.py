@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kit import config as kconfig
+from gradkit import config as kconfig
 
 PACKAGES = ("deepspeed", "transformers", "accelerate")
 # Libraries a transformers release pins and checks at import time; an overlay of an older transformers
@@ -177,7 +177,8 @@ class Stack:
 
     @property
     def expect(self) -> dict[str, dict]:
-        """What every rank checks before it runs (``kit.launch.worker.check_stack``): version and folder per package."""
+        """What every rank checks before it runs (``gradkit.launch.worker.check_stack``): version and folder per
+        package."""
         return {p: {"version": v, "root": self.roots.get(p)} for p, v in self.versions.items() if v != "absent"}
 
     @property

@@ -4,8 +4,8 @@ One line in the job, in each ecosystem's own convention:
 
     watch = Watch(model, optimizer)                        # a plain torch loop (DDP, no_sync)
     engine = watch_engine(engine)                           # a DeepSpeed engine, any of its loops
-    trainer = Trainer(..., callbacks=[Callback()])          # the HF Trainer and TRL (kit.watch.hf)
-    watch = watch_accelerate(accelerator, model, optimizer) # an Accelerate loop (kit.watch.accelerate)
+    trainer = Trainer(..., callbacks=[Callback()])          # the HF Trainer and TRL (gradkit.watch.hf)
+    watch = watch_accelerate(accelerator, model, optimizer) # an Accelerate loop (gradkit.watch.accelerate)
 
 At a judged step (the first two, then every 100th, or on request) the gradient the optimizer consumes is judged
 against the exact gradient of the global batch as the user's loss defines it, per micro-batch and rank, with the
@@ -19,18 +19,18 @@ reference is the gradient of), ``reference`` (the reference copy, its gradients 
 Trainer's callback; imported when first asked for, so that a job without them never imports Accelerate or
 transformers).
 """
-from kit.watch.core import Affected, Watch
-from kit.watch.deepspeed import watch_engine
-from kit.watch.losses import Criterion, Returned, Tokens
+from gradkit.watch.core import Affected, Watch
+from gradkit.watch.deepspeed import watch_engine
+from gradkit.watch.losses import Criterion, Returned, Tokens
 
 __all__ = ["Affected", "Callback", "Criterion", "Returned", "Tokens", "Watch", "watch_accelerate", "watch_engine"]
 
 
 def __getattr__(name):
     if name == "Callback":
-        from kit.watch.hf import Callback
+        from gradkit.watch.hf import Callback
         return Callback
     if name == "watch_accelerate":
-        from kit.watch.accelerate import watch_accelerate
+        from gradkit.watch.accelerate import watch_accelerate
         return watch_accelerate
-    raise AttributeError(f"module 'kit.watch' has no attribute {name!r}")
+    raise AttributeError(f"module 'gradkit.watch' has no attribute {name!r}")

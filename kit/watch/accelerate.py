@@ -3,7 +3,7 @@
     watch = watch_accelerate(accelerator, model, optimizer, criterion=criterion)
 
 Under Accelerate's DeepSpeed plugin the prepared model is DeepSpeed's engine, and the engine's adapter
-(``kit.watch.deepspeed.watch_engine``) takes it. Otherwise the ``Watch`` goes on the unwrapped model and the
+(``gradkit.watch.deepspeed.watch_engine``) takes it. Otherwise the ``Watch`` goes on the unwrapped model and the
 optimizer Accelerate wraps; a step ends when the torch optimizer has stepped. The accumulation the user declared
 (``gradient_accumulation_steps``, ``sync_each_batch``) goes into every record: a step taken after fewer micro-batches
 than declared is said, and matched against Accelerate's known bug of that release (ACC)."""
@@ -12,9 +12,9 @@ from __future__ import annotations
 import accelerate
 import torch
 
-import kit.watch.known as known
-from kit.watch.core import Watch
-from kit.watch.deepspeed import watch_engine
+import gradkit.watch.known as known
+from gradkit.watch.core import Watch
+from gradkit.watch.deepspeed import watch_engine
 
 
 def watch_accelerate(accelerator, model, optimizer, **options):

@@ -1,11 +1,11 @@
 """``Watch``: the oracle inside the user's own training job. Hooks on the user's model (what each micro-batch was
 fed) and on the innermost optimizer (the gradient it consumes, read just before it steps); at a judged step the
-reference is computed beside the job (``kit.watch.reference``), the consumed gradient is judged against it
-(``kit.watch.judge``), one line goes to the training log and one record to ``<out>/watch.jsonl``. Unjudged steps
+reference is computed beside the job (``gradkit.watch.reference``), the consumed gradient is judged against it
+(``gradkit.watch.judge``), one line goes to the training log and one record to ``<out>/watch.jsonl``. Unjudged steps
 cost a counter and two hook calls that return at once.
 
-The ecosystems' own conventions wrap this: ``kit.watch.deepspeed.watch_engine`` (a DeepSpeed engine, any loop),
-``kit.watch.hf.Callback`` (the HF Trainer and TRL), and ``Watch(model, optimizer, ...)`` itself for a plain torch
+The ecosystems' own conventions wrap this: ``gradkit.watch.deepspeed.watch_engine`` (a DeepSpeed engine, any loop),
+``gradkit.watch.hf.Callback`` (the HF Trainer and TRL), and ``Watch(model, optimizer, ...)`` itself for a plain torch
 loop (DDP ``no_sync`` included)."""
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit.judge import oracle, records
-import kit.watch.judge as wjudge
-import kit.watch.losses as losses
-import kit.watch.reference as reference
-from kit.watch.capture import Recorder
-from kit.watch.reads import Layout, chain
-from kit.watch.schedule import Schedule
-from kit.watch.sketch import SIZE, Sketch
+from gradkit.judge import oracle, records
+import gradkit.watch.judge as wjudge
+import gradkit.watch.losses as losses
+import gradkit.watch.reference as reference
+from gradkit.watch.capture import Recorder
+from gradkit.watch.reads import Layout, chain
+from gradkit.watch.schedule import Schedule
+from gradkit.watch.sketch import SIZE, Sketch
 
 RECORDS = "watch.jsonl"
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -40,7 +40,7 @@ class Watch:
 
     ``model``: the user's module (unwrapped: what the forward of each micro-batch goes through); ``optimizer``: what
     the loop steps (a torch optimizer, or a wrapper holding one: Accelerate's, DeepSpeed's); ``loss``: how the user
-    means the loss over the global batch (``kit.watch.losses``: ``Tokens()``, ``Criterion(fn)``, ``Returned()``;
+    means the loss over the global batch (``gradkit.watch.losses``: ``Tokens()``, ``Criterion(fn)``, ``Returned()``;
     None: guessed from the first micro-batch, or ``Criterion(criterion)`` where a criterion is given, whose calls
     give each micro-batch its targets); ``clip``: the norm the engine clips at (its expected step is the reference
     clipped the same way); ``dtype``: the precision to judge at (None: the model's or autocast's); ``layers``: judge

@@ -3,17 +3,17 @@ boundary set by hand, several ``backward`` per ``step`` with GA 1 in the config,
 
     engine = watch_engine(engine)          # after deepspeed.initialize, before the loop
 
-The consumed gradient is read in the engine's innermost torch optimizer (``kit.watch.reads``); a step ends when
+The consumed gradient is read in the engine's innermost torch optimizer (``gradkit.watch.reads``); a step ends when
 ``engine.step()`` returns at a boundary, skipped where the fp16 loss scale overflowed. The engine's own settings
 (clipping, precision) set the expected step; an affected step is matched against the known bugs of the engine's
-release and stage (``kit.commands.check.known``), with their fix."""
+release and stage (``gradkit.commands.check.known``), with their fix."""
 from __future__ import annotations
 
 import torch
 
-from kit.commands.check import known as kknown
-from kit.probes.ranks.ds_config import own_loss_scale
-from kit.watch.core import Watch
+from gradkit.commands.check import known as kknown
+from gradkit.probes.ranks.ds_config import own_loss_scale
+from gradkit.watch.core import Watch
 
 
 def settings(engine) -> dict:

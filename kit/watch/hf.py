@@ -17,10 +17,10 @@ import os
 import torch
 from transformers import TrainerCallback
 
-from kit.judge import oracle
-import kit.watch.known as known
-from kit.watch.core import Watch
-from kit.watch.losses import Tokens
+from gradkit.judge import oracle
+import gradkit.watch.known as known
+from gradkit.watch.core import Watch
+from gradkit.watch.losses import Tokens
 
 
 def versions() -> dict:
@@ -57,7 +57,7 @@ def feed(loader, fed) -> bool:
 
 
 class Callback(TrainerCallback):
-    """``callbacks=[Callback(...)]``; ``options`` as ``kit.watch.Watch`` takes them (``first``, ``every``, ``loss``,
+    """``callbacks=[Callback(...)]``; ``options`` as ``gradkit.watch.Watch`` takes them (``first``, ``every``, ``loss``,
     ``layers``, ``out``, ...)."""
 
     def __init__(self, stop: bool = False, **options):

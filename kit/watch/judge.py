@@ -1,6 +1,6 @@
-"""The watch's judgement of one consumed step, the oracle's way (``kit.judge.oracle``): the exact numbers of the
+"""The watch's judgement of one consumed step, the oracle's way (``gradkit.judge.oracle``): the exact numbers of the
 verdict (norm ratio, cosine, rel. L2 error, max rel. error) from dot products taken piece by piece where the
-optimizer holds the gradient (``Tally``), the fitted weights from the sketches (``kit.watch.sketch``), the ranks'
+optimizer holds the gradient (``Tally``), the fitted weights from the sketches (``gradkit.watch.sketch``), the ranks'
 agreement, and a **control** in the same world: the reference itself sent through the very same read (the same
 pieces, offsets, sums over ranks and sketch) must come out as the reference, so a read that misses, repeats or
 misplaces a piece, or a basis the sketch cannot tell apart, makes the verdict ``inconclusive``, never ``affected``.
@@ -12,10 +12,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from kit.judge import naming, oracle, tolerances
-from kit.judge.parts import PART_LOST, PART_STALE
-from kit.watch.reference import all_gather, all_sum, world
-from kit.watch.sketch import Sketch
+from gradkit.judge import naming, oracle, tolerances
+from gradkit.judge.parts import PART_LOST, PART_STALE
+from gradkit.watch.reference import all_gather, all_sum, world
+from gradkit.watch.sketch import Sketch
 
 _CHUNK = 1 << 22
 STALE = "the previous step's gradient applied again"

@@ -1,10 +1,10 @@
-"""Which known bug an affected step of a Trainer or Accelerate job is: the bug table (``kit.judge.expectations``)
+"""Which known bug an affected step of a Trainer or Accelerate job is: the bug table (``gradkit.judge.expectations``)
 asked whether each candidate bug is expected on the job's releases. These bugs have no named step of their own to
 match (their steps vary by release, see each bug's notes), so every bug expected there is said, all of them where
 several are: a tie is never resolved by the order of a list."""
 from __future__ import annotations
 
-from kit.judge import expectations, oracle
+from gradkit.judge import expectations, oracle
 
 CANDIDATES = {"trainer": ("B1", "HFT"), "accelerate": ("ACC",)}
 

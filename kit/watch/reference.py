@@ -1,6 +1,6 @@
 """The reference of a judged step, computed beside the user's job: an fp32 copy of the user's model holding the
 step's starting weights, fed each micro-batch this rank recorded (same inputs, same random-number state), its loss
-taken by the user's loss definition (``kit.watch.losses``), one backward each. The copy's ``.grad`` accumulates the
+taken by the user's loss definition (``gradkit.watch.losses``), one backward each. The copy's ``.grad`` accumulates the
 sum of the micro-batches' summed-loss gradients; after each one the *sketch* of what it added is taken (the
 micro-batch's own gradient, for the fitted weights). Memory: the copy's weights and its gradient, two copies of one
 gradient in fp32, and the sketches.
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit.watch.sketch import Sketch
+from gradkit.watch.sketch import Sketch
 
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")

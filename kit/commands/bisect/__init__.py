@@ -16,7 +16,7 @@ is not seen, and the output says so), then a binary search between two neighbour
 confirming run in a fresh world on both sides of each change. A release that cannot be installed or run here
 (or whose control is off: ``inconclusive``) is **skipped**, named with its reason, never counted as good; a change
 next to skipped releases is a range. For each change, the code that changed between its two releases in the files
-the measured run went through (``kit.commands.bisect.diff``). Exit status, as ``gradkit check``'s: 0 the newest release that
+the measured run went through (``gradkit.commands.bisect.diff``). Exit status, as ``gradkit check``'s: 0 the newest release that
 ran is not affected, 1 it is (a measured ``affected``), 2 bad input (nothing launched), 3 fewer than two releases
 could run.
 
@@ -32,13 +32,13 @@ import sys
 import time
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import probes
-from kit.commands import check
-from kit.commands.bisect import diff, known, listing, result, search
-from kit.judge import history, oracle
-from kit.probes import ds_config
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit import probes
+from gradkit.commands import check
+from gradkit.commands.bisect import diff, known, listing, result, search
+from gradkit.judge import history, oracle
+from gradkit.probes import ds_config
+from gradkit.stacks import versions
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
-"""``python -m kit.commands.bisect``: the same as ``gradkit bisect``."""
-from kit import config as kconfig
-from kit.commands.bisect import main
+"""``python -m gradkit.commands.bisect``: the same as ``gradkit bisect``."""
+from gradkit import config as kconfig
+from gradkit.commands.bisect import main
 
 kconfig.run_cli(main)

@@ -7,8 +7,8 @@ import ast
 import difflib
 from pathlib import Path
 
-from kit.commands.bisect.listing import PACKAGE, stack_of
-from kit.stacks import versions
+from gradkit.commands.bisect.listing import PACKAGE, stack_of
+from gradkit.stacks import versions
 
 # The optimizer class that ran -> the file that holds it (under deepspeed/); the engine's file is always read too.
 OPTIMIZER_FILES = {

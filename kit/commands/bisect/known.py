@@ -1,6 +1,6 @@
 """How each known bug is measured on one release: its **recipe** (the configuration or the probe that shows it, the
 loop or case judged, the model, the package whose releases decide and what the rest of the stack holds). Notebook
-08, ``gradkit bisect --known`` and the pins of ``kit.judge.expectations`` all measure a bug this one way, so a pin
+08, ``gradkit bisect --known`` and the pins of ``gradkit.judge.expectations`` all measure a bug this one way, so a pin
 found by one is re-measured by the others exactly as it was found.
 
 ``measure(recipe)`` is a bisect's ``measure(release) -> result``; ``command(recipe)`` the ``gradkit bisect`` line
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kit import config as kconfig
-from kit import probes
-import kit.commands.bisect.listing as listing
-import kit.commands.bisect.result as result
-from kit.probes import ds_config
+from gradkit import config as kconfig
+from gradkit import probes
+import gradkit.commands.bisect.listing as listing
+import gradkit.commands.bisect.result as result
+from gradkit.probes import ds_config
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str  # "B5", "B3 opt-out", "B1 on DeepSpeed": the series' name in the release history
-    bug: str  # the entry of kit.judge.expectations.KNOWN it measures
+    bug: str  # the entry of gradkit.judge.expectations.KNOWN it measures
     axis: str  # the package whose releases are bisected
     oldest: str  # the oldest release looked at: older ones do not run here (said in ``older``)
     older: str  # why releases older than ``oldest`` are not looked at
@@ -82,7 +82,7 @@ def stack_of(recipe: Recipe, release: str) -> dict:
 
 def measure(recipe: Recipe, world_size: int = 2, device: str = "cpu", timeout_s: float = 600,
             steps: int = ds_config.STEPS):
-    """``measure(release) -> result`` for ``recipe`` (``kit.commands.bisect.result``)."""
+    """``measure(release) -> result`` for ``recipe`` (``gradkit.commands.bisect.result``)."""
     if recipe.probe:
         probe = probes.get(recipe.probe)
         plan = dict(recipe.plan) or probe.quick_plan(world_size)
@@ -103,7 +103,7 @@ def probe_of(recipe: Recipe):
 
 
 def needs(recipe: Recipe, releases) -> list:
-    """The ``(probe, stack)`` pairs measuring ``releases`` takes (``kit.stacks.prefetch``)."""
+    """The ``(probe, stack)`` pairs measuring ``releases`` takes (``gradkit.stacks.prefetch``)."""
     installed = [kconfig.INSTALLED]
     return [(probe_of(recipe), stack_of(recipe, r) if r not in installed else dict(recipe.fixed)) for r in releases]
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import time
 
-from kit import config as kconfig
-from kit.stacks import versions
-from kit.stacks.versions import version_key
+from gradkit import config as kconfig
+from gradkit.stacks import versions
+from gradkit.stacks.versions import version_key
 
 PACKAGE = "deepspeed"
 INDEX_MAX_AGE_S = 24 * 3600

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 
-from kit import config as kconfig
-from kit.commands import check
-from kit.commands.bisect.listing import PACKAGE, stack_of
-from kit.judge import oracle
-from kit.judge.tolerances import TOLERANCES
-from kit.probes import ds_config
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit.commands import check
+from gradkit.commands.bisect.listing import PACKAGE, stack_of
+from gradkit.judge import oracle
+from gradkit.judge.tolerances import TOLERANCES
+from gradkit.probes import ds_config
+from gradkit.stacks import versions
 
 SKIPPED = (oracle.CANNOT_RUN, oracle.INCONCLUSIVE)
 
@@ -66,7 +66,7 @@ def step_words(rec: dict) -> str | None:
 
 
 def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words=step_words, fixed: dict | None = None):
-    """``measure(release)`` for any registered probe (``kit.probes``): ``probe.run(**run_kwargs)`` on a stack
+    """``measure(release)`` for any registered probe (``gradkit.probes``): ``probe.run(**run_kwargs)`` on a stack
     holding that release of ``axis`` (``deepspeed``, ``transformers`` or ``accelerate``: a package the probe's stack
     names), judged on its record of ``case`` by the probe's own verdict. This is how the known bugs' boundaries
     are found with their own probes (B2's pipeline, B1's Trainer), as the check's probe finds a config's. ``fixed``:
@@ -103,7 +103,7 @@ def probe_measure(probe, run_kwargs: dict, case: str, axis: str = PACKAGE, words
 def differences(a: dict, b: dict) -> list[str]:
     """How two results differ, in words ([] where they are the same): the verdict, the named step, or the measured
     step itself -- a step's norm ratio, the cosine or the misplaced weight -- by more than the coarser dtype's
-    tolerance (``kit.judge.tolerances``). So a probe that names no step still changes where its step does (B1's
+    tolerance (``gradkit.judge.tolerances``). So a probe that names no step still changes where its step does (B1's
     ratio 0.227 becoming 0.908, both affected), while two runs of one release, which differ by rounding, are the same."""
     if a["verdict"] != b["verdict"]:
         return [f"verdict {a['verdict']} -> {b['verdict']}"]

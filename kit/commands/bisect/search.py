@@ -3,11 +3,11 @@
 change (``search``); a change in one line (``describe``) and the releases as a table (``table``)."""
 from __future__ import annotations
 
-from kit.commands.bisect.listing import PACKAGE, stack_of
-from kit.commands.bisect.result import SKIPPED, differences, same
-from kit.judge import oracle
-from kit.probes import ds_config
-from kit.stacks import prefetch as kprefetch
+from gradkit.commands.bisect.listing import PACKAGE, stack_of
+from gradkit.commands.bisect.result import SKIPPED, differences, same
+from gradkit.judge import oracle
+from gradkit.probes import ds_config
+from gradkit.stacks import prefetch as kprefetch
 
 STRIDE = 4  # the first pass measures every STRIDE-th release: a change and its undoing inside one stride are not seen
 
@@ -19,10 +19,10 @@ def grid(n: int, stride: int) -> list[int]:
 
 def prefetch(order: list[str], stride: int, progress: bool = True, probe=None, axis: str = PACKAGE,
              fixed: dict | None = None) -> list[str]:
-    """The first pass's releases installed (and their comm ops built) up front, in parallel (``kit.stacks.prefetch``),
-    for ``probe`` (the check's by default; ``fixed``: other packages' releases in every stack); the binary search's
-    few releases install as it reaches them. Returns what could not be prepared (those releases are then measured
-    ``cannot-run``, i.e. skipped)."""
+    """The first pass's releases installed (and their comm ops built) up front, in parallel
+    (``gradkit.stacks.prefetch``), for ``probe`` (the check's by default; ``fixed``: other packages' releases in every
+    stack); the binary search's few releases install as it reaches them. Returns what could not be prepared (those
+    releases are then measured ``cannot-run``, i.e. skipped)."""
     stacks = [{**(fixed or {}), **stack_of(order[i], axis)} for i in grid(len(order), stride)]
     stacks = [st for st in stacks if st]  # the installed release needs nothing
     _, problems = kprefetch.prefetch(kprefetch.needs_of([(probe or ds_config.CHECK, st) for st in stacks]),

@@ -5,19 +5,19 @@
                                                  # an `accelerate config` file, or a launch command line in a .sh file
     gradkit check --command "torchrun --nproc_per_node 8 train.py --deepspeed ds.json --bf16 ..."
     gradkit check configs/ other.json --out table  # many configs: one table (Markdown and JSON), one exit status
-    python -m kit check ...                      # the same
+    python -m gradkit check ...                      # the same
 
 A config runs on the kit's tiny model in one world of W ranks, in the loops its framework runs (a bare DeepSpeed
 config: DeepSpeed's own loop and the Trainer's / Accelerate's; ``--loop`` asks for others, such as your own
 ``manual`` loop), in every precision it could resolve to, next to a plain torch.distributed control. Per loop it
 prints the verdict, the effective/reference ratio, the cosine and the misplaced weight; which known bug explains
-an affected loop (``kit.judge.expectations``) or "not explained by any known bug"; and the known fix, re-run and
+an affected loop (``gradkit.judge.expectations``) or "not explained by any known bug"; and the known fix, re-run and
 judged. How the config was read, and every value the kit resolved or replaced, is one ``as run:`` line each.
 
 Exit status: 0 not affected, 1 affected (measured), 2 bad input (nothing launched), 3 inconclusive or cannot
 run. Over precisions: the worst of those judged; one this machine cannot run counts only where it was asked for
-(``kit.judge.verdict.over_precisions``). ``--path fsdp2|accelerate|trainer`` asks the same of the paths without
-DeepSpeed (``kit.commands.check_paths``).
+(``gradkit.judge.verdict.over_precisions``). ``--path fsdp2|accelerate|trainer`` asks the same of the paths without
+DeepSpeed (``gradkit.commands.check_paths``).
 """
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ import json
 import shlex
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import frameworks, shapes
-from kit.commands import check_paths
-from kit.commands.check import many, one, paths, task
-from kit.commands.check.known import candidates, explain, ruled_out  # noqa: F401 - the check's public face
-from kit.commands.check.plan import model_of, precisions  # noqa: F401
-from kit.commands.check.summary import SEPARATING_GA, report, separate, summarise  # noqa: F401
-from kit.probes import ds_config
+from gradkit import config as kconfig
+from gradkit import frameworks, shapes
+from gradkit.commands import check_paths
+from gradkit.commands.check import many, one, paths, task
+from gradkit.commands.check.known import candidates, explain, ruled_out  # noqa: F401 - the check's public face
+from gradkit.commands.check.plan import model_of, precisions  # noqa: F401
+from gradkit.commands.check.summary import SEPARATING_GA, report, separate, summarise  # noqa: F401
+from gradkit.probes import ds_config
 
 DEFAULT_GA = check_paths.DEFAULT_GA
 

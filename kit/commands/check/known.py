@@ -2,13 +2,13 @@
 (``candidates``), the one whose hypothesis its step matches (``explain``), and, for a loop style the check did not
 run, what the bug table expects there (``if_run``), said without measuring it.
 
-Every rule reads the bug table (``kit.judge.expectations``); nothing here launches anything.
+Every rule reads the bug table (``gradkit.judge.expectations``); nothing here launches anything.
 """
 from __future__ import annotations
 
-from kit import shapes
-from kit.judge import expectations, oracle
-from kit.stacks.versions import version_key
+from gradkit import shapes
+from gradkit.judge import expectations, oracle
+from gradkit.stacks.versions import version_key
 
 # the loop styles a user's own training loop would be: what they do, in one phrase each
 OWN_LOOPS = {"manual": "your own loop calls backward() several times per step() with GA 1 in the config",

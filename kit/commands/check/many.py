@@ -4,9 +4,9 @@ x loop, with the verdict, the ratio, the cosine and the known bug or the reason,
 status.
 
 Every cell is read and resolved before anything launches (one that cannot be is a ``bad input`` row with its
-sentence; the others still run). The cells run here one after another in warm worlds (``kit.launch.warm_worlds``:
+sentence; the others still run). The cells run here one after another in warm worlds (``gradkit.launch.warm_worlds``:
 the ranks of a stack start once and serve every config of the set), or on a Dask cluster (``--scheduler``,
-``kit.commands.check.matrix``), each cell the same function (``kit.commands.check.task.check_task``). The set's
+``gradkit.commands.check.matrix``), each cell the same function (``gradkit.commands.check.task.check_task``). The set's
 exit status: 1 if any cell is affected (measured), else 2 if any was bad input, else 3 if any could not be judged,
 else 0.
 """
@@ -19,15 +19,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kit import config as kconfig
-from kit import frameworks, launch
-import kit.commands.check.task as task
-from kit.judge import oracle
-from kit.judge import verdict as kverdict
+from gradkit import config as kconfig
+from gradkit import frameworks, launch
+import gradkit.commands.check.task as task
+from gradkit.judge import oracle
+from gradkit.judge import verdict as kverdict
 
 SUFFIXES = (".json", ".yaml", ".yml", ".conf", ".sh")
 BAD_INPUT = task.BAD_INPUT
-SCHEDULERS = {"dask": "kit.commands.check.matrix"}  # imported only when asked for (Dask's import takes a second)
+SCHEDULERS = {"dask": "gradkit.commands.check.matrix"}  # imported only when asked for (Dask's import takes a second)
 
 
 def expand(paths) -> tuple[list[str], list[tuple[str, str]]]:
@@ -131,7 +131,7 @@ def _said(write, result: dict) -> None:
 
 def main(sources, skipped, a) -> int:
     """``sources``: config files, or ``("command", line)``; each is checked at every release of ``a.releases``,
-    here or on a distributed engine (``a.scheduler``: ``kit.commands.check.matrix``)."""
+    here or on a distributed engine (``a.scheduler``: ``gradkit.commands.check.matrix``)."""
     for f, why in skipped:
         print(f"skipped {f}: {why}")
     cells, bad = tasks_of(sources, a)

@@ -3,7 +3,7 @@
 ranks), ``--scheduler tcp://host:8786`` uses yours (start ``dask scheduler`` and a ``dask worker`` per machine,
 each with the kit installed; a worker runs one cell at a time with ``--nthreads 1``).
 
-Each cell is ``kit.commands.check.task.check_task`` on plain data, the same function ``--scheduler here`` runs in
+Each cell is ``gradkit.commands.check.task.check_task`` on plain data, the same function ``--scheduler here`` runs in
 this process, so a cell's result does not depend on where it ran; a worker keeps a stack's ranks up between the
 cells it runs (warm worlds) and they go with it.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dask.distributed import Client, LocalCluster, as_completed
 
-import kit.commands.check.task as task
+import gradkit.commands.check.task as task
 
 
 def client_for(scheduler: str) -> tuple[Client, LocalCluster | None]:

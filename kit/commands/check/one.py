@@ -1,6 +1,6 @@
 """One config checked: every precision it could run in (``prepare``, before anything launches), each run on the
 kit's model in one world with its control (``check``), a tie separated, and the verdict over the precisions by
-``kit.judge.verdict.over_precisions``.
+``gradkit.judge.verdict.over_precisions``.
 
     todo = prepare(run, args, model, model_notes)     # {precision: resolved config}; ConfigError: exit 2
     result = check(run, todo, args, model)            # {"verdict", "exit", "precisions": {...}, "asked", ...}
@@ -10,13 +10,13 @@ from __future__ import annotations
 import re
 import traceback
 
-from kit import config as kconfig
-import kit.commands.check.plan as plan
-from kit.commands.check.summary import report, separate, summarise
-from kit.judge import oracle
-from kit.judge import verdict as kverdict
-from kit.probes import ds_config, ds_features
-from kit.shapes import hf
+from gradkit import config as kconfig
+import gradkit.commands.check.plan as plan
+from gradkit.commands.check.summary import report, separate, summarise
+from gradkit.judge import oracle
+from gradkit.judge import verdict as kverdict
+from gradkit.probes import ds_config, ds_features
+from gradkit.shapes import hf
 
 
 # resolve's lines for the "auto" values a training config's framework has already filled (and said how)
@@ -35,7 +35,7 @@ def _ga_of(run, a) -> tuple[int, bool]:
 
 
 def prepare(run, a, model, model_notes: list) -> dict:
-    """``{precision: resolved config}`` for one training run (``kit.frameworks.TrainingRun``): every precision it
+    """``{precision: resolved config}`` for one training run (``gradkit.frameworks.TrainingRun``): every precision it
     could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
     loop style or a bad key is refused here, before any launch."""
     user = run.ds_config or {}

@@ -1,6 +1,6 @@
 """A training run without DeepSpeed, checked on the path it trains with: the HF Trainer on plain DDP
 (``--path trainer``), Accelerate's own loop (``--path accelerate``), FSDP (``--path fsdp2``), each through
-``kit.commands.check_paths`` with the run's GA, micro-batch and precision in place of the flags.
+``gradkit.commands.check_paths`` with the run's GA, micro-batch and precision in place of the flags.
 
     args, notes = path_args(run, a)      # the flags a person would have typed, and why each
     result = check(run, a)               # {"verdict", "exit", "precisions": {...}} as a DeepSpeed check's
@@ -14,16 +14,16 @@ import json
 import tempfile
 from pathlib import Path
 
-from kit import config as kconfig
-from kit.commands import check_paths
-from kit.judge import oracle
-from kit.judge import verdict as kverdict
+from gradkit import config as kconfig
+from gradkit.commands import check_paths
+from gradkit.judge import oracle
+from gradkit.judge import verdict as kverdict
 
 TRAINER_BASED = ("hf-trainer", "trl", "llamafactory", "axolotl")
 
 
 def path_args(run, a) -> tuple[argparse.Namespace, list[str]]:
-    """The path check's flags for ``run`` (a ``kit.frameworks.TrainingRun`` with no DeepSpeed) and a line each."""
+    """The path check's flags for ``run`` (a ``gradkit.frameworks.TrainingRun`` with no DeepSpeed) and a line each."""
     b = argparse.Namespace(**vars(a))
     for dest in check_paths.OWN_FLAGS:
         setattr(b, dest, None)

@@ -1,13 +1,13 @@
 """What one check runs, decided before anything launches: the precisions of a config (``precisions``), which of
 them this machine can run (``not_here``), which the user asked for (``asked``), the loops (``loops_of``) and the
-model (``model_of``). A training config's own resolutions come from ``kit.frameworks``.
+model (``model_of``). A training config's own resolutions come from ``gradkit.frameworks``.
 """
 from __future__ import annotations
 
-from kit import config as kconfig
-from kit import shapes
-from kit.probes import ds_config
-from kit.shapes import hf
+from gradkit import config as kconfig
+from gradkit import shapes
+from gradkit.probes import ds_config
+from gradkit.shapes import hf
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 FRAMEWORK_LOOPS = ("engine", "boundary")  # who drives a bare DeepSpeed config is unknown: both loops that frameworks run
@@ -42,7 +42,7 @@ def asked(user: dict, run_precision: str | None, flag: str | None) -> set[str]:
 
 def not_here(dtype: str, device: str) -> str | None:
     """Why this machine cannot run ``dtype`` (and what would), or None. fp16 runs on CPU too (DeepSpeed's CPU
-    accelerator is told it is supported: ``kit.probes.ranks.ds_config.allow_fp16_on_cpu``); fp8 needs the GPU
+    accelerator is told it is supported: ``gradkit.probes.ranks.ds_config.allow_fp16_on_cpu``); fp8 needs the GPU
     kernels of Transformer Engine or torchao on a GPU with fp8 (Hopper or newer) and has no reference the kit built."""
     if dtype == "fp8":
         return ("fp8 cannot run here: its matmuls need a GPU with fp8 (Hopper or newer) and Transformer Engine or "

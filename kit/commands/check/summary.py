@@ -4,10 +4,10 @@ the text a person reads (``report``).
 """
 from __future__ import annotations
 
-from kit.commands.check.known import OWN_LOOPS, explain, if_run
-from kit.judge import expectations, oracle, records
-from kit.judge import verdict as kverdict
-from kit.probes import ds_config
+from gradkit.commands.check.known import OWN_LOOPS, explain, if_run
+from gradkit.judge import expectations, oracle, records
+from gradkit.judge import verdict as kverdict
+from gradkit.probes import ds_config
 
 SEPARATING_GA = 4  # from N = 3 on, every named hypothesis predicts its own step (at N = 2 "last / N" is "all but the first")
 

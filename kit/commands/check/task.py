@@ -1,6 +1,6 @@
 """One cell of ``gradkit check``'s matrix: one config at one DeepSpeed release, checked from plain data
 (``check_task``), so that the same function runs here, one cell after another, or in a worker of a distributed
-engine (``kit.commands.check.matrix``), with the same result.
+engine (``gradkit.commands.check.matrix``), with the same result.
 
     result = check_task({"source": "ds_z3.json", "command": None, "release": "0.18.6", "args": vars(args)})
 """
@@ -10,17 +10,17 @@ import argparse
 import shlex
 import time
 
-from kit import config as kconfig
-from kit import frameworks, launch
-import kit.commands.check.one as one
-import kit.commands.check.paths as paths
-from kit.commands.check.plan import model_of
+from gradkit import config as kconfig
+from gradkit import frameworks, launch
+import gradkit.commands.check.one as one
+import gradkit.commands.check.paths as paths
+from gradkit.commands.check.plan import model_of
 
 BAD_INPUT = "bad input"
 
 
 def read(path: str):
-    """A config file as ``kit.frameworks.read`` reads it, named by its path (a launch line's too)."""
+    """A config file as ``gradkit.frameworks.read`` reads it, named by its path (a launch line's too)."""
     run = frameworks.read(path)
     run.source = path
     return run

@@ -1,39 +1,39 @@
 """Sweep the DeepSpeed configuration space with the check's oracle, and group what is affected.
 
-    python -m kit.commands.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
-    python -m kit.commands.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
+    python -m gradkit.commands.sweep scripts/sweeps/default.yaml --out runs/sweep      # resumes what is already there
+    python -m gradkit.commands.sweep scripts/sweeps/default.yaml --deepspeed 0.18.6,installed --out runs/sweep
 
 A spec (YAML) names a ``base`` config, ``axes`` (dotted config keys, or ``loop``, ``dtype``, ``ga``, ``model``: a
-shape of ``kit.shapes``), ``skip``
+shape of ``gradkit.shapes``), ``skip``
 rules (partial points that make no sense), the ``world_size`` and the ``stacks``. Every point of the
-product is one case of ``kit.probes.ds_config``; every point of one stack runs inside one world, after
+product is one case of ``gradkit.probes.ds_config``; every point of one stack runs inside one world, after
 one plain-torch control per GA. A point that crashes or desynchronises the world costs only itself: the
 world is relaunched and goes on after it. Each judged point is appended to ``records.jsonl`` as it comes
 back (a re-run into the same folder skips those), with a tqdm bar and its ETA.
 
 The affected points are then grouped by the smallest set of axis conditions (``axis in {values}``) that
 holds for all of them and for no point that is not affected (``groups``); each group is named by the known
-bug that explains its points (``kit.commands.check.explain``) or marked **unknown**. For an unknown group the sweep
+bug that explains its points (``gradkit.commands.check.explain``) or marked **unknown**. For an unknown group the sweep
 writes a standalone reproduction (plain DeepSpeed + torch, no kit import) and runs it to verify it.
 
 Where each part is: ``spec`` (the spec and its points), ``run`` (the worlds, the records, the reproductions, the
-summary), ``grouping`` (the smallest key sets), ``tables``; notebook 06's own logic is ``kit.notebooks.sweep``."""
+summary), ``grouping`` (the smallest key sets), ``tables``; notebook 06's own logic is ``gradkit.notebooks.sweep``."""
 from __future__ import annotations
 
 import json
 import time
 
-from kit import config as kconfig
-from kit.commands.sweep import grouping
-from kit.commands.sweep import run as sweep_run
-from kit.commands.sweep import spec as sweep_spec
-from kit.commands.sweep import tables as sweep_tables
-from kit.notebooks import readme_tables
-from kit.probes import runner
+from gradkit import config as kconfig
+from gradkit.commands.sweep import grouping
+from gradkit.commands.sweep import run as sweep_run
+from gradkit.commands.sweep import spec as sweep_spec
+from gradkit.commands.sweep import tables as sweep_tables
+from gradkit.notebooks import readme_tables
+from gradkit.probes import runner
 
 
 def main(argv=None) -> int:
-    p = kconfig.Parser(prog="python -m kit.commands.sweep", description=__doc__.split("\n\n")[0])
+    p = kconfig.Parser(prog="python -m gradkit.commands.sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec")
     p.add_argument("--out", default="runs/sweep")
     p.add_argument("--deepspeed", help="comma list of DeepSpeed releases to sweep instead of the spec's stacks "
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
                       f"(exit {g['repro']['exit']}): {g['repro']['output'].splitlines()[0][:200]}")
     print(f"{len(recs)} records in {out / 'records.jsonl'}; {summary['wall_s']} s")
     if a.readme:
-        command = "python -m kit.commands.sweep " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+        given = argv if argv is not None else __import__("sys").argv[1:]
+        command = "python -m gradkit.commands.sweep " + " ".join(given)
         path = kconfig.repo_path(a.readme)
         text, done = readme_tables.fill(path.read_text(), {"SWEEP": sweep_tables.table(summary, command)})
         path.write_text(text)

@@ -1,5 +1,5 @@
-"""``python -m kit.commands.sweep SPEC [--out DIR] ...``: ``kit.commands.sweep.main``."""
-from kit import config as kconfig
-from kit.commands.sweep import main
+"""``python -m gradkit.commands.sweep SPEC [--out DIR] ...``: ``gradkit.commands.sweep.main``."""
+from gradkit import config as kconfig
+from gradkit.commands.sweep import main
 
 kconfig.run_cli(main)

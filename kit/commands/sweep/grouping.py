@@ -1,14 +1,14 @@
 """The affected points of a sweep grouped by the smallest set of axis conditions (``axis in {values}``) that holds
 for all of them and for no point that is not affected (``groups``, a beam search over conjunctions); each group named
-by the known bug that explains its points (``kit.commands.check.explain``) or marked **unknown**."""
+by the known bug that explains its points (``gradkit.commands.check.explain``) or marked **unknown**."""
 from __future__ import annotations
 
 import itertools
 import json
 
-from kit.commands import check
-from kit.commands.sweep.spec import DEFAULT
-from kit.judge import oracle
+from gradkit.commands import check
+from gradkit.commands.sweep.spec import DEFAULT
+from gradkit.judge import oracle
 
 
 def groups(recs: list[dict], axes: dict, max_keys: int = 5) -> list[dict]:

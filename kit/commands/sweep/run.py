@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kit import config as kconfig
-from kit import launch, shapes
-from kit.commands import check, repro
-from kit.commands import report as upstream
-from kit.commands.sweep.grouping import describe, groups, separate, when_text
-from kit.commands.sweep.spec import all_axes, point_case, points, release_of, spec_key, user_config
-from kit.judge import oracle, records
-from kit.probes import ds_config, runner
+from gradkit import config as kconfig
+from gradkit import launch, shapes
+from gradkit.commands import check, repro
+from gradkit.commands import report as upstream
+from gradkit.commands.sweep.grouping import describe, groups, separate, when_text
+from gradkit.commands.sweep.spec import all_axes, point_case, points, release_of, spec_key, user_config
+from gradkit.judge import oracle, records
+from gradkit.probes import ds_config, runner
 
 
 def _key(rec: dict) -> tuple:
@@ -160,7 +160,7 @@ def current(recs: list[dict], spec: dict) -> list[dict]:
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path, jobs: int = JOBS) -> None:
     """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
-    scripts at a time), and its upstream report (``report_<...>.md``, ``kit.commands.report``)."""
+    scripts at a time), and its upstream report (``report_<...>.md``, ``gradkit.commands.report``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     by_id = {r["id"]: r for r in mine}

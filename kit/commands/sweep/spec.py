@@ -1,7 +1,7 @@
 """A sweep's spec (YAML) and its points: the ``base`` config, the ``axes`` (dotted config keys, or ``loop``,
-``dtype``, ``ga``, ``model``: a shape of ``kit.shapes``), the ``skip`` rules (partial points that make no sense), the
-one-at-a-time keys, the ``world_size`` and the ``stacks``; each point as a case of ``kit.probes.ds_config`` with an id
-that depends only on what the point means (a re-run reuses its record)."""
+``dtype``, ``ga``, ``model``: a shape of ``gradkit.shapes``), the ``skip`` rules (partial points that make no sense),
+the one-at-a-time keys, the ``world_size`` and the ``stacks``; each point as a case of ``gradkit.probes.ds_config`` with
+an id that depends only on what the point means (a re-run reuses its record)."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +9,10 @@ import hashlib
 import itertools
 import json
 
-from kit import config as kconfig
-from kit import shapes
-from kit.probes import ds_config
-from kit.stacks import versions
+from gradkit import config as kconfig
+from gradkit import shapes
+from gradkit.probes import ds_config
+from gradkit.stacks import versions
 
 SPECIAL_AXES = ("loop", "dtype", "ga", "model")
 

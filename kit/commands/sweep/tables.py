@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from kit.commands.sweep.grouping import when_text
-from kit.commands.sweep.spec import DEFAULT, release_of
-from kit.judge import oracle
-from kit.judge.tables import markdown_table, per_step
+from gradkit.commands.sweep.grouping import when_text
+from gradkit.commands.sweep.spec import DEFAULT, release_of
+from gradkit.judge import oracle
+from gradkit.judge.tables import markdown_table, per_step
 
 
 def steps_text(rec: dict) -> str:

@@ -1,12 +1,12 @@
-"""Accelerate inside a rank (``kit.probes.accelerate_ga``): each case's loop through ``accelerator.accumulate`` (or
+"""Accelerate inside a rank (``gradkit.probes.accelerate_ga``): each case's loop through ``accelerator.accumulate`` (or
 the bare control), Accelerate's process-wide state reset around it; every step judged (``common.judge_steps``). It
 never imports DeepSpeed."""
 from __future__ import annotations
 
-from kit import shapes
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
-from kit.probes.ranks.fsdp2 import full_read
+from gradkit import shapes
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
+from gradkit.probes.ranks.fsdp2 import full_read
 
 DEPTH = 2
 

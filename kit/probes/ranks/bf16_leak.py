@@ -1,11 +1,11 @@
-"""B4 inside a rank (``kit.probes.bf16_leak``): each case's engine, every step judged with each rank's own fp32
+"""B4 inside a rank (``gradkit.probes.bf16_leak``): each case's engine, every step judged with each rank's own fp32
 accumulator going into ``step()`` (``bf16_accumulator``, which the check's ranks read too), and the symptom's
 trajectory of losses and grad norms."""
 from __future__ import annotations
 
-from kit.judge import oracle
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit.judge import oracle
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 
 def ds_config(case: dict, world_size: int) -> dict:
@@ -109,5 +109,5 @@ def run_trajectory(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    """Entry point of ``gradkit.launch``: every case of the payload, one after another, in this world."""
     return judging.run_cases(payload, lambda case: run_trajectory(case) if "lr" in case else run_case(case))

@@ -1,7 +1,8 @@
 """Pieces every probe shares, run inside a rank: the tiny model, the data, the device, reading the weights a model will
-use and the fp32 masters, the collectives. Judging each step and running a world's cases: ``kit.probes.ranks.judging``.
+use and the fp32 masters, the collectives. Judging each step and running a world's cases:
+``gradkit.probes.ranks.judging``.
 
-The data (``kit.shapes.data``) is a deterministic function of (seed, rank, step), so any rank (and the oracle) can
+The data (``gradkit.shapes.data``) is a deterministic function of (seed, rank, step), so any rank (and the oracle) can
 rebuild every other rank's micro-batches without communication.
 """
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit.judge import tolerances
-from kit.shapes.data import micro_batches, mse, rank_samples  # noqa: F401 - the data every probe shares
-from kit.shapes.mlp import tiny_mlp  # noqa: F401 - the probes' model, defined once with its shape
+from gradkit.judge import tolerances
+from gradkit.shapes.data import micro_batches, mse, rank_samples  # noqa: F401 - the data every probe shares
+from gradkit.shapes.mlp import tiny_mlp  # noqa: F401 - the probes' model, defined once with its shape
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -125,7 +126,7 @@ def all_gather_floats(values: list[float]) -> list[list[float]]:
 
 
 def versions() -> dict:
-    """The releases this rank runs: torch, and every stack package it imported (``kit.launch.worker.check_stack``
+    """The releases this rank runs: torch, and every stack package it imported (``gradkit.launch.worker.check_stack``
     imports what the world's stack names; a plain-torch probe's ranks never import DeepSpeed)."""
     import sys
 

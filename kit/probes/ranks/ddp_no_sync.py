@@ -1,13 +1,13 @@
-"""DDP inside a rank (``kit.probes.ddp_no_sync``): the model in torch's ``DistributedDataParallel``, accumulated with
-and without ``no_sync()``, or bare (the control); every step judged (``common.judge_steps``). It never imports
+"""DDP inside a rank (``gradkit.probes.ddp_no_sync``): the model in torch's ``DistributedDataParallel``, accumulated
+with and without ``no_sync()``, or bare (the control); every step judged (``common.judge_steps``). It never imports
 DeepSpeed."""
 from __future__ import annotations
 
 import contextlib
 
-from kit import shapes
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit import shapes
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 DEPTH = 2
 

@@ -1,13 +1,13 @@
-"""The check of a user's DeepSpeed config inside a rank (``kit.probes.ds_config``): the engine in each loop style on a
-shape's tiny model (or the plain-torch control loop), every step judged (``common.judge_steps``) and explained by the
+"""The check of a user's DeepSpeed config inside a rank (``gradkit.probes.ds_config``): the engine in each loop style on
+a shape's tiny model (or the plain-torch control loop), every step judged (``common.judge_steps``) and explained by the
 named hypotheses ``HYPOTHESES``, each rank's BF16_Optimizer accumulator read where there is one."""
 from __future__ import annotations
 
-from kit import shapes
-from kit.judge import naming, oracle
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
-from kit.probes.ranks.bf16_leak import bf16_accumulator
+from gradkit import shapes
+from gradkit.judge import naming, oracle
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
+from gradkit.probes.ranks.bf16_leak import bf16_accumulator
 
 UNMANAGED_SINCE = "0.19.4"
 HIDDEN, DEPTH, MICRO_BATCH, SEED = 32, 2, 4, 0

@@ -1,11 +1,11 @@
-"""FSDP2 inside a rank (``kit.probes.fsdp2``): the model under ``fully_shard`` in a setting of ``SETTINGS``, its
+"""FSDP2 inside a rank (``gradkit.probes.fsdp2``): the model under ``fully_shard`` in a setting of ``SETTINGS``, its
 gradient sync turned off and on by the case's loop, the full parameters read back (``full_read``, which the Accelerate
 probe's ranks use too); every step judged (``common.judge_steps``). It never imports DeepSpeed."""
 from __future__ import annotations
 
-from kit import shapes
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit import shapes
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 # setting -> (reshard_after_forward, param dtype, reduce dtype, units); the record's dtype is the param dtype
 SETTINGS = {

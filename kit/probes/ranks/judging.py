@@ -1,7 +1,7 @@
 """What a rank does with its steps, every probe alike: judge each optimizer step against the reference of that step's
 starting weights (``judge``, ``judge_steps``, with the references and model skeletons rank 0 keeps between steps), and
 run a world's cases one after another, every rank in step with the others (``run_cases``, the phases each case's time
-goes to). The basics they read weights and talk to the other ranks with are ``kit.probes.ranks.common``."""
+goes to). The basics they read weights and talk to the other ranks with are ``gradkit.probes.ranks.common``."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from kit import shapes
-from kit.judge import naming, oracle
-from kit.judge import parts as kparts
-from kit.launch import worker
-from kit.probes.ranks import common as c
+from gradkit import shapes
+from gradkit.judge import naming, oracle
+from gradkit.judge import parts as kparts
+from gradkit.launch import worker
+from gradkit.probes.ranks import common as c
 
 
 def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_batch: int, hidden: int,
@@ -31,7 +31,7 @@ def judge(effective: torch.Tensor, start: nn.Module, seed: int, ga: int, micro_b
     expected weight of 0, so a previous step's gradient applied again is fitted, not guessed. ``clip``: the
     engine clips at that norm, so the expected step is the reference clipped (``clip_coef`` in ``out``);
     ``loss_scale`` multiplies every micro-batch's loss (the engine's loss is scaled the same way). ``shape``
-    (``kit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
+    (``gradkit.shapes.shape.Shape``, the MLP by default) makes the micro-batches and the loss; where it has several parameter
     groups each is judged on its own too (``groups``: ``kparts.judge_groups``). ``replicas``: the data-parallel ranks
     whose micro-batches make the step (every rank by default; under tensor parallelism the ranks of one group share
     theirs).
@@ -137,7 +137,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
-    and data (``kit.shapes.shape.Shape``; the MLP by default). ``masters_dtype``: the masters' own precision
+    and data (``gradkit.shapes.shape.Shape``; the MLP by default). ``masters_dtype``: the masters' own precision
     (bf16 under ``bf16_master_weights_and_grads``): a step read from them is known to within their rounding too.
     ``data_rank`` / ``replicas``: this rank's data-parallel index and how many there are (under tensor parallelism
     the ranks of one group feed the same micro-batches); the rank and the world size by default.
@@ -245,7 +245,7 @@ def run_cases(payload: dict, run_one) -> list[dict]:
     at the same case: after each case the ranks meet at a monitored barrier on a side gloo group.
     If a peer does not arrive within ``$GRADKIT_SYNC_TIMEOUT_S`` (it is stuck in a collective the failed rank
     left), the world stops with ``WorldDesynchronised``; the cases finished before it are kept
-    (``kit.launch.worker.report_partial``) and the records mark the rest ``cannot-run``.
+    (``gradkit.launch.worker.report_partial``) and the records mark the rest ``cannot-run``.
     """
     import datetime
 

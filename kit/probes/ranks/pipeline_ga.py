@@ -1,11 +1,11 @@
-"""B2 inside a rank (``kit.probes.pipeline_ga``): a real ``PipelineModule`` over ``STAGES`` stages, its
+"""B2 inside a rank (``gradkit.probes.pipeline_ga``): a real ``PipelineModule`` over ``STAGES`` stages, its
 ``train_batch`` steps, and rank 0's judgement of each step per stage against the reference of that stage's own
 parameters, explained by the named hypotheses ``HYPOTHESES``."""
 from __future__ import annotations
 
-from kit.judge import naming, oracle
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit.judge import naming, oracle
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 STAGES = 2
 DEPTH = 4  # Linear layers; GELU between them; split over the stages by layer count
@@ -208,5 +208,5 @@ def _judge(every: list[dict], start, case: dict, dp: int, step: int = 0, prev=No
 
 
 def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    """Entry point of ``gradkit.launch``: every case of the payload, one after another, in this world."""
     return judging.run_cases(payload, run_case)

@@ -1,8 +1,8 @@
-"""The HF Trainer on several ranks inside a rank (``kit.probes.trainer_ddp``): B1's machinery, its Trainer run and its
-harness, as they are (``kit.probes.ranks.trainer_ga``)."""
+"""The HF Trainer on several ranks inside a rank (``gradkit.probes.trainer_ddp``): B1's machinery, its Trainer run and
+its harness, as they are (``gradkit.probes.ranks.trainer_ga``)."""
 from __future__ import annotations
 
-from kit.probes.ranks import trainer_ga
+from gradkit.probes.ranks import trainer_ga
 
 
 def run_rank(payload: dict) -> list[dict]:

@@ -1,14 +1,14 @@
-"""B1 inside a rank (``kit.probes.trainer_ga``, and ``kit.probes.trainer_ddp``'s ranks): a real ``transformers.Trainer``
-on a tiny causal LM built from a config, its calls traced (``trainer_trace``), each step judged against the reference
-of the rows it really took; and the plain-PyTorch harness, the control, on the same rows."""
+"""B1 inside a rank (``gradkit.probes.trainer_ga``, and ``gradkit.probes.trainer_ddp``'s ranks): a real
+``transformers.Trainer`` on a tiny causal LM built from a config, its calls traced (``trainer_trace``), each step judged
+against the reference of the rows it really took; and the plain-PyTorch harness, the control, on the same rows."""
 from __future__ import annotations
 
 import copy
 
-from kit.judge import oracle
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
-from kit.probes.ranks.trainer_trace import probe_trainer_class
+from gradkit.judge import oracle
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
+from gradkit.probes.ranks.trainer_trace import probe_trainer_class
 
 VOCAB, SEQ = 64, 12
 PATHS = {"no_ds": None, "ds_zero0": 0, "ds_zero2": 2, "ds_zero3": 3}
@@ -256,5 +256,5 @@ def run_harness(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    """Entry point of ``gradkit.launch``: every case of the payload, one after another, in this world."""
     return judging.run_cases(payload, lambda case: run_harness(case) if case["name"] == "harness" else run_case(case))

@@ -1,4 +1,4 @@
-"""The Trainer under test, observed from inside a rank (``kit.probes.ranks.trainer_ga``): what ``compute_loss`` was
+"""The Trainer under test, observed from inside a rank (``gradkit.probes.ranks.trainer_ga``): what ``compute_loss`` was
 handed and returned, what ``accelerator.backward`` received, by wrapping the real calls; and, where a case asks, one
 of the seed's fixes (or a loop bug) applied where its patch would act."""
 from __future__ import annotations

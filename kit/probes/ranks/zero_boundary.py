@@ -1,9 +1,9 @@
-"""B3 inside a rank (``kit.probes.zero_boundary``): each case's engine driven in its loop style, every step judged
+"""B3 inside a rank (``gradkit.probes.zero_boundary``): each case's engine driven in its loop style, every step judged
 (``common.judge_steps``) and explained by the named hypotheses ``HYPOTHESES``."""
 from __future__ import annotations
 
-from kit.probes.ranks import common as c
-from kit.probes.ranks import judging
+from gradkit.probes.ranks import common as c
+from gradkit.probes.ranks import judging
 
 HYPOTHESES = ("global mean", "last micro-batch / N", "sum of micro-batches")
 
@@ -101,5 +101,5 @@ def run_case(case: dict) -> dict:
 
 
 def run_rank(payload: dict) -> list[dict]:
-    """Entry point of ``kit.launch``: every case of the payload, one after another, in this world."""
+    """Entry point of ``gradkit.launch``: every case of the payload, one after another, in this world."""
     return judging.run_cases(payload, run_case)
