@@ -9,6 +9,7 @@ from gradkit import config, launch
 from gradkit.commands import check
 from gradkit.judge import expectations, oracle, parts
 from gradkit.probes import ds_config
+from gradkit.stacks import versions
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
 
@@ -395,6 +396,11 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
     assert one[0].startswith("gradkit check ds.json: DeepSpeed 0.18.6, torch 2.13.0, 1 rank (cpu); ZeRO-None ?, GA None, "
                              "1 optimizer step each judged")
     assert one[1].startswith("  ONE RANK") and "  control (plain torch.distributed, no DeepSpeed): absent" in one
+    here = {**_ds("engine", verdict=oracle.NOT_AFFECTED), "version": "installed",  # no overlay: the environment's own
+            "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.23.0"}}
+    head = check.report([here], check.summarise([here]), "ds.json", 2, "cpu").splitlines()[0]
+    assert head.startswith("gradkit check ds.json: DeepSpeed 0.19.8 (installed here), torch 2.13.0, transformers 5.23.0, "
+                           "2 ranks (cpu)"), head
     assert one[-4] == "  not run (manual, unmanaged; --loop asks for them; the exit status does not count them):"
     shaped = _ds("engine", verdict=oracle.NOT_AFFECTED)
     shaped["config"]["model"] = "conditional"
@@ -473,3 +479,16 @@ def test_the_check_runs_each_precision_separates_a_tie_and_writes_one_document(t
     assert "internal error while checking fp32: RuntimeError: planted (nothing was measured: exit 3)" in \
         capsys.readouterr().out
     assert json.loads(out.read_text())["summary"]["error"] == "RuntimeError: planted"
+
+
+def test_a_deepspeed_config_in_an_environment_without_deepspeed_is_refused_before_any_launch(tmp_path, monkeypatch):
+    """In a user's environment the check judges the installed stack; with no DeepSpeed there (and no --deepspeed
+    release to put in an overlay) it says so in one sentence, exit 2, nothing launched."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+                               "zero_optimization": {"stage": 2}}))
+    have = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: "absent" if p == "deepspeed" else have(p))
+    monkeypatch.setattr(ds_config, "run", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(config.ConfigError, match=r"runs on DeepSpeed, which is not installed in this environment"):
+        check.main([str(cfg)])

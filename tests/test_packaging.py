@@ -117,8 +117,9 @@ def test_one_import_name_gradkit_whose_code_is_the_folder_kit(wheel):
 
 def test_nothing_in_the_repository_imports_the_folder_name():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    old = re.compile(r"(?<![\w/.\-])(?:(?:from|import) kit\b(?![/\-])|kit\.(?:judge|probes|launch|commands|stacks|"
-                     r"shapes|notebooks|watch|frameworks|config|registry|__main__)\b|-m kit\b)")
+    folder = "kit"  # the folder's name, never an import name (written so that this file does not match itself)
+    old = re.compile(rf"(?<![\w/.\-])(?:(?:from|import) {folder}\b(?![/\-])|{folder}\.(?:judge|probes|launch|commands|"
+                     rf"stacks|shapes|notebooks|watch|frameworks|config|registry|__main__)\b|-m {folder}\b)")
     found = [f"{f}: {m.group(0)}" for f in tracked if Path(REPO / f).suffix in {".py", ".ipynb", ".md", ".sh", ".yaml"}
              for m in old.finditer((REPO / f).read_text())]
     assert not found, f"the import name is gradkit; found {found[:5]}"
@@ -162,3 +163,26 @@ def test_the_kits_own_environment_is_pinned_in_constraints_txt_alone():
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     assert any("constraints.txt" in line for line in pip)
     assert not [line for line in pip if "==" in line], "environment.yml pins nothing itself: constraints.txt does"
+
+
+def test_the_stacks_floors_are_the_oldest_releases_the_support_range_measures():
+    """pyproject.toml's floors for the stacks the notebooks measure are the oldest environment that
+    scripts/support_range.py measures, and docs/watch.md's support table shows that environment."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import support_range
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    floors = {_name(r): str(next(iter(Requirement(r).specifier))).removeprefix(">=")
+              for r in project["optional-dependencies"]["notebooks"]}
+    oldest = support_range.ENVS["oldest"]
+    assert {p: floors[p] for p in ("transformers", "accelerate", "deepspeed")} == \
+        {p: oldest[p] for p in ("transformers", "accelerate", "deepspeed")}
+    newest = support_range.ENVS["newest"]
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert all(newest[p] == pins[p] for p in ("transformers", "accelerate", "deepspeed")), "newest is the kit's own"
+    table = (REPO / "docs" / "watch.md").read_text().split("<!-- gradkit:table SUPPORT -->")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| oldest |"))
+    assert all(f" {oldest[p]} " in row for p in ("transformers", "accelerate", "deepspeed")), row

@@ -179,11 +179,14 @@ def test_each_named_step_is_its_definition_over_the_rank_major_micro_batches():
     c = 0.5  # a clipped step: every named step scaled by the clip coefficient
     h = hypotheses(COUNTS, PER_RANK, c)
     assert set(h) == {"global mean", "last micro-batch / N", "sum of micro-batches", "mean of micro-batch means",
-                      "each rank's own mean"}  # no loss scale, GA, partition or previous step given: none of those
+                      "each rank's own mean", "first and last micro-batch"}  # no loss scale, GA, partition or
+    # previous step given: none of those
     assert h["global mean"] == pytest.approx([c * n / 22 for n in COUNTS])
     assert h["last micro-batch / N"] == pytest.approx([0, 0, c * 5 / 22, 0, 0, c * 7 / 22])
     assert h["sum of micro-batches"] == pytest.approx([c / 2] * 6)  # each mean whole, averaged over 2 ranks
     assert h["mean of micro-batch means"] == pytest.approx([c / 6] * 6)
+    assert h["first and last micro-batch"] == pytest.approx([c * n / 22 if k != 1 and k != 4 else 0.0
+                                                            for k, n in enumerate(COUNTS)])  # each rank's middle lost
     assert h["each rank's own mean"] == pytest.approx([c * n / (2 * 10) for n in COUNTS[:3]]
                                                       + [c * n / (2 * 12) for n in COUNTS[3:]])
     for own in (0, 1):  # from partition ``own``: that rank's boundary micro-batch whole, the other rank's missing
@@ -192,6 +195,12 @@ def test_each_named_step_is_its_definition_over_the_rank_major_micro_batches():
         right[LAST[own]] *= 2
         right[LAST[1 - own]] = 0.0
         assert seen == pytest.approx(right), own
+
+
+def test_first_and_last_is_a_candidate_only_where_every_rank_ran_more_than_two_micro_batches():
+    assert "first and last micro-batch" in hypotheses(COUNTS, PER_RANK, 1.0)
+    for per_rank in ([2, 4], [4, 2], [1, 5]):  # a rank of two: its first and last are all it has (the global mean)
+        assert "first and last micro-batch" not in hypotheses(COUNTS, per_rank, 1.0), per_rank
 
 
 def test_micro_batches_that_count_nothing_weigh_nothing_and_never_divide_by_zero():
@@ -358,6 +367,7 @@ DEFECTS = {  # a step's weights over each micro-batch's mean-loss gradient (rank
     "last micro-batch / N": lambda: [n / N if k in LAST else 0.0 for k, n in enumerate(COUNTS)],  # B3
     "mean of micro-batch means": lambda: [1 / 6] * 6,
     "each rank's own mean": lambda: [n / (W * (10 if k < 3 else 12)) for k, n in enumerate(COUNTS)],  # rank totals
+    "first and last micro-batch": lambda: [n / N if k not in (1, 4) else 0.0 for k, n in enumerate(COUNTS)],  # B5
 }
 
 

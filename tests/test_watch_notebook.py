@@ -34,3 +34,16 @@ def test_a_job_that_failed_or_judged_nothing_is_said():
     bad["rc"] = 1
     assert watch.problems({"j": bad})[0].startswith("j: the job failed (exit 1)")
     assert watch.problems({"j": {"records": [], "rc": 0, "tail": "", "job": {"expect": N}}})[0].startswith("j: the job")
+
+
+def test_an_affected_step_must_be_named_by_the_expected_bug_not_merely_mention_it():
+    def job(known):
+        res = _res({"bug": "B5"}, (A, None))
+        res["records"][0].update(versions={"deepspeed": "0.16.9"}, known=known)
+        return {"B5 job": res}
+
+    assert watch.problems(job("B5 (deepspeedai/DeepSpeed#7967): ...; the step is 'first and last micro-batch'")) == []
+    said = watch.problems(job("not explained by any known bug: B5, B7 is expected here, but the step is 'none'"))
+    assert said and said[0].startswith("B5 job: step 1 is affected but not named B5")
+    tie = f"{watch.TIE}: B1 (x) is expected on transformers 4.46.3: ...; B5 (y) is expected ..."
+    assert watch.problems(job(tie)) == []  # a tie the watch says, the expected bug among it

@@ -84,6 +84,7 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     micro-batches' counts: the global mean (each n_k / N), only each rank's last micro-batch, every micro-batch's
     mean summed (1/W each: a missing division by the accumulation), each micro-batch's mean averaged equally (a
     mean over micro-batches, not over samples or tokens), each rank's own count (a per-rank mean, then averaged),
+    each rank's first and last micro-batch alone (the ones between lost, B5; offered where every rank ran three or more),
     the global mean over the loss scale, the previous step's gradient applied again, and, seen from partition
     ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4), and where
     the step came after fewer micro-batches than the ``declared_ga`` the loop divides by, the mean / that GA."""
@@ -101,6 +102,9 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
            "sum of micro-batches": [1.0 / w if live[i] else 0.0 for i in range(k)],
            "mean of micro-batch means": [1.0 / n_live if live[i] else 0.0 for i in range(k)],
            "each rank's own mean": [counts[i] / (w * rank_total[rank_of[i]]) for i in range(k)]}
+    if per_rank and min(per_rank) > 2:  # each rank's first and last alone (B5); of two or fewer that is all of them
+        ends = last | {starts[r] for r in range(w)}
+        out["first and last micro-batch"] = [c / total if i in ends else 0.0 for i, c in enumerate(counts)]
     if own is not None and w > 1:
         out["own rank's boundary micro-batch"] = [
             (w * counts[i] / total if rank_of[i] == own else 0.0) if i in last else counts[i] / total for i in range(k)]

@@ -17,6 +17,7 @@ from gradkit.judge import oracle
 from gradkit.judge import verdict as kverdict
 from gradkit.probes import ds_config, ds_features
 from gradkit.shapes import hf
+from gradkit.stacks import versions
 
 
 # resolve's lines for the "auto" values a training config's framework has already filled (and said how)
@@ -38,6 +39,11 @@ def prepare(run, a, model, model_notes: list) -> dict:
     """``{precision: resolved config}`` for one training run (``gradkit.frameworks.TrainingRun``): every precision it
     could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
     loop style or a bad key is refused here, before any launch."""
+    if a.deepspeed == kconfig.INSTALLED and versions.installed_version("deepspeed") == "absent":
+        raise kconfig.ConfigError(
+            f"{run.source} runs on DeepSpeed, which is not installed in this environment: install the release you "
+            "train with, or name releases with --deepspeed (e.g. --deepspeed 0.19.8: installed into the kit's cache as "
+            "an overlay, not into this environment)")
     user = run.ds_config or {}
     if ds_features.autotp_size(user) > 1 and not isinstance(model, dict):  # AutoTP needs a tensor-parallel policy
         model, built = hf.tiny_llama()

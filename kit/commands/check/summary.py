@@ -4,6 +4,7 @@ the text a person reads (``report``).
 """
 from __future__ import annotations
 
+from gradkit import config as kconfig
 from gradkit.commands.check.known import OWN_LOOPS, explain, if_run
 from gradkit.judge import expectations, oracle, records
 from gradkit.judge import verdict as kverdict
@@ -92,8 +93,11 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     v = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     cfg = first.get("resolved_config") or {}
     steps = first.get("step_count") or 1
-    lines = [f"gradkit check {source}: DeepSpeed {v.get('deepspeed', first.get('version'))}, torch "
-             f"{v.get('torch', '?')}, {world_size} rank{'s' if world_size > 1 else ''} ({device}); "
+    # the releases the ranks ran: the environment's own (no overlay) said so, and the HF stack where it was imported
+    here = " (installed here)" if first.get("version") == kconfig.INSTALLED else ""
+    hf = "".join(f", {name} {v[name]}" for name in ("transformers", "accelerate") if name in v)
+    lines = [f"gradkit check {source}: DeepSpeed {v.get('deepspeed', first.get('version'))}{here}, torch "
+             f"{v.get('torch', '?')}{hf}, {world_size} rank{'s' if world_size > 1 else ''} ({device}); "
              f"ZeRO-{cfg.get('zero_optimization', {}).get('stage')} {ds_config.dtype_of(cfg) if cfg else '?'}, "
              f"GA {cfg.get('gradient_accumulation_steps')}, {steps} optimizer step{'s' if steps > 1 else ''} each judged, "
              f"model: {(first.get('config') or {}).get('model') or 'mlp'}"]

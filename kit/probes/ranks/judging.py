@@ -5,6 +5,8 @@ goes to). The basics they read weights and talk to the other ranks with are ``gr
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import os
 import time
 
@@ -85,10 +87,9 @@ def reference_at(start: nn.Module, every: list, shape, loss_scale: float, data_k
     ``data_key``), remembered by the exact starting weights: every point of a sweep world starts from the same
     weights, so step 1's reference and the whole reference trajectory are computed once per shape, GA and
     precision, not once per point. The same weights, data and loss give the same numbers: nothing is approximated."""
-    import hashlib
-
-    flat = c.flat_params(start)
-    key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(flat.numpy().tobytes()).hexdigest())
+    flat = c.flat_params(start).cpu().contiguous()  # its bytes, read in place (numpy is not a requirement of the kit)
+    raw = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
+    key = (id(shape), float(loss_scale), data_key, flat.numel(), hashlib.blake2b(raw).hexdigest())
     hit = _REFERENCES.pop(key, None)
     if hit is None:  # the shape is kept with its numbers: its id stays its own while the key lives
         hit = (*oracle.reference_gradients(start, every, lambda o, y: shape.loss_fn(o, y) * loss_scale), shape)
