@@ -218,3 +218,47 @@ def test_fp16s_subnormal_spacing_is_the_one_the_hardware_rounds_to():
     tiny = torch.tensor([2.41e-7, 1.0e-6, 3.3e-5], dtype=torch.float64)
     assert float((tiny.half().double() - tiny).abs().max()) <= tolerances.SUBNORMAL["fp16"] / 2
     assert set(tolerances.SUBNORMAL) == {"fp16"}  # bf16 has fp32's exponent range: no subnormal floor of its own
+
+
+def _alike(seed=0, k=8, n=4096, apart=1e-6, noise=1e-7):
+    """A basis whose micro-batches 0 and 1 have nearly the same gradient (a user's tiny model at its start, a
+    repeated row), and the reference plus noise at fp32's rounding: least squares may put any weight between them."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.randn(k, n, generator=g, dtype=torch.float64) + 0.5
+    basis[1] = basis[0] * (1 + apart * torch.randn(n, generator=g, dtype=torch.float64))
+    weights = torch.full((k,), 1.0 / k, dtype=torch.float64)
+    ref = weights @ basis
+    return basis, weights, ref, ref * (1 + noise * torch.randn(n, generator=g, dtype=torch.float64))
+
+
+def test_weights_the_fit_cannot_tell_apart_are_no_evidence_for_the_step_or_against_the_control():
+    basis, weights, ref, vec = _alike()
+    a = oracle.attribute(vec, basis, weights)
+    assert a["misplaced_weight"] > 5 * tolerances.tolerance("fp32").misplaced_weight  # the fit's freedom ...
+    assert oracle.indistinct(a) and a["distinct"] < 8 + 6 * 4  # ... the same vector as the expected weights give
+    sig = next(s for s in oracle.signals({**judged(vec, ref), "attribution": a}) if s["signal"] == "misplaced weight")
+    assert sig["ok"] and sig["indistinct"]
+    measured = {**judged(vec, ref), "attribution": a}
+    assert oracle.verdict(measured, measured)[0] == oracle.NOT_AFFECTED  # nor is such a control off
+
+
+def test_a_weight_really_moved_between_micro_batches_is_told_apart_beside_alike_ones():
+    basis, weights, ref, _ = _alike()
+    w = weights.clone()
+    w[2], w[3] = w[2] + 1e-3, w[3] - 1e-3  # micro-batch 2's weight on 3: distinct micro-batches
+    vec = (w @ basis) * (1 + 1e-7 * torch.randn(basis.shape[1], generator=torch.Generator().manual_seed(3),
+                                                dtype=torch.float64))
+    a = oracle.attribute(vec, basis, weights)
+    assert not oracle.indistinct(a) and a["distinct"] > 1e6
+    word, why = oracle.verdict({**judged(vec, ref), "attribution": a}, judged(ref, ref))
+    assert word == oracle.AFFECTED and "misplaced weight" in why
+    control = {**judged(vec, ref), "attribution": a}
+    assert oracle.verdict(judged(ref, ref), control)[0] == oracle.INCONCLUSIVE  # a control off this way is still off
+
+
+def test_an_exact_fit_with_nothing_left_over_takes_the_weights_at_their_word():
+    basis, weights, ref = basis_and_ref(k=4, n=4)  # as many coordinates as weights: no noise to measure
+    a = oracle.attribute(ref, basis, weights)
+    assert a["distinct"] == 0.0 or a["distinct"] == math.inf or oracle.indistinct(a)
+    assert oracle.distinct(ref, ref + 1.0, ref, 4) == math.inf  # nothing left over, the combinations apart
+    assert oracle.distinct(ref, ref, ref, 4) == 0.0

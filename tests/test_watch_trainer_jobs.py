@@ -29,6 +29,26 @@ def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_a
 
 
 @pytest.mark.world
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_trainer_on_deepspeed_with_its_own_optimizer_and_its_two_parameter_groups_is_exact(tmp_path, stage):
+    """The Trainer on the DeepSpeed config LLaMA-Factory ships (every size "auto"), its own AdamW with a decay and a
+    no-decay group, rows of 3 to 60 tokens half of them prompt-masked. ZeRO-1/2 step one group at a time with the
+    torch optimizer's groups cut down to it (the watch reads every group's partition: it used to stop the job here);
+    ZeRO-3 its sub-groups' partitions. ZeRO-0 is the plain parameters' read, ZeRO-2 ZeRO-1's (tests/test_watch_jobs.py
+    reads both in DeepSpeed's own loop)."""
+    recs = _run(tmp_path, "trainer_job.py", "--deepspeed", str(stage), "--rows", "prompts", "--ga", "4")
+    assert _verdicts(recs) == _verdicts(recs, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
+    assert all(r["read"] == "fp32 partitions" and r["versions"]["deepspeed"] for r in recs if "ga" in r)
+
+
+@pytest.mark.world
+def test_the_trainer_on_deepspeed_with_a_compute_loss_that_forgets_to_divide_is_affected(tmp_path):
+    recs = _run(tmp_path, "trainer_job.py", "--deepspeed", "2", "--rows", "prompts", "--ga", "4", "--custom-loss")
+    assert _verdicts(recs, logged=True) == [oracle.AFFECTED] * 2, [r["line"] for r in recs]
+    assert _verdicts(recs)[0] == oracle.AFFECTED and recs[0]["read"] == "fp32 partitions"
+
+
+@pytest.mark.world
 def test_a_compute_loss_that_forgets_to_divide_is_affected_at_every_judged_step(tmp_path):
     """Clipping (the Trainer's max_grad_norm 1.0) makes a step whose gradient is only too large right where the
     reference is clipped too (step 2 here); the norm the Trainer logs for it is ~N/W times the reference's."""

@@ -110,14 +110,38 @@ def attribute(vector, basis, expected_weights) -> dict:
                 "misplaced_weight": math.inf, "weight_sum_ratio": math.nan, "residual": math.nan,
                 "non_finite": int((~torch.isfinite(v)).sum())}
     w = torch.linalg.lstsq(b.T, v.unsqueeze(1)).solution.squeeze(1)
-    residual = (v - w @ b).norm().item() / max(v.norm().item(), 1e-300)
+    fit = w @ b
+    residual = (v - fit).norm().item() / max(v.norm().item(), 1e-300)
     return {
         "weights": [float(x) for x in w],
         "expected_weights": [float(x) for x in w_exp],
         "misplaced_weight": 0.5 * (w - w_exp).abs().sum().item(),
         "weight_sum_ratio": w.sum().item() / w_exp.sum().item(),
         "residual": residual,
+        "distinct": distinct(v, fit, w_exp @ b, len(b)),
     }
+
+
+def distinct(v, fit, expected, k: int) -> float:
+    """How far the fitted combination is from the expected one, in units of the fit's own noise: the Mahalanobis
+    distance of the fitted weights from the expected (``||fit - expected||^2 / sigma^2``, ``sigma^2`` the residual's
+    variance per coordinate, ``n - k`` degrees of freedom), which is chi-squared with ``k`` degrees of freedom where
+    the vector is the expected combination plus noise. Where micro-batches' gradients are nearly alike the weights
+    are not identifiable: least squares may put weight anywhere between them while the fitted and the expected
+    combination are the same vector, and this distance stays small. ``inf`` where it cannot be told (no degrees of
+    freedom left, or a residual of exactly 0: the weights are then taken at their word)."""
+    dof = v.numel() - k
+    apart = float((fit - expected).norm()) ** 2
+    noise = float((v - fit).norm()) ** 2 / dof if dof > 0 else 0.0
+    return apart / noise if noise > 0 else (0.0 if apart == 0 else math.inf)
+
+
+def indistinct(attribution: dict) -> bool:
+    """The fitted weights cannot be told from the expected ones: their distance (``distinct``) is within the
+    chi-squared bound of ``k`` weights at 6 standard deviations (``k + 6 sqrt(2k)``), so a misplaced weight is the
+    fit's freedom between alike micro-batches, not the step's."""
+    k = len(attribution.get("weights") or ())
+    return bool(k) and attribution.get("distinct", math.inf) <= k + 6.0 * math.sqrt(2.0 * k)
 
 
 def clipped(vector, clip: float):
@@ -170,8 +194,20 @@ def signals(judged: dict) -> list[dict]:
                             "value": g[what]["misplaced_weight"], "limit": max(tol.misplaced_weight, floor)})
     for s in out:
         s["ok"] = math.isfinite(s["value"]) and s["value"] <= s["limit"]
+    for s, a in zip([s for s in out if s["signal"].startswith("misplaced weight")], _attributions(judged)):
+        if not s["ok"] and indistinct(a):  # a fit that cannot tell the weights apart is no evidence either way
+            s["ok"], s["indistinct"] = True, True
     if not math.isfinite(m["cosine"]):
         out.append({"signal": "cosine", "value": m["cosine"], "limit": 1.0, "ok": False})
+    return out
+
+
+def _attributions(judged: dict) -> list[dict]:
+    """The attributions ``signals`` judges, in the order it lists their misplaced weights."""
+    out = [judged["attribution"]] if judged.get("attribution") else []
+    out += [b["attribution"] for b in judged.get("rank_buffers") or []]
+    for g in (judged.get("groups") or {}).values():
+        out += [g[what] for what in ("attribution", "uses") if g.get(what)]
     return out
 
 

@@ -27,6 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+# the flat fp32 partitions, one per parameter group, of DeepSpeed's ZeRO-1/2 optimizer and of its BF16_Optimizer
+HP_FLATS = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition")
+
+
 @dataclass
 class Piece:
     t: int  # the parameter's index in module order
@@ -70,7 +74,10 @@ class Layout:
         if hasattr(wrapper, "fp32_partitioned_groups_flat") and hasattr(wrapper, "fp16_partitioned_groups"):  # ZeRO-3
             return "fp32 partitions", False, self._zero3_pieces(wrapper, index)
         if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # ZeRO-1/2, BF16_Optimizer
-            return "fp32 partitions", False, self._hp_pieces(stepped)
+            # they step one parameter group at a time, the torch optimizer's groups cut down to that one while it
+            # steps: every group's flat partition is the wrapper's
+            every = [*stepped, *(q for name in HP_FLATS for q in getattr(wrapper, name, None) or () if q is not None)]
+            return "fp32 partitions", False, self._hp_pieces(every)
         if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # FP16_Optimizer
             out = {}
             for flat, group in zip(wrapper.fp32_groups_flat, wrapper.fp16_groups):
