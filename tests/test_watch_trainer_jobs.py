@@ -2,9 +2,13 @@
 Accelerate), run as users run them (torchrun): a release that has the bug is ``affected`` and named, one that does
 not is ``not-affected``, and the verdict agrees with the replica's (``gradkit check``) where both can judge. The
 DeepSpeed and FSDP2 jobs are tests/test_watch_jobs.py (two files: the two test workers take one each)."""
+import re
+
 import pytest
 
 from gradkit.judge import oracle
+from gradkit.notebooks import watch
+from gradkit.watch import guard
 from tests.test_watch_jobs import _run
 
 
@@ -99,3 +103,40 @@ def test_trls_sft_trainer_takes_the_same_callback_exact_where_it_means_the_token
     assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in steps]
     for r in steps:  # step 2's sum reaches the clip (1.0): it is clipped by its own norm, and named all the same
         assert r["matches"] == "each rank's own mean", r["line"]
+
+
+FAULTS = ("capture", "read", "copy", "reference", "judgement", "records", "report")
+
+
+def _job(tmp_path, *args, env=None):
+    out = tmp_path / "watch"
+    rc, stdout, stderr = watch.launch("trainer_job.py", [*args, "--out", out], env=env, timeout_s=240)
+    lines = {int(x.split(": step ")[1].split(":")[0]): x for x in stdout.splitlines()
+             if x.startswith("gradkit watch: step ") and "logged grad norm" not in x}
+    losses = re.findall(r"'loss': '?([0-9.e-]+)", stdout)
+    return rc, lines, losses, stdout + stderr
+
+
+@pytest.mark.world
+def test_a_fault_of_the_watch_in_any_phase_ends_its_step_as_cannot_run_and_training_goes_on_unchanged(tmp_path):
+    """The watch's first rule: a fault planted in each of its phases, one step each, on rank 0 of a real 2-rank
+    Trainer job (kit/watch/guard.py): the job finishes, each step says cannot-run with the fault's own sentence, the
+    next step is judged again, and the losses the Trainer logs are those of the same job without any fault."""
+    planted = ",".join(f"{phase}@{k}" for k, phase in enumerate(FAULTS, start=1))
+    steps = ["--steps", str(len(FAULTS) + 1), "--every", "1"]
+    rc, lines, losses, said = _job(tmp_path / "faults", *steps, env={guard.FAULT_ENV: planted})
+    assert rc == 0, said[-3000:]
+    for k, phase in enumerate(FAULTS, start=1):
+        assert lines[k].startswith(f"gradkit watch: step {k}: cannot-run"), lines[k]
+        assert f"a fault planted in the watch's {phase} at step {k}" in lines[k], lines[k]
+    assert lines[len(FAULTS) + 1].startswith(f"gradkit watch: step {len(FAULTS) + 1}: not-affected"), lines
+    rc, clean, clean_losses, said = _job(tmp_path / "clean", *steps)
+    assert rc == 0 and all(v.split(": ")[2].startswith("not-affected") for v in clean.values()), said[-3000:]
+    assert losses == clean_losses and len(losses) == len(FAULTS) + 1  # nothing of the user's changed
+
+
+@pytest.mark.world
+def test_an_error_of_the_users_own_code_reaches_the_user_as_it_would_without_the_watch(tmp_path):
+    rc, lines, _, said = _job(tmp_path, "--user-error", "2")
+    assert rc != 0 and "ValueError: the user's own error at step 2" in said, said[-3000:]
+    assert lines[1].startswith("gradkit watch: step 1: not-affected") and 2 not in lines

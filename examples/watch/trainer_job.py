@@ -32,6 +32,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--collator", choices=("pad", "packed", "packed-wrong"), default="pad")
 p.add_argument("--rows", choices=("short", "prompts"), default="short")
 p.add_argument("--custom-loss", action="store_true")
+p.add_argument("--user-error", type=int, help="the job's own compute_loss raises at this step (the watch passes it on)")
 p.add_argument("--ga", type=int, default=2)
 p.add_argument("--steps", type=int, default=2)
 p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
@@ -76,6 +77,13 @@ class SumLoss(Trainer):
         return loss
 
 
+class Raises(Trainer):  # the user's own code failing: its error reaches the user as it would without the watch
+    def compute_loss(self, model, inputs, *rest, **kw):
+        if self.state.global_step + 1 == args.user_error:
+            raise ValueError(f"the user's own error at step {args.user_error}")
+        return super().compute_loss(model, inputs, *rest, **kw)
+
+
 collator = {"pad": lambda: DataCollatorForSeq2Seq(tokenizer=None, padding=True, label_pad_token_id=-100),
             "packed": DataCollatorWithFlattening, "packed-wrong": lambda: packed_wrong}[args.collator]()
 if args.collator == "pad":  # without a tokenizer: pad by hand, as DataCollatorForSeq2Seq would
@@ -103,7 +111,7 @@ targs = TrainingArguments(output_dir=args.out + "-trainer", per_device_train_bat
                           seed=0, remove_unused_columns=False, dataloader_drop_last=True, deepspeed=ds,
                           bf16=args.precision == "bf16", gradient_checkpointing=args.gradient_checkpointing,
                           optim=args.optim)
-trainer = (SumLoss if args.custom_loss else Trainer)(
+trainer = (SumLoss if args.custom_loss else Raises if args.user_error else Trainer)(
     model=model, args=targs, train_dataset=rows, data_collator=collator,
     callbacks=[gradkit.watch.Callback(out=args.out, every=args.every)])  # <- gradkit's one line
 trainer.train()

@@ -61,7 +61,8 @@ class Recorder:
     in training mode, autograd on) starts a micro-batch of ``window``; the criterion's call adds its targets to the
     last one."""
 
-    def __init__(self, model: nn.Module, criterion: nn.Module | None = None):
+    def __init__(self, model: nn.Module, criterion: nn.Module | None = None, guard=None):
+        self.guard = guard or (lambda fn, *args: fn(*args))  # the watch's errors are its step's, never the job's
         self.recording = False
         self.window = Window()
         self.batches: collections.deque = collections.deque()  # what a data loader yielded, one per forward (fed())
@@ -71,6 +72,9 @@ class Recorder:
             self._handles.append(criterion.register_forward_pre_hook(self._on_criterion, with_kwargs=True))
 
     def _on_forward(self, module, args, kwargs):
+        self.guard(self._forward, module, args, kwargs)  # a pre-hook that returns None changes nothing of the call
+
+    def _forward(self, module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return None
         self.forwards += 1
@@ -85,11 +89,17 @@ class Recorder:
 
     def fed(self, batch) -> None:
         """A data loader yielded ``batch`` for the next training forward (the Trainer's, wrapped by its callback)."""
+        self.guard(self._fed, batch)
+
+    def _fed(self, batch) -> None:
         self.batches.append({k: batch[k] for k in LABELS if hasattr(batch, "get") and batch.get(k) is not None})
         while len(self.batches) > 64:  # forwards that never came (an evaluation loop's data): keep the newest
             self.batches.popleft()
 
     def _on_criterion(self, module, args, kwargs):
+        self.guard(self._criterion, args, kwargs)
+
+    def _criterion(self, args, kwargs):
         if self.recording and self.window.micro_batches and torch.is_grad_enabled():
             self.window.micro_batches[-1].targets = (_detached(tuple(args[1:])), _detached(kwargs))
         return None

@@ -22,6 +22,7 @@ import gradkit.watch.judge as wjudge
 import gradkit.watch.losses as losses
 import gradkit.watch.reference as reference
 from gradkit.watch.capture import Recorder
+from gradkit.watch.guard import Faults, planted
 from gradkit.watch.reads import Layout, chain
 from gradkit.watch.schedule import Schedule
 from gradkit.watch.sketch import SIZE, Sketch
@@ -70,7 +71,8 @@ class Watch:
         self._clone = None
         self._consumed = False  # the optimizer consumed a gradient since the last step end
         self._written = False  # this run has written its first record (an earlier run's file was moved aside)
-        self.recorder = Recorder(model, criterion)
+        self.faults = Faults()  # the watch's own errors: the judged step's cannot-run, never the job's (guard.py)
+        self.recorder = Recorder(model, criterion, guard=lambda fn, *a: self.faults.run("capture", self.step + 1, fn, *a))
         self._handles = [self.basic.register_step_pre_hook(self._pre)]
         if finalize_on_post:
             self._handles.append(self.basic.register_step_post_hook(lambda *a: self.step_end()))
@@ -83,7 +85,8 @@ class Watch:
         nxt = self.step + 1
         asked = False
         if self.schedule.polls(nxt):
-            flag = torch.tensor([1.0 if reference.world()[0] == 0 and Schedule.file_request(self.out) else 0.0])
+            here = reference.world()[0] == 0 and self.faults.run("capture", nxt, Schedule.file_request, self.out)
+            flag = torch.tensor([1.0 if here else 0.0])
             reference.all_sum(flag, dist.ReduceOp.MAX)
             asked = bool(flag.item())
             if asked and reference.world()[0] == 0:
@@ -94,30 +97,58 @@ class Watch:
             self.recorder.take()
 
     def _pre(self, optimizer, args, kwargs) -> None:
-        """Just before the innermost optimizer steps (DeepSpeed's ZeRO-1/2 step it once per parameter group)."""
+        """Just before the innermost optimizer steps (DeepSpeed's ZeRO-1/2 step it once per parameter group). Never
+        raises into the optimizer's step: an error of the watch's is the step's fault (``guard``)."""
         self._consumed = True
-        if self._pending is None and self.recorder.recording:
-            self._pending = self._reference(self.recorder.take())
-        if self._pending is not None and "tally" in self._pending:
-            current = [q for g in optimizer.param_groups for q in g["params"]]
-            tally = self._pending["tally"]
-            for t, start, values in self.layout.fragments(current):
-                if t in self._pending["judged"]:
-                    tally.add(t, start, values)
+        try:
+            if self._pending is None and self.recorder.recording:
+                self._pending = self._reference(self.recorder.take())
+            if self._pending is not None and "tally" in self._pending:
+                self.faults.run("read", self.step + 1, self._read, optimizer)
+        except Exception as e:  # noqa: BLE001 - a last resort: the phases above keep their own faults
+            self.faults.note("reference", e)
+            self._pending = {"cannot": self.faults.first}
+
+    def _read(self, optimizer) -> None:
+        current = [q for g in optimizer.param_groups for q in g["params"]]
+        tally = self._pending["tally"]
+        for t, start, values in self.layout.fragments(current):
+            if t in self._pending["judged"]:
+                tally.add(t, start, values)
 
     def step_end(self, skipped: bool | None = None) -> dict | None:
         """After the step (the optimizer's post-hook, the engine's step, the Trainer's step end): judge what was read,
-        arm the next. ``skipped``: the engine says it skipped the step (None: skipped where nothing was consumed)."""
+        arm the next. ``skipped``: the engine says it skipped the step (None: skipped where nothing was consumed).
+        Raises only ``Affected`` (asked for with ``stop``); an error of the watch's ends the step as cannot-run."""
+        try:
+            rec = self._step_end(skipped)
+        except Exception as e:  # noqa: BLE001 - a last resort: the phases keep their own faults
+            self.faults.note("judgement", e)
+            rec = self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
+                                "why": f"the watch failed: {self.faults.first}"})
+            self._pending, self._prev_basis = None, None
+            self.faults.clear()
+            self._arm()
+        if rec and rec.get("verdict") == oracle.AFFECTED and self.stop:
+            raise Affected(rec["line"])
+        return rec
+
+    def _step_end(self, skipped: bool | None) -> dict | None:
+        if self._pending is None and not self.recorder.recording:
+            self.faults.clear()  # an unjudged step: nothing of it to end as cannot-run
         consumed, self._consumed = self._consumed, False
         self.recorder.forwards = 0
         if skipped is None:
             skipped = not consumed
         self.step += 1
         rec = None
+        fault = self.faults.agree() if self._pending is not None and "tally" in self._pending else ""
         if self._pending is not None and "cannot" in self._pending:  # the job goes on; the step is not judged
             rec = self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
                                 "why": f"the reference could not be computed: {self._pending['cannot']}"[:600]})
             self._prev_basis = None
+        elif fault:  # a rank's read failed: every rank ends the step here, before the tally's collectives
+            rec = self._cannot(fault)
         elif self._pending is not None:
             rec = self._finish(self._pending)
         elif self.recorder.recording and not consumed and skipped:
@@ -128,28 +159,36 @@ class Watch:
         else:
             self._prev_basis = None
         self._pending = None
+        self.faults.clear()
         self._arm()
         if not self.recorder.recording:
             self._clone = None  # nothing held between judged steps: the copy is made again for the next one
-        if rec and rec.get("verdict") == oracle.AFFECTED and self.stop:
-            raise Affected(rec["line"])
         return rec
+
+    def _cannot(self, fault: str) -> dict:
+        """The judged step ended by a fault of the watch's own, the same on every rank."""
+        if self._clone is not None:
+            self._release()
+        self._prev_basis = None
+        return self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
+                             "why": f"the watch failed ({fault}); training went on"[:600]})
 
     # ------------------------------------------------------------ reference and judgement
 
     def _reference(self, window) -> dict:
+        step = self.step + 1
         if self.layout is None:
-            self.layout = Layout(self.model, self.wrapper, self.basic)
+            self.layout = self.faults.run("read", step, Layout, self.model, self.wrapper, self.basic)
+        self.faults.run("copy", step, self._copy)
+        fault = self.faults.agree()  # the first collective of the step: every rank ends it here if one failed
+        if fault:
+            return {"cannot": f"the watch failed ({fault}); training went on"}
         names = [n for n, _ in self.model.named_parameters()]
         covered = torch.zeros(len(names))
         covered[list(self.layout.covered())] = 1.0
         reference.all_sum(covered, dist.ReduceOp.MAX)
         judged = {t for t in range(len(names)) if covered[t] > 0
                   and (self.layers is None or names[t].startswith(self.layers))}
-        if self._clone is None:
-            self._clone = reference.copy_of(self.model)
-        else:
-            reference.load(self._clone, self.model)
         params = list(self._clone.parameters())
         for t, p in enumerate(params):
             p.requires_grad_(t in judged)
@@ -162,6 +201,7 @@ class Watch:
             partitions = [None] * reference.world()[1]
             dist.all_gather_object(partitions, mine)
         try:
+            planted("reference", step)
             local, failed = reference.run_window(self._clone, window, self.loss, sketch, partitions), ""
         except Exception as e:  # noqa: BLE001 - the user's model or loss refused the reference: said, not raised
             local, failed = None, f"{type(e).__name__}: {e}"
@@ -191,16 +231,26 @@ class Watch:
         return {"tally": wjudge.Tally(ref, coef, sketch), "judged": judged, "rr": rr, "maxref": top, "info": info,
                 "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch, "held": held}
 
+    def _copy(self) -> None:
+        if self._clone is None:
+            self._clone = reference.copy_of(self.model)
+        else:
+            reference.load(self._clone, self.model)
+
     def _finish(self, p: dict) -> dict:
         tally, info = p["tally"], p["info"]
         own = tally.finish(self.layout.replicated)
         if not p["rr"]:
             out = {"verdict": oracle.INCONCLUSIVE, "why": "the reference gradient is zero on every judged parameter"}
         else:
-            out = wjudge.judgement(tally, p["rr"], p["maxref"], info["basis"], info["counts"], info["per_rank"],
-                                   p["dtype"], own, self._prev_basis, self.context.get("loss_scale", 1.0),
-                                   info.get("parts"), [n for n, _ in self.model.named_parameters()],
-                                   self.context.get("declared_ga"), self.clip)
+            out = self.faults.run("judgement", self.step, wjudge.judgement, tally, p["rr"], p["maxref"],
+                                  info["basis"], info["counts"], info["per_rank"], p["dtype"], own, self._prev_basis,
+                                  self.context.get("loss_scale", 1.0), info.get("parts"),
+                                  [n for n, _ in self.model.named_parameters()], self.context.get("declared_ga"),
+                                  self.clip)
+        fault = self.faults.agree()  # after the judgement's own arithmetic: one verdict on every rank
+        if fault:
+            return self._cannot(fault)
         total = float(sum(info["counts"])) or 1.0
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
@@ -217,7 +267,7 @@ class Watch:
             rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "
                                    "micro-batches the loop accumulates")
         if rec["verdict"] == oracle.AFFECTED and self.known:
-            rec["known"] = self.known({**self.context, **rec})
+            rec["known"] = self.faults.run("report", self.step, self.known, {**self.context, **rec})
         return self._record(rec)
 
     def _release(self) -> None:
@@ -229,18 +279,35 @@ class Watch:
         rec = {"probe": "watch", "role": "measured", "case": f"step {rec['step']}", "world_size": w, **self.context,
                **rec, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": platform.node()}
-        rec["line"] = line(rec)
+        said = Faults()  # this record's own line and file: a fault there ends this record, never another
+        rec["line"] = said.run("report", rec["step"], line, rec)
+        if rec["line"] is None or self.faults.first and rec["verdict"] != oracle.CANNOT_RUN:  # or its explanation
+            rec = self._failed(rec, said.first or self.faults.first)
         self.records.append(rec)
         if rank == 0:
-            if not self._written:
-                self._written = True
-                kept = keep_earlier(self.out / RECORDS)
-                if kept and self.log:
-                    self.log(f"gradkit watch: an earlier run's records in {self.out} were kept as {kept.name}")
-            records.append(_plain(rec), self.out / RECORDS)
-            if self.log:
-                self.log(rec["line"])
+            if not said.run("records", rec["step"], self._write, rec, default=False):
+                self.records[-1] = rec = self._failed(rec, said.first)
+            if self.log:  # the log itself failing: nothing more to say (guarded, not a phase a test plants)
+                said.run("log", rec["step"], self.log, rec["line"])
         return rec
+
+    @staticmethod
+    def _failed(rec: dict, fault: str) -> dict:
+        """``rec`` as its step's cannot-run: what the watch could not explain, write or say of it (this rank only:
+        the verdict was agreed, its record or log line is what failed)."""
+        out = {**rec, "verdict": oracle.CANNOT_RUN, "why": f"the watch failed ({fault}); training went on",
+               "measured_verdict": rec.get("verdict")}
+        out["line"] = f"gradkit watch: step {out['step']}: cannot-run ({out['why']})"
+        return out
+
+    def _write(self, rec: dict) -> bool:
+        if not self._written:
+            self._written = True
+            kept = keep_earlier(self.out / RECORDS)
+            if kept and self.log:
+                self.log(f"gradkit watch: an earlier run's records in {self.out} were kept as {kept.name}")
+        records.append(_plain(rec), self.out / RECORDS)
+        return True
 
     def judge_logged_norm(self, step: int, logged: float) -> dict | None:
         """The grad norm the engine logged for a judged ``step`` (what the user's curves show, before clipping)
@@ -249,7 +316,10 @@ class Watch:
         if step not in self.norms:
             return None
         norm, dtype = self.norms.pop(step)
-        word, why = oracle.norm_verdict(logged, norm, dtype)
+        said = Faults()  # after the step ended: its own, never carried into the next step
+        word, why = said.run("judgement", step, oracle.norm_verdict, logged, norm, dtype, default=(None, None))
+        if word is None:
+            word, why = oracle.CANNOT_RUN, f"the watch failed ({said.first}); training went on"
         return self._record({"step": step, "case": f"step {step} logged grad norm", "verdict": word, "why": why,
                              "logged_norm": logged, "reference_norm": norm, "dtype": dtype})
 

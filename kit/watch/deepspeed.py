@@ -38,14 +38,19 @@ def explain(rec: dict) -> str | None:
 
 
 def watch_engine(engine, **options):
-    """``engine`` with a ``Watch`` on it (``engine.gradkit_watch``); ``options`` as ``Watch`` takes them."""
-    info = settings(engine)
-    info["ds_config"] = getattr(engine, "_config", None) and getattr(engine._config, "_param_dict", None) or {}
-    info["loss_scale"] = own_loss_scale(engine.optimizer) if info["engine_dtype"] == "fp16" else 1.0
-    options.setdefault("clip", info["clip"] or None)
-    options.setdefault("dtype", info["engine_dtype"])
-    watch = Watch(engine.module, engine.optimizer, finalize_on_post=False, known=explain,
-                  context={**info, **options.pop("context", {})}, **options)
+    """``engine`` with a ``Watch`` on it (``engine.gradkit_watch``); ``options`` as ``Watch`` takes them. Where the
+    watch cannot be put on this engine, the engine comes back as it was, and the log says why."""
+    try:
+        info = settings(engine)
+        info["ds_config"] = getattr(engine, "_config", None) and getattr(engine._config, "_param_dict", None) or {}
+        info["loss_scale"] = own_loss_scale(engine.optimizer) if info["engine_dtype"] == "fp16" else 1.0
+        options.setdefault("clip", info["clip"] or None)
+        options.setdefault("dtype", info["engine_dtype"])
+        watch = Watch(engine.module, engine.optimizer, finalize_on_post=False, known=explain,
+                      context={**info, **options.pop("context", {})}, **options)
+    except Exception as e:  # noqa: BLE001 - the watch never stops the job: it says why it cannot watch it
+        print(f"gradkit watch: cannot watch this engine ({type(e).__name__}: {e}); training goes on without it")
+        return engine
     original = engine.step
 
     def step(*args, **kwargs):

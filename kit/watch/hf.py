@@ -72,13 +72,19 @@ class Callback(TrainerCallback):
         context = {"versions": versions(), "trainer_ga": args.gradient_accumulation_steps,
                    "average_tokens_across_devices": getattr(args, "average_tokens_across_devices", None),
                    **opts.pop("context", {})}
-        self.watch = Watch(model, optimizer, finalize_on_post=False, context=context,
-                           known=lambda rec: known.from_table(rec, "trainer"), **opts)
+        try:
+            self.watch = Watch(model, optimizer, finalize_on_post=False, context=context,
+                               known=lambda rec: known.from_table(rec, "trainer"), **opts)
+        except Exception as e:  # noqa: BLE001 - the watch never stops the job: it says why it cannot watch it
+            print(f"gradkit watch: cannot watch this job ({type(e).__name__}: {e}); training goes on without it")
+            return control
         loader = kwargs.get("train_dataloader")
         if loader is not None:
-            feed(loader, self.watch.recorder.fed)
+            self.watch.faults.run("capture", 1, feed, loader, self.watch.recorder.fed)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.watch is None:
+            return control
         rec = self.watch.step_end()
         if rec and rec.get("verdict") == oracle.AFFECTED and self.stop:
             control.should_training_stop = True
