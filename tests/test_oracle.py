@@ -260,5 +260,15 @@ def test_an_exact_fit_with_nothing_left_over_takes_the_weights_at_their_word():
     basis, weights, ref = basis_and_ref(k=4, n=4)  # as many coordinates as weights: no noise to measure
     a = oracle.attribute(ref, basis, weights)
     assert a["distinct"] == 0.0 or a["distinct"] == math.inf or oracle.indistinct(a)
-    assert oracle.distinct(ref, ref + 1.0, ref, 4) == math.inf  # nothing left over, the combinations apart
+    assert oracle.distinct(ref, ref, ref + 1.0, 4) == math.inf  # the fit leaves nothing, the expected weights do
+    assert oracle.distinct(ref, ref + 1.0, ref, 4) == 0.0  # a fit that explains less than the expected weights (failed)
     assert oracle.distinct(ref, ref, ref, 4) == 0.0
+
+
+def test_a_fit_that_failed_where_micro_batches_are_alike_outright_is_no_evidence():
+    """Two ranks fed the same data (the same micro-batches twice): least squares may leave the vector unexplained
+    and put its weights anywhere; the expected weights explain it exactly, so the misplaced weight is not the step's."""
+    basis, weights, ref = basis_and_ref(k=4, n=600)
+    twice = torch.cat([basis, basis])
+    wrong = torch.tensor([0.5, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0], dtype=torch.float64) @ twice  # what a failed fit says
+    assert oracle.distinct(ref, wrong, torch.cat([weights, weights]) / 2 @ twice, 8) <= 0.0

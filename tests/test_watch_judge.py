@@ -629,3 +629,30 @@ def test_a_wrong_step_clipped_by_its_own_norm_where_the_reference_is_clipped_too
     assert rec["verdict"] == oracle.AFFECTED and rec["matches"] == name and rec["partitions"] == [name, name]
     rec = _same_on_every_rank(judged(monkeypatch, step, grads, coef=0.5))
     assert rec["matches"] == "none" and rec["partitions"] == ["none", "none"]
+
+
+def test_an_exact_step_over_micro_batches_fed_twice_is_not_affected_whatever_the_fit_says(monkeypatch):
+    """Two ranks fed the same data (the same three micro-batches each, as a loop that seeds its data by a rank it
+    reads wrong does): the weights over the basis are not identifiable, the fit may put them anywhere; the step and
+    its control match the reference on every exact signal, so neither the step nor the control is called off."""
+    grads = grads_of(3)
+    grads = grads + [[x.clone() for x in g] for g in grads]  # rank 1's micro-batches are rank 0's
+    counts = COUNTS[:3] * 2
+    recs = judged(monkeypatch, reference(grads, counts), grads, counts=counts)
+    rec = recs[0]  # the weights, free between alike micro-batches, may differ from rank to rank: the verdict may not
+    assert [r["verdict"] for r in recs] == [oracle.NOT_AFFECTED] * W, rec["why"]
+    m = rec["measured"]["metrics"]
+    assert m["rel_l2"] < 1e-6 and abs(m["norm_ratio"] - 1) < 1e-6
+    fitted = rec["measured"]["attribution"]
+    if fitted["misplaced_weight"] > FP32.misplaced_weight:  # the fit went astray: said, not judged
+        assert "not identifiable" in rec["why"]
+
+
+def test_exact_first_never_excuses_a_step_off_on_an_exact_signal():
+    ref = {"metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0, "max_rel_err": 0.0}, "dtype": "fp32"}
+    astray = {"weights": [1.0, 0.0], "expected_weights": [0.5, 0.5], "misplaced_weight": 0.5, "distinct": math.inf}
+    word, why = wj.exact_first({**ref, "attribution": astray}, {**ref, "attribution": astray})
+    assert word == oracle.NOT_AFFECTED and "not identifiable" in why and "misplaced weight 5.00e-01" in why
+    off = {**ref, "metrics": {**ref["metrics"], "rel_l2": 1e-2}, "attribution": astray}
+    assert wj.exact_first(off, ref)[0] == oracle.AFFECTED
+    assert wj.exact_first(ref, {**ref, "metrics": {**ref["metrics"], "norm_ratio": 0.9}})[0] == oracle.INCONCLUSIVE

@@ -33,16 +33,29 @@ def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_a
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("stage", [1, 3])
-def test_the_trainer_on_deepspeed_with_its_own_optimizer_and_its_two_parameter_groups_is_exact(tmp_path, stage):
+@pytest.mark.parametrize("how", [("1", "--precision", "bf16"), ("3", "--lora", "--gradient-checkpointing")],
+                         ids=["zero1-bf16", "zero3-lora-checkpointing"])
+def test_the_trainer_on_deepspeed_with_its_own_optimizer_and_its_two_parameter_groups_is_exact(tmp_path, how):
     """The Trainer on the DeepSpeed config LLaMA-Factory ships (every size "auto"), its own AdamW with a decay and a
     no-decay group, rows of 3 to 60 tokens half of them prompt-masked. ZeRO-1/2 step one group at a time with the
-    torch optimizer's groups cut down to it (the watch reads every group's partition: it used to stop the job here);
-    ZeRO-3 its sub-groups' partitions. ZeRO-0 is the plain parameters' read, ZeRO-2 ZeRO-1's (tests/test_watch_jobs.py
-    reads both in DeepSpeed's own loop)."""
-    recs = _run(tmp_path, "trainer_job.py", "--deepspeed", str(stage), "--rows", "prompts", "--ga", "4")
+    torch optimizer's groups cut down to it (the watch reads every group's partition: it used to stop the job here),
+    here in bf16 mixed precision; ZeRO-3 reads its sub-groups' partitions, here of a LoRA adapter (the base model
+    frozen: never stepped, never judged) with gradient checkpointing (the reference's copy recomputes too). ZeRO-0 is
+    the plain parameters' read, ZeRO-2 ZeRO-1's, offloaded optimizers their partitions on the CPU
+    (tests/test_watch_jobs.py reads each in DeepSpeed's own loop)."""
+    recs = _run(tmp_path, "trainer_job.py", "--deepspeed", *how, "--rows", "prompts", "--ga", "4")
     assert _verdicts(recs) == _verdicts(recs, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
     assert all(r["read"] == "fp32 partitions" and r["versions"]["deepspeed"] for r in recs if "ga" in r)
+    assert all(r["dtype"] == ("bf16" if "bf16" in how else "fp32") for r in recs if "ga" in r)
+    if "--lora" in how:
+        assert all(r["judged_parameters"] == 8 for r in recs if "ga" in r)  # A and B of q and v, 2 layers
+
+
+@pytest.mark.world
+def test_trls_trainer_on_deepspeed_with_packing_at_its_bf16_is_exact(tmp_path):
+    recs = _run(tmp_path, "trl_job.py", "--deepspeed", "2", "--packing")
+    assert _verdicts(recs) == _verdicts(recs, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
+    assert all(r["read"] == "fp32 partitions" and r["dtype"] == "bf16" for r in recs if "ga" in r)
 
 
 @pytest.mark.world
@@ -69,6 +82,15 @@ def test_a_packing_collator_is_exact_where_its_token_count_is_right_and_affected
     wrong = _run(tmp_path / "wrong", "trainer_job.py", "--collator", "packed-wrong")
     assert _verdicts(wrong) == [oracle.AFFECTED] * 2, [r["line"] for r in wrong]
     assert all(r["measured"]["metrics"]["cosine"] < 0.99 for r in wrong if "measured" in r)
+
+
+@pytest.mark.world
+def test_accelerates_deepspeed_plugin_hands_the_watch_to_the_engine_and_is_exact(tmp_path):
+    """Accelerate's DeepSpeed plugin (ZeRO-2, GA 4 in the plugin): watch_accelerate hands over to the engine's adapter.
+    Its FSDP plugin selects FSDP on a GPU only; FSDP2 itself is tests/test_watch_jobs.py's fsdp2_job."""
+    recs = _run(tmp_path, "accelerate_job.py", "--deepspeed", "2")
+    assert [r["verdict"] for r in recs] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
+    assert all(r["read"] == "fp32 partitions" and r["zero_stage"] == 2 and r["ga"] == 4 for r in recs)
 
 
 @pytest.mark.world

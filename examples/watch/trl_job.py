@@ -7,7 +7,8 @@ A tiny Llama built from a config and a word-level tokenizer built in memory (no 
 already tokenized, TRL's SFT defaults otherwise: its own loss (the fused LM head, per-token log-probabilities summed
 over the tokens of every rank, ``average_tokens_across_devices``) and its precision (bf16 autocast where the machine
 has it, CPU included). ``--packing``: TRL's packing (best-fit decreasing into rows of 48 tokens, padding-free, each
-sequence's positions from 0 in ``position_ids``). ``--fp32``: no bf16 autocast. ``--per-rank-mean``:
+sequence's positions from 0 in ``position_ids``). ``--fp32``: no bf16 autocast. ``--deepspeed STAGE``: on DeepSpeed, the
+config's sizes all ``"auto"``. ``--per-rank-mean``:
 ``average_tokens_across_devices=False``, each rank's loss divided by its own tokens and the ranks' gradients
 averaged: not the mean over the global batch's tokens when the ranks hold different numbers of them.
 """
@@ -28,6 +29,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--packing", action="store_true", help="TRL's packing (best-fit decreasing) into rows of 48 tokens")
 p.add_argument("--fp32", action="store_true", help="no bf16 autocast")
 p.add_argument("--per-rank-mean", action="store_true", help="average_tokens_across_devices=False")
+p.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), help="TRL's trainer on DeepSpeed, this ZeRO stage")
 p.add_argument("--ga", type=int, default=2)
 p.add_argument("--steps", type=int, default=2)
 p.add_argument("--out", default="gradkit-watch")
@@ -47,7 +49,11 @@ rows = [{"input_ids": torch.randint(0, VOCAB - 2, (int(torch.randint(5, 17, (1,)
 
 config = SFTConfig(output_dir=args.out + "-trl", per_device_train_batch_size=2, gradient_accumulation_steps=args.ga,
                    learning_rate=1e-3, max_steps=args.steps, report_to=[], save_strategy="no", logging_steps=1,
-                   use_cpu=True, seed=0, dataloader_drop_last=True,
+                   use_cpu=not torch.cuda.is_available(), seed=0, dataloader_drop_last=True,
+                   deepspeed=None if args.deepspeed is None else {  # every size left to the trainer, as shipped
+                       "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                       "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                       "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": args.deepspeed}},
                    **({"packing": True, "packing_strategy": "bfd", "max_length": 48} if args.packing else {}),
                    average_tokens_across_devices=not args.per_rank_mean, **({"bf16": False} if args.fp32 else {}))
 trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,

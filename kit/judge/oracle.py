@@ -123,17 +123,19 @@ def attribute(vector, basis, expected_weights) -> dict:
 
 
 def distinct(v, fit, expected, k: int) -> float:
-    """How far the fitted combination is from the expected one, in units of the fit's own noise: the Mahalanobis
-    distance of the fitted weights from the expected (``||fit - expected||^2 / sigma^2``, ``sigma^2`` the residual's
-    variance per coordinate, ``n - k`` degrees of freedom), which is chi-squared with ``k`` degrees of freedom where
-    the vector is the expected combination plus noise. Where micro-batches' gradients are nearly alike the weights
-    are not identifiable: least squares may put weight anywhere between them while the fitted and the expected
-    combination are the same vector, and this distance stays small. ``inf`` where it cannot be told (no degrees of
-    freedom left, or a residual of exactly 0: the weights are then taken at their word)."""
+    """How much better the fitted weights explain ``v`` than the expected ones, in units of the noise: the drop of the
+    squared residual from the expected combination to the fitted one over ``sigma^2``, the residual's variance per
+    coordinate (``n - k`` degrees of freedom, from the better of the two). Where ``v`` is the expected combination plus
+    noise this is chi-squared with ``k`` degrees of freedom (for a least-squares fit the drop is
+    ``||fit - expected||^2``: the Mahalanobis distance of the fitted weights from the expected). Where micro-batches'
+    gradients are nearly alike, or alike outright, the weights are not identifiable: the fit may put weight anywhere
+    between them (or fail) while explaining ``v`` no better than the expected weights, and this stays small. ``inf``
+    where the expected weights leave a residual and the fit none (no noise to measure: taken at its word)."""
     dof = v.numel() - k
-    apart = float((fit - expected).norm()) ** 2
-    noise = float((v - fit).norm()) ** 2 / dof if dof > 0 else 0.0
-    return apart / noise if noise > 0 else (0.0 if apart == 0 else math.inf)
+    left_fit, left_expected = float((v - fit).norm()) ** 2, float((v - expected).norm()) ** 2
+    drop = left_expected - left_fit
+    noise = min(left_fit, left_expected) / dof if dof > 0 else 0.0
+    return drop / noise if noise > 0 else (math.inf if drop > 0 else 0.0)
 
 
 def indistinct(attribution: dict) -> bool:

@@ -373,6 +373,8 @@ def line(rec: dict) -> str:
             text += f"; {rec['known']}"
     elif rec["verdict"] != oracle.NOT_AFFECTED:
         text += f"; {rec['why']}"
+    elif "not identifiable" in rec.get("why", ""):  # exact on every exact signal; the fit's weights free
+        text += "; the fitted weights are not identifiable on these micro-batches (alike ones)"
     return text
 
 
