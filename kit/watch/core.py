@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from gradkit.judge import oracle, records
 import gradkit.watch.judge as wjudge
+import gradkit.watch.lines as lines
 import gradkit.watch.losses as losses
 import gradkit.watch.reference as reference
 from gradkit.watch.capture import Recorder
@@ -28,7 +29,6 @@ from gradkit.watch.schedule import Schedule
 from gradkit.watch.sketch import SIZE, Sketch
 
 RECORDS = "watch.jsonl"
-DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 PARTITIONS_FITTED = 8  # up to this many ranks, each rank's partition of a partitioned read is fitted on its own
 
 
@@ -226,8 +226,8 @@ class Watch:
         held = {"copy": sum(q.numel() * q.element_size() for q in params),
                 "gradient": sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None),
                 "sketches": info["basis"].numel() * 8 + (0 if info.get("parts") is None else info["parts"].numel() * 8),
-                "inputs": sum(_bytes(mb.args) + _bytes(mb.kwargs) for mb in window.micro_batches)}
-        dtype = self.dtype or _dtype(self.model, window)
+                "inputs": sum(lines.nbytes(mb.args) + lines.nbytes(mb.kwargs) for mb in window.micro_batches)}
+        dtype = self.dtype or lines.dtype_of(self.model, window)
         return {"tally": wjudge.Tally(ref, coef, sketch), "judged": judged, "rr": rr, "maxref": top, "info": info,
                 "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch, "held": held}
 
@@ -280,7 +280,7 @@ class Watch:
                **rec, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": platform.node()}
         said = Faults()  # this record's own line and file: a fault there ends this record, never another
-        rec["line"] = said.run("report", rec["step"], line, rec)
+        rec["line"] = said.run("report", rec["step"], lines.line, rec)
         if rec["line"] is None or self.faults.first and rec["verdict"] != oracle.CANNOT_RUN:  # or its explanation
             rec = self._failed(rec, said.first or self.faults.first)
         self.records.append(rec)
@@ -303,10 +303,10 @@ class Watch:
     def _write(self, rec: dict) -> bool:
         if not self._written:
             self._written = True
-            kept = keep_earlier(self.out / RECORDS)
+            kept = lines.keep_earlier(self.out / RECORDS)
             if kept and self.log:
                 self.log(f"gradkit watch: an earlier run's records in {self.out} were kept as {kept.name}")
-        records.append(_plain(rec), self.out / RECORDS)
+        records.append(lines.plain(rec), self.out / RECORDS)
         return True
 
     def judge_logged_norm(self, step: int, logged: float) -> dict | None:
@@ -337,73 +337,3 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-def keep_earlier(path: Path) -> Path | None:
-    """An earlier run's records file moved aside (``watch-<its time>.jsonl``, never overwritten), so that the file a
-    run writes holds that run's records only; the moved file's path, or None where there was none."""
-    if not path.is_file() or not path.stat().st_size:
-        return None
-    stamp = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y%m%dT%H%M%S")
-    kept, n = path.with_name(f"{path.stem}-{stamp}{path.suffix}"), 1
-    while kept.exists():
-        n += 1
-        kept = path.with_name(f"{path.stem}-{stamp}-{n}{path.suffix}")
-    path.rename(kept)
-    return kept
-
-
-def line(rec: dict) -> str:
-    """The training log's line for a judged step."""
-    if "logged_norm" in rec:
-        return f"gradkit watch: step {rec['step']}: logged grad norm {rec['verdict']}: {rec['why']}"
-    head = f"gradkit watch: step {rec['step']}: {rec['verdict']}"
-    m = ((rec.get("measured") or {}).get("metrics")) or {}
-    if not m:
-        return f"{head} ({rec.get('why', '')})"
-    att = (rec.get("measured") or {}).get("attribution") or {}
-    text = (f"{head} (ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e}, "
-            f"misplaced weight {att.get('misplaced_weight', float('nan')):.2e}; {rec['ga']} micro-batches x "
-            f"{rec['world_size']} ranks, {rec['loss']} over {rec['global_count']:g})")
-    if rec.get("short_window"):
-        text += f"; {rec['short_window']}"
-    if rec["verdict"] == oracle.AFFECTED:
-        text += f"; the step is {rec.get('matches')!r}: {rec.get('shape')}"
-        if rec.get("known"):
-            text += f"; {rec['known']}"
-    elif rec["verdict"] != oracle.NOT_AFFECTED:
-        text += f"; {rec['why']}"
-    elif "not identifiable" in rec.get("why", ""):  # exact on every exact signal; the fit's weights free
-        text += "; the fitted weights are not identifiable on these micro-batches (alike ones)"
-    return text
-
-
-def _dtype(model: nn.Module, window) -> str:
-    autocast = next((mb.autocast for mb in window.micro_batches if mb.autocast), None)
-    if autocast:
-        return autocast
-    dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return DTYPES.get(dt, "fp32")
-
-
-def _bytes(x) -> int:
-    """Bytes of the tensors in a recorded micro-batch's arguments."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_bytes(v) for v in x)
-    if isinstance(x, dict):
-        return sum(_bytes(v) for v in x.values())
-    return 0
-
-
-def _plain(x):
-    if isinstance(x, torch.Tensor):
-        return x.tolist()
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, float) and x != x:
-        return None
-    return x
