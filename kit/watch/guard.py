@@ -15,7 +15,7 @@ import os
 
 import torch.distributed as dist
 
-from gradkit.watch import reference
+import gradkit.watch.reference as reference
 
 PHASES = ("capture", "read", "copy", "reference", "judgement", "records", "report")
 FAULT_ENV = "GRADKIT_WATCH_FAULT"
