@@ -272,3 +272,34 @@ def test_a_fit_that_failed_where_micro_batches_are_alike_outright_is_no_evidence
     twice = torch.cat([basis, basis])
     wrong = torch.tensor([0.5, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0], dtype=torch.float64) @ twice  # what a failed fit says
     assert oracle.distinct(ref, wrong, torch.cat([weights, weights]) / 2 @ twice, 8) <= 0.0
+
+
+def test_distinct_is_the_drop_of_the_squared_residual_over_the_noise_per_degree_of_freedom():
+    v = torch.zeros(10, dtype=torch.float64)
+    fit, expected = v.clone(), v.clone()
+    fit[0], expected[0], expected[1] = 2.0, 3.0, 1.0  # squared residuals: 4 left by the fit, 9 + 1 by the expected
+    assert oracle.distinct(v, fit, expected, 2) == pytest.approx((10.0 - 4.0) / (4.0 / 8))  # n - k = 8
+    assert oracle.distinct(v, fit, expected, 9) == pytest.approx(6.0 / 4.0)  # one degree of freedom left
+    assert oracle.distinct(v, v, expected, 10) == math.inf  # none left, the fit explains more: at its word
+    small = v.clone()
+    small[0] = 0.5  # the expected weights leave 0.25 (< 1), the fit nothing
+    assert oracle.distinct(v, v, small, 2) == math.inf
+
+
+def test_the_weights_are_told_apart_beyond_k_plus_six_sigma_of_chi_squared_and_not_at_it():
+    def att(d):
+        return {"weights": [0.0] * 8, "distinct": d}
+
+    bound = 8 + 6 * math.sqrt(16)  # 32 for 8 weights
+    assert oracle.indistinct(att(bound)) and not oracle.indistinct(att(bound + 1))
+    assert not oracle.indistinct({"weights": [], "distinct": 0.0})  # nothing fitted: nothing to excuse
+
+
+def test_a_groups_fit_that_cannot_tell_its_weights_apart_is_excused_like_the_whole_steps():
+    _, _, ref = basis_and_ref()
+    free = {"weights": [0.5, 0.5], "expected_weights": [1.0, 0.0], "misplaced_weight": 0.5, "distinct": 0.0}
+    told = {**free, "distinct": math.inf}
+    for attribution, ok in ((free, True), (told, False)):
+        judged_ = {**judged(ref, ref), "groups": {"head": {"rel_err": 0.0, "attribution": attribution}}}
+        sig = next(s for s in oracle.signals(judged_) if s["signal"] == "misplaced weight of head")
+        assert sig["ok"] is ok
