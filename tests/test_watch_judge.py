@@ -651,8 +651,10 @@ def test_an_exact_step_over_micro_batches_fed_twice_is_not_affected_whatever_the
 def test_exact_first_never_excuses_a_step_off_on_an_exact_signal():
     ref = {"metrics": {"norm_ratio": 1.0, "cosine": 1.0, "rel_l2": 0.0, "max_rel_err": 0.0}, "dtype": "fp32"}
     astray = {"weights": [1.0, 0.0], "expected_weights": [0.5, 0.5], "misplaced_weight": 0.5, "distinct": math.inf}
-    word, why = wj.exact_first({**ref, "attribution": astray}, {**ref, "attribution": astray})
-    assert word == oracle.NOT_AFFECTED and "not identifiable" in why and "misplaced weight 5.00e-01" in why
+    second = {**astray, "misplaced_weight": 0.25}
+    word, why = wj.exact_first({**ref, "attribution": astray, "rank_buffers": [{"attribution": second}]}, ref)
+    assert word == oracle.NOT_AFFECTED and "not identifiable" in why
+    assert why.endswith("(misplaced weight 5.00e-01 where the exact signals agree)"), why  # the first signal off
     off = {**ref, "metrics": {**ref["metrics"], "rel_l2": 1e-2}, "attribution": astray}
     assert wj.exact_first(off, ref)[0] == oracle.AFFECTED
     assert wj.exact_first(ref, {**ref, "metrics": {**ref["metrics"], "norm_ratio": 0.9}})[0] == oracle.INCONCLUSIVE
