@@ -72,7 +72,8 @@ ENVS = {
                "checks": [("a DeepSpeed config", ["CONFIG"], (0, 1))]},
 }
 STACK = ("transformers", "accelerate", "deepspeed", "trl")
-CHECK_CONFIG = REPO / "tests" / "configs" / "corpus" / "chinese-llama-alpaca__ds_zero2_no_offload.json"  # a DeepSpeed config the check judges
+# a DeepSpeed config the check judges (a shipped one, its precision "auto")
+CHECK_CONFIG = REPO / "tests" / "configs" / "corpus" / "chinese-llama-alpaca__ds_zero2_no_offload.json"
 
 
 def sh(cmd, timeout=1800, check=True, **kw) -> subprocess.CompletedProcess:
@@ -90,7 +91,8 @@ def freeze(python: Path) -> dict[str, str]:
 def build_wheel() -> Path:
     dist = OUT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    sh([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, REPO])  # the wheel from the sdist, as released
+    # the sdist, then the wheel built from it, as a release is made
+    sh([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, REPO])
     return next(dist.glob("gradkit-*.whl"))
 
 
@@ -193,8 +195,8 @@ def table(rows: list[dict]) -> str:
 
 def write_page(page: Path, rows: list[dict]) -> None:
     name = page.relative_to(REPO).as_posix() if page.is_relative_to(REPO) else str(page)
-    text = (f"<sub>measured by `.venv/bin/python scripts/support_range.py`, written by `python scripts/support_range.py "
-            f"--readme {name}`: fresh venvs on a {os.cpu_count()}-core CPU machine, gloo, 2 ranks, Python "
+    text = (f"<sub>measured by `.venv/bin/python scripts/support_range.py`, written by "
+            f"`python scripts/support_range.py --readme {name}`: fresh venvs on a {os.cpu_count()}-core CPU machine, gloo, 2 ranks, Python "
             f"{sys.version_info.major}.{sys.version_info.minor}</sub>\n\n{table(rows)}\n")
     before = page.read_text()
     after, done = readme_tables.fill(before, {"SUPPORT": text})

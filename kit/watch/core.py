@@ -72,7 +72,8 @@ class Watch:
         self._consumed = False  # the optimizer consumed a gradient since the last step end
         self._written = False  # this run has written its first record (an earlier run's file was moved aside)
         self.faults = Faults()  # the watch's own errors: the judged step's cannot-run, never the job's (guard.py)
-        self.recorder = Recorder(model, criterion, guard=lambda fn, *a: self.faults.run("capture", self.step + 1, fn, *a))
+        self.recorder = Recorder(model, criterion,
+                                 guard=lambda fn, *a: self.faults.run("capture", self.step + 1, fn, *a))
         self._handles = [self.basic.register_step_pre_hook(self._pre)]
         if finalize_on_post:
             self._handles.append(self.basic.register_step_post_hook(lambda *a: self.step_end()))

@@ -84,7 +84,8 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     micro-batches' counts: the global mean (each n_k / N), only each rank's last micro-batch, every micro-batch's
     mean summed (1/W each: a missing division by the accumulation), each micro-batch's mean averaged equally (a
     mean over micro-batches, not over samples or tokens), each rank's own count (a per-rank mean, then averaged),
-    each rank's first and last micro-batch alone (the ones between lost, B5; offered where every rank ran three or more),
+    each rank's first and last micro-batch alone (the ones between lost, B5; offered where every rank ran three or
+    more),
     the global mean over the loss scale, the previous step's gradient applied again, and, seen from partition
     ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4), and where
     the step came after fewer micro-batches than the ``declared_ga`` the loop divides by, the mean / that GA."""
