@@ -32,6 +32,7 @@ def test_zero2_with_several_backwards_per_step_is_b3_and_deepspeeds_own_loop_is_
     for r in manual:
         assert r["matches"] == "last micro-batch / N" and r["known"].startswith("B3 ("), r["line"]
         assert r["read"] == "fp32 partitions" and r["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert r["reference"] == "whole"  # ZeRO-2: every rank holds the model anyway
         weights = r["measured"]["attribution"]["weights"][:8]
         assert weights == pytest.approx([0, 0, 0, 1 / 8] * 2, abs=1e-5)  # each rank's last micro-batch only
     engine = _run(tmp_path / "e", "deepspeed_job.py", "--stage", "2", "--loop", "engine")
@@ -66,6 +67,7 @@ def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_
     assert [r["verdict"] for r in recs] == [oracle.NOT_AFFECTED, oracle.AFFECTED], [r["line"] for r in recs]
     step2 = recs[1]
     assert step2["read"] == "fp32 partitions" and step2["known"].startswith("B6 (")
+    assert [r["reference"] for r in recs] == ["sharded"] * 2  # ZeRO-3 shards the model: so does the reference
     stale = [g for g in step2["measured"]["groups"] if "no gradient of its own" in g]
     assert sorted(g.split(" (")[0] for g in stale) == ["heads.1.bias", "heads.1.weight"]
 
@@ -74,7 +76,9 @@ def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_
 def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_affected(tmp_path):
     right = _run(tmp_path / "right", "fsdp2_job.py")
     assert [r["verdict"] for r in right] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in right]
-    assert all(r["read"] == "parameters" and r["measured"]["metrics"]["rel_l2"] < 1e-6 for r in right)
+    assert all(r["read"] == "sharded parameters" and r["measured"]["metrics"]["rel_l2"] < 1e-6 for r in right)
+    assert all(r["reference"] == "sharded" and r["held_bytes"]["copy"] < r["held_bytes"]["reference pieces"] * 1.05
+               for r in right)  # each rank its chunk: the reference as sharded as the job
     summed = _run(tmp_path / "sum", "fsdp2_job.py", "--loop", "sum")
     for r in summed:
         assert r["verdict"] == oracle.AFFECTED and r["matches"] == "sum of micro-batches", r["line"]

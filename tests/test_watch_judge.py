@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import gradkit.watch.judge as wj
+import gradkit.watch.reference as wref
 from gradkit.judge import oracle
 from gradkit.judge.parts import PART_LOST, PART_STALE
 from gradkit.watch.judge import STALE, Tally, clipped_by_own_norm, dot64, hypotheses, judgement
@@ -296,9 +297,9 @@ def test_a_replicated_tally_keeps_each_ranks_own_sums(monkeypatch):
 
 
 def test_dot64_is_the_fp64_dot_product_over_every_chunk_of_any_layout(monkeypatch):
-    """``_CHUNK`` 7 over 30 values: four whole chunks and a part of one; ``a`` a transposed (non-contiguous) 2-D
+    """``_DOT_CHUNK`` 7 over 30 values: four whole chunks and a part of one; ``a`` a transposed (non-contiguous) 2-D
     tensor, ``b`` another shape of as many values, each read in its flat (row-major) order."""
-    monkeypatch.setattr(wj, "_CHUNK", 7)
+    monkeypatch.setattr(wref, "_DOT_CHUNK", 7)
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(6, 5, generator=g).t(), torch.randn(3, 10, generator=g)
     assert not a.is_contiguous()

@@ -151,6 +151,8 @@ def test_a_fault_of_the_watch_in_any_phase_ends_its_step_as_cannot_run_and_train
     for k, phase in enumerate(FAULTS, start=1):
         assert lines[k].startswith(f"gradkit watch: step {k}: cannot-run"), lines[k]
         assert f"a fault planted in the watch's {phase} at step {k}" in lines[k], lines[k]
+        said_as = "the reference could not be computed: " if phase == "reference" else "the watch failed ("
+        assert said_as in lines[k] and lines[k].count("could not be computed") <= 1, lines[k]
     assert lines[len(FAULTS) + 1].startswith(f"gradkit watch: step {len(FAULTS) + 1}: not-affected"), lines
     rc, clean, clean_losses, said = _job(tmp_path / "clean", *steps)
     assert rc == 0 and all(v.split(": ")[2].startswith("not-affected") for v in clean.values()), said[-3000:]

@@ -29,6 +29,8 @@ p.add_argument("--offload", action="store_true",
                help="the optimizer's state and fp32 partitions offloaded to the CPU (ZeRO-1/2/3), a torch optimizer")
 p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
+p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
+               help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
 
 deepspeed.init_distributed(dist_backend="gloo")
@@ -60,7 +62,7 @@ engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model
                                   config=config)
 criterion = nn.MSELoss()
 engine = gradkit.watch.watch_engine(engine, criterion=criterion, out=args.out,
-                                    every=args.every)  # <- gradkit's one line
+                                    every=args.every, shard={"on": True, "off": False}.get(args.shard))  # <- the line
 
 data = torch.Generator().manual_seed(100 + rank)
 dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32

@@ -23,6 +23,8 @@ p.add_argument("--ga", type=int, default=4)
 p.add_argument("--steps", type=int, default=2)
 p.add_argument("--every", type=int, default=0, help="judge every this many steps after the first two")
 p.add_argument("--out", default="gradkit-watch")
+p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
+               help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -34,7 +36,8 @@ for layer in model:
 fully_shard(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 criterion = nn.MSELoss()
-watch = gradkit.watch.Watch(model, optimizer, criterion=criterion, out=args.out, every=args.every)  # <- the line
+watch = gradkit.watch.Watch(model, optimizer, criterion=criterion, out=args.out, every=args.every,
+                            shard={"on": True, "off": False}.get(args.shard))  # <- the line
 
 data = torch.Generator().manual_seed(100 + dist.get_rank())
 for step in range(args.steps):

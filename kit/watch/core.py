@@ -22,8 +22,9 @@ import gradkit.watch.judge as wjudge
 import gradkit.watch.lines as lines
 import gradkit.watch.losses as losses
 import gradkit.watch.reference as reference
+import gradkit.watch.sharded as sharded
 from gradkit.watch.capture import Recorder
-from gradkit.watch.guard import Faults, planted
+from gradkit.watch.guard import Faults, failed, planted
 from gradkit.watch.reads import Layout, chain
 from gradkit.watch.schedule import Schedule
 from gradkit.watch.sketch import SIZE, Sketch
@@ -45,13 +46,15 @@ class Watch:
     None: guessed from the first micro-batch, or ``Criterion(criterion)`` where a criterion is given, whose calls
     give each micro-batch its targets); ``clip``: the norm the engine clips at (its expected step is the reference
     clipped the same way); ``dtype``: the precision to judge at (None: the model's or autocast's); ``layers``: judge
-    only the parameters whose names start with one of these; ``stop``: raise ``Affected`` after an affected step.
+    only the parameters whose names start with one of these; ``stop``: raise ``Affected`` after an affected step;
+    ``shard``: the reference sharded over the ranks under FSDP2 (True), a whole copy on every rank (False), or
+    sharded where the engine shards the model (None: ZeRO-3, FSDP2; ``gradkit.watch.sharded``).
     """
 
     def __init__(self, model: nn.Module, optimizer, loss=None, criterion=None, first: int = 2, every: int = 100,
                  steps=(), poll: int = 10, out="gradkit-watch", clip: float | None = None, dtype: str | None = None,
                  layers=None, stop: bool = False, sketch_size: int = SIZE, log=print, context: dict | None = None,
-                 finalize_on_post: bool = True, known=None):
+                 finalize_on_post: bool = True, known=None, shard: bool | None = None):
         while isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
         wrappers = chain(optimizer)  # the engine's own optimizer is the one just above the torch one
@@ -61,14 +64,13 @@ class Watch:
         self.schedule = Schedule(first=first, every=every, steps=set(steps), poll=poll)
         self.out = Path(out)
         self.log, self.context = log, {"versions": {"torch": torch.__version__}, **(context or {})}
-        self.sketch_size, self.known = sketch_size, known
+        self.sketch_size, self.known, self.shard = sketch_size, known, shard
         self.step = 0  # optimizer steps taken (consumed or skipped)
         self.records: list[dict] = []
         self.norms: dict[int, tuple] = {}  # judged step -> (the reference's norm before any clip, dtype)
         self.layout: Layout | None = None
         self._pending = None  # the judged step being read: its tally and reference
         self._prev_basis = None  # the previous step's basis, where it was judged
-        self._clone = None
         self._consumed = False  # the optimizer consumed a gradient since the last step end
         self._written = False  # this run has written its first record (an earlier run's file was moved aside)
         self.faults = Faults()  # the watch's own errors: the judged step's cannot-run, never the job's (guard.py)
@@ -108,7 +110,7 @@ class Watch:
                 self.faults.run("read", self.step + 1, self._read, optimizer)
         except Exception as e:  # noqa: BLE001 - a last resort: the phases above keep their own faults
             self.faults.note("reference", e)
-            self._pending = {"cannot": self.faults.first}
+            self._pending = {"cannot": failed(self.faults.first)}
 
     def _read(self, optimizer) -> None:
         current = [q for g in optimizer.param_groups for q in g["params"]]
@@ -126,7 +128,7 @@ class Watch:
         except Exception as e:  # noqa: BLE001 - a last resort: the phases keep their own faults
             self.faults.note("judgement", e)
             rec = self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
-                                "why": f"the watch failed: {self.faults.first}"})
+                                "why": failed(self.faults.first)})
             self._pending, self._prev_basis = None, None
             self.faults.clear()
             self._arm()
@@ -146,7 +148,7 @@ class Watch:
         fault = self.faults.agree() if self._pending is not None and "tally" in self._pending else ""
         if self._pending is not None and "cannot" in self._pending:  # the job goes on; the step is not judged
             rec = self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
-                                "why": f"the reference could not be computed: {self._pending['cannot']}"[:600]})
+                                "why": self._pending["cannot"][:600]})
             self._prev_basis = None
         elif fault:  # a rank's read failed: every rank ends the step here, before the tally's collectives
             rec = self._cannot(fault)
@@ -162,17 +164,13 @@ class Watch:
         self._pending = None
         self.faults.clear()
         self._arm()
-        if not self.recorder.recording:
-            self._clone = None  # nothing held between judged steps: the copy is made again for the next one
         return rec
 
     def _cannot(self, fault: str) -> dict:
         """The judged step ended by a fault of the watch's own, the same on every rank."""
-        if self._clone is not None:
-            self._release()
         self._prev_basis = None
         return self._record({"step": self.step, "verdict": oracle.CANNOT_RUN,
-                             "why": f"the watch failed ({fault}); training went on"[:600]})
+                             "why": failed(fault)})
 
     # ------------------------------------------------------------ reference and judgement
 
@@ -180,22 +178,20 @@ class Watch:
         step = self.step + 1
         if self.layout is None:
             self.layout = self.faults.run("read", step, Layout, self.model, self.wrapper, self.basic)
-        self.faults.run("copy", step, self._copy)
+        built = self.faults.run("copy", step, self._copy)
         fault = self.faults.agree()  # the first collective of the step: every rank ends it here if one failed
         if fault:
-            return {"cannot": f"the watch failed ({fault}); training went on"}
+            return {"cannot": failed(fault)}
         names = [n for n, _ in self.model.named_parameters()]
         covered = torch.zeros(len(names))
         covered[list(self.layout.covered())] = 1.0
         reference.all_sum(covered, dist.ReduceOp.MAX)
         judged = {t for t in range(len(names)) if covered[t] > 0
                   and (self.layers is None or names[t].startswith(self.layers))}
-        params = list(self._clone.parameters())
-        for t, p in enumerate(params):
-            p.requires_grad_(t in judged)
         if self.loss is None and window.micro_batches:
             self.loss = losses.guess(window.micro_batches[0], self.criterion)
-        sketch = Sketch([p.numel() for p in params], self.sketch_size, device=params[0].device)
+        numels = [sharded.shape_of(p).numel() for p in self.model.parameters()]
+        sketch = Sketch(numels, self.sketch_size, device=built.device, keep=built.keep_signs(sum(numels)))
         partitions = None
         if not self.layout.replicated and 1 < reference.world()[1] <= PARTITIONS_FITTED:
             mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
@@ -203,40 +199,31 @@ class Watch:
             dist.all_gather_object(partitions, mine)
         try:
             planted("reference", step)
-            local, failed = reference.run_window(self._clone, window, self.loss, sketch, partitions), ""
+            local, refused = built.run(window, self.loss, sketch, partitions, judged), ""
         except Exception as e:  # noqa: BLE001 - the user's model or loss refused the reference: said, not raised
-            local, failed = None, f"{type(e).__name__}: {e}"
-        flag = torch.tensor([1.0 if failed else 0.0])
+            local, refused = None, f"{type(e).__name__}: {e}"
+        flag = torch.tensor([1.0 if refused else 0.0])
         reference.all_sum(flag, dist.ReduceOp.MAX)  # every rank learns it before the next collective
         if float(flag):
-            self._release()
-            return {"cannot": failed or "another rank could not compute its reference"}
-        info = reference.gathered(local, sketch)
-        total = float(sum(info["counts"])) or 1.0
-        ref = []
-        rr, top = 0.0, 0.0
-        for t, p in enumerate(params):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if t in judged:
-                reference.all_sum(g)  # a collective on every rank, in module order
-                g.div_(total)
-                rr += wjudge.dot64(g)  # as the tally sums its pieces
-                top = max(top, float(g.abs().max()) if g.numel() else 0.0)
-            ref.append(g)
-        coef = reference.clip_coef(rr ** 0.5, self.clip)
-        held = {"copy": sum(q.numel() * q.element_size() for q in params),
-                "gradient": sum(q.grad.numel() * q.grad.element_size() for q in params if q.grad is not None),
+            built.release()
+            return {"cannot": "the reference could not be computed: "
+                              + (refused or "another rank could not compute its reference")}
+        out = built.finish(local, sketch, self.layout, judged)
+        info = out["info"]
+        coef = reference.clip_coef(out["rr"] ** 0.5, self.clip)
+        held = {**out["held"],
                 "sketches": info["basis"].numel() * 8 + (0 if info.get("parts") is None else info["parts"].numel() * 8),
                 "inputs": sum(lines.nbytes(mb.args) + lines.nbytes(mb.kwargs) for mb in window.micro_batches)}
         dtype = self.dtype or lines.dtype_of(self.model, window)
-        return {"tally": wjudge.Tally(ref, coef, sketch), "judged": judged, "rr": rr, "maxref": top, "info": info,
-                "dtype": dtype, "window": len(window.micro_batches), "sketch": sketch, "held": held}
+        return {"tally": wjudge.Tally(out["ref"], coef, sketch), "judged": judged, "rr": out["rr"],
+                "maxref": out["top"], "info": info, "dtype": dtype, "window": len(window.micro_batches),
+                "sketch": sketch, "held": held, "reference": built.MODE}
 
-    def _copy(self) -> None:
-        if self._clone is None:
-            self._clone = reference.copy_of(self.model)
-        else:
-            reference.load(self._clone, self.model)
+    def _copy(self):
+        """The reference's copy for this judged step (made again at each: nothing of it is held between steps),
+        sharded where the engine shards the model over more than one rank (``gradkit.watch.sharded``) or asked."""
+        shard = self.shard if self.shard is not None else (reference.world()[1] > 1 and sharded.partitioned(self.model))
+        return sharded.Sharded(self.model) if shard else reference.Copy(self.model)
 
     def _finish(self, p: dict) -> dict:
         tally, info = p["tally"], p["info"]
@@ -256,13 +243,12 @@ class Watch:
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
                             [n / total for n in info["counts"]]) if len(rows) else None
-        self._release()
         self.norms[self.step] = (p["rr"] ** 0.5, p["dtype"])
         p["held"]["sketch signs"] = p["sketch"].held_bytes()
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef,
-               "held_bytes": p["held"]}
+               "held_bytes": p["held"], "reference": p["reference"]}
         declared = self.context.get("declared_ga")
         if declared and max(info["per_rank"]) < declared:
             rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "
@@ -270,10 +256,6 @@ class Watch:
         if rec["verdict"] == oracle.AFFECTED and self.known:
             rec["known"] = self.faults.run("report", self.step, self.known, {**self.context, **rec})
         return self._record(rec)
-
-    def _release(self) -> None:
-        for q in self._clone.parameters():
-            q.grad = None
 
     def _record(self, rec: dict) -> dict:
         rank, w = reference.world()
@@ -296,7 +278,7 @@ class Watch:
     def _failed(rec: dict, fault: str) -> dict:
         """``rec`` as its step's cannot-run: what the watch could not explain, write or say of it (this rank only:
         the verdict was agreed, its record or log line is what failed)."""
-        out = {**rec, "verdict": oracle.CANNOT_RUN, "why": f"the watch failed ({fault}); training went on",
+        out = {**rec, "verdict": oracle.CANNOT_RUN, "why": failed(fault),
                "measured_verdict": rec.get("verdict")}
         out["line"] = f"gradkit watch: step {out['step']}: cannot-run ({out['why']})"
         return out
@@ -320,7 +302,7 @@ class Watch:
         said = Faults()  # after the step ended: its own, never carried into the next step
         word, why = said.run("judgement", step, oracle.norm_verdict, logged, norm, dtype, default=(None, None))
         if word is None:
-            word, why = oracle.CANNOT_RUN, f"the watch failed ({said.first}); training went on"
+            word, why = oracle.CANNOT_RUN, failed(said.first)
         return self._record({"step": step, "case": f"step {step} logged grad norm", "verdict": word, "why": why,
                              "logged_norm": logged, "reference_norm": norm, "dtype": dtype})
 

@@ -29,6 +29,11 @@ def planted(phase: str, step: int) -> None:
             raise RuntimeError(f"a fault planted in the watch's {phase} at step {step}")
 
 
+def failed(fault: str) -> str:
+    """The sentence of a step ended by the watch's own fault."""
+    return f"the watch failed ({fault}); training went on"[:600]
+
+
 class Faults:
     """This rank's first fault of the watch in the step under way, and the ranks' agreement on it."""
 

@@ -14,41 +14,31 @@ import torch.distributed as dist
 
 from gradkit.judge import naming, oracle, tolerances
 from gradkit.judge.parts import PART_LOST, PART_STALE
-from gradkit.watch.reference import all_gather, all_sum, world
+from gradkit.watch.reference import Whole, all_gather, all_sum, dot64, world
 from gradkit.watch.sketch import Sketch
 
 _CHUNK = 1 << 22
 STALE = "the previous step's gradient applied again"
 
 
-def dot64(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
-    """The dot product of two tensors' values (``a`` with itself without ``b``) in fp64, a chunk at a time: the
-    products of fp32 values are exact there, so sums taken over different pieces agree to fp64's rounding."""
-    a, b = a.reshape(-1), None if b is None else b.reshape(-1)
-    total = 0.0
-    for lo in range(0, a.numel(), _CHUNK):
-        x = a[lo:lo + _CHUNK].double()
-        total += float(torch.dot(x, x if b is None else b[lo:lo + _CHUNK].double()))  # a square: one conversion
-    return total
-
-
 class Tally:
     """Sums over the pieces of a consumed gradient, against the reference (``ref``: one tensor per parameter, the
     global-batch gradient; ``coef``: the clip coefficient the engine should apply to it)."""
 
-    def __init__(self, ref: list, coef: float, sketch: Sketch):
-        self.ref, self.coef, self.sketch = ref, coef, sketch
+    def __init__(self, ref, coef: float, sketch: Sketch):
+        self.piece = (ref if hasattr(ref, "piece") else Whole(ref)).piece  # a list: one tensor per parameter
+        self.coef, self.sketch = coef, sketch
         self.ee = self.er = self.dd = self.rr = 0.0
         self.per = torch.zeros(len(ref), 2, dtype=torch.float64)  # per parameter: consumed and reference norm**2
         self.maxdiff = 0.0
         self.se, self.sr = sketch.zeros(), sketch.zeros()
 
     def add(self, t: int, start: int, values: torch.Tensor) -> None:
-        r_all = self.ref[t].reshape(-1)
         n = values.numel()
+        r_all = self.piece(t, start, n)
         for lo in range(0, n, _CHUNK):  # fp64 dot products (as the reference's own norm, dot64)
             v = values[lo:lo + _CHUNK].double()
-            r = r_all[start + lo:start + lo + v.numel()].to(v.device).double()
+            r = r_all[lo:lo + v.numel()].to(v.device).double()
             vv, rr = float(torch.dot(v, v)), float(torch.dot(r, r))
             self.ee += vv
             self.per[t, 0] += vv
@@ -59,7 +49,7 @@ class Tally:
             self.rr += rr
             self.maxdiff = max(self.maxdiff, float(d.abs().max()) if d.numel() else 0.0)
         self.sketch.add(self.se, t, values, start)
-        self.sketch.add(self.sr, t, r_all[start:start + n], start)
+        self.sketch.add(self.sr, t, r_all, start)
 
     def finish(self, replicated: bool) -> list:
         """Sums over the ranks where each holds its own pieces (a collective). Returns every rank's own sketch of

@@ -5,8 +5,10 @@ before the optimizer's own arithmetic; buffers that carry state between steps ar
 it.
 
 What those tensors are depends on the engine, and each is mapped back to the model's parameters (module order):
-- a plain loop, DDP, Accelerate, the Trainer without DeepSpeed: the model's own parameters (an FSDP2 ``DTensor``
-  gathered with ``full_tensor()``); every rank holds the whole gradient (``replicated``);
+- a plain loop, DDP, Accelerate, the Trainer without DeepSpeed: the model's own parameters; every rank holds the
+  whole gradient (``replicated``);
+- FSDP2: each rank's chunk of the model's own parameters (``DTensor``, rows of the first dimension: ``shard_rows``),
+  ``partitioned``; another placement is gathered whole with ``full_tensor()``;
 - DeepSpeed ZeRO-1/2 and its ``BF16_Optimizer``: each rank's fp32 partition of a flat group, mapped by the
   fragment links DeepSpeed keeps on each parameter (``_hp_mapping``: where a parameter's piece sits in the partition
   and in the parameter); each rank holds its own pieces (``partitioned``);
@@ -58,6 +60,22 @@ def innermost(optimizer):
     return chain(optimizer)[-1]
 
 
+def shard_rows(p) -> tuple[int, int] | None:
+    """Where this rank's chunk of a DTensor sharded on its first dimension over a one-dimensional mesh (FSDP2's
+    layout: ``torch.chunk``'s rows, the last ranks' chunks short or empty) sits in the parameter's flat: ``(start,
+    numel)``; None for any other placement (a plain tensor, a replicated or two-dimensional one)."""
+    placements = getattr(p, "placements", None)
+    if placements is None or len(placements) != 1 or not placements[0].is_shard(0) or p.dim() == 0:
+        return None
+    w, r, rows = p.device_mesh.size(), p.device_mesh.get_local_rank(), p.shape[0]
+    each = -(-rows // w)
+    lo, hi = min(r * each, rows), min(r * each + each, rows)
+    if p.to_local().shape[0] != hi - lo:
+        return None
+    row = p.numel() // rows if rows else 0
+    return lo * row, (hi - lo) * row
+
+
 class Layout:
     """Which consumed tensor holds which piece of which parameter's gradient."""
 
@@ -69,8 +87,12 @@ class Layout:
         index = {id(p): t for t, p in enumerate(self.params)}
         stepped = [q for g in basic.param_groups for q in g["params"]]
         if any(id(q) in index for q in stepped):  # the optimizer steps the model's own parameters
-            return "parameters", True, {id(q): [Piece(index[id(q)], 0, 0, q.numel())] for q in stepped
-                                        if id(q) in index}
+            own = [q for q in stepped if id(q) in index]
+            rows = [shard_rows(q) for q in own]
+            if any(hasattr(q, "full_tensor") for q in own) and all(r is not None for r in rows):  # FSDP2's chunks
+                return "sharded parameters", False, {id(q): [Piece(index[id(q)], start, 0, numel)] for q, (start, numel)
+                                                     in zip(own, rows) if numel}
+            return "parameters", True, {id(q): [Piece(index[id(q)], 0, 0, q.numel())] for q in own}
         if hasattr(wrapper, "fp32_partitioned_groups_flat") and hasattr(wrapper, "fp16_partitioned_groups"):  # ZeRO-3
             return "fp32 partitions", False, self._zero3_pieces(wrapper, index)
         if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # ZeRO-1/2, BF16_Optimizer
@@ -145,8 +167,8 @@ class Layout:
             if not pieces or q.grad is None:
                 continue
             g = q.grad
-            if hasattr(g, "full_tensor"):
-                g = g.full_tensor()
+            if hasattr(g, "full_tensor"):  # this rank's chunk where the layout maps chunks, else gathered whole
+                g = g.to_local() if not self.replicated else g.full_tensor()
             flat = g.detach().reshape(-1)
             out.extend((pc.t, pc.start, flat.narrow(0, pc.hp_start, pc.numel)) for pc in pieces)
         return out

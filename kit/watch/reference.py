@@ -27,6 +27,8 @@ import torch.nn as nn
 
 from gradkit.watch.sketch import Sketch
 
+COMPOSABLE = "__composable_api_state_key"  # torch's composable APIs (fully_shard) keep their state there
+_DOT_CHUNK = 1 << 22  # values converted to fp64 at a time (dot64)
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -54,13 +56,15 @@ def _fsdp_class(cls):
     return cls
 
 
-def copy_of(model: nn.Module) -> nn.Module:
+def copy_of(model: nn.Module, make=None) -> nn.Module:
     """An fp32 copy of ``model`` that shares no parameter, buffer or hook with it: each module a new object of its
     own class (an FSDP2 module's original class) with its attributes (configuration and the like, read only by the
     forward) shared, fresh parameters holding the weights (gathered where they are partitioned; a parameter two
     modules share stays one), copied buffers, no hooks. Not ``copy.deepcopy``: FSDP2 refuses it, and under ZeRO-3
-    it would copy the engine's state hanging off each parameter."""
+    it would copy the engine's state hanging off each parameter. ``make(p)``: the copy's parameter for the user's
+    ``p`` (the sharded reference makes placeholders on the meta device, ``gradkit.watch.sharded``)."""
     fresh: dict = {}
+    make = make or (lambda p: nn.Parameter(whole(p).float().clone(), requires_grad=p.requires_grad))
     done: dict = {}
     patched: set = set()
 
@@ -68,7 +72,7 @@ def copy_of(model: nn.Module) -> nn.Module:
         if p is None:
             return None
         if id(p) not in fresh:
-            fresh[id(p)] = nn.Parameter(whole(p).float().clone(), requires_grad=p.requires_grad)
+            fresh[id(p)] = make(p)
         return fresh[id(p)]
 
     def clone(m):
@@ -76,9 +80,11 @@ def copy_of(model: nn.Module) -> nn.Module:
             return done[id(m)]
         new = object.__new__(_fsdp_class(type(m)))
         new.__dict__.update(m.__dict__)
-        for name in HOOK_DICTS:
-            if name in new.__dict__:
+        for name, v in list(new.__dict__.items()):  # every hook dict the copy's own (FSDP2 on the sharded copy
+            if isinstance(v, dict) and (name in HOOK_DICTS or "hook" in name):  # adds state-dict hooks: never the user's)
                 new.__dict__[name] = collections.OrderedDict()
+        for name in [k for k in new.__dict__ if k.startswith(COMPOSABLE)]:  # FSDP2's state of the user's module
+            del new.__dict__[name]
         for name, v in list(new.__dict__.items()):  # methods bound to the user's module, kept on the instance
             if not (isinstance(v, types.MethodType) and v.__self__ is m):
                 continue
@@ -156,6 +162,23 @@ def restricted(sketch: Sketch, grads: list, partitions: list) -> torch.Tensor:
     return out
 
 
+def backward(clone: nn.Module, mb, loss, device, scale: float = 1.0) -> tuple[torch.Tensor, int]:
+    """One micro-batch through ``clone`` and back (its summed loss times ``scale``): the loss sum and its count. The
+    forward runs with the micro-batch's own random-number state (dropout as it was), without autocast (fp32), and
+    with gradients on (the optimizer's hook may run under no_grad: DeepSpeed's optimizers step inside one)."""
+    args, kwargs = loss.inputs(mb)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), torch.enable_grad():
+        torch.set_rng_state(mb.rng["cpu"])
+        if devices and mb.rng.get("cuda") is not None:
+            torch.cuda.set_rng_state(mb.rng["cuda"], device)
+        kwargs = {k: v for k, v in kwargs.items() if k not in clone.__dict__.get(PATCHED_KEYWORDS, ())}
+        output = clone(*_floated(_moved(args, device)), **_floated(_moved(kwargs, device)))
+        total, count = loss.sum_and_count(output, mb)
+        (total * scale if scale != 1.0 else total).backward()
+    return total.detach(), count
+
+
 def run_window(clone: nn.Module, window, loss, sketch: Sketch, partitions: list | None = None) -> dict:
     """This rank's micro-batches through ``clone``: ``{"sketches": [one per micro-batch, of its summed-loss
     gradient], "counts": [its count], "sums": [its loss sum]}``, and with ``partitions`` (where each rank's optimizer
@@ -171,17 +194,7 @@ def run_window(clone: nn.Module, window, loss, sketch: Sketch, partitions: list 
     parts_before = None if partitions is None else torch.zeros(len(partitions), sketch.size, dtype=torch.float64,
                                                                device=sketch.device)
     for mb in window.micro_batches:
-        args, kwargs = loss.inputs(mb)
-        devices = [device] if device.type == "cuda" else []
-        # the optimizer's hook may run under no_grad (DeepSpeed's optimizers step inside one)
-        with torch.random.fork_rng(devices=devices), torch.autocast(device.type, enabled=False), torch.enable_grad():
-            torch.set_rng_state(mb.rng["cpu"])
-            if devices and mb.rng.get("cuda") is not None:
-                torch.cuda.set_rng_state(mb.rng["cuda"], device)
-            kwargs = {k: v for k, v in kwargs.items() if k not in clone.__dict__.get(PATCHED_KEYWORDS, ())}
-            output = clone(*_floated(_moved(args, device)), **_floated(_moved(kwargs, device)))
-            total, count = loss.sum_and_count(output, mb)
-            total.backward()
+        total, count = backward(clone, mb, loss, device)
         grads = [p.grad for p in params]
         if partitions is None:
             after = sketch.of(grads)
@@ -194,6 +207,76 @@ def run_window(clone: nn.Module, window, loss, sketch: Sketch, partitions: list 
         out["sums"].append(float(total.detach()))
         before = after
     return out
+
+
+def dot64(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
+    """The dot product of two tensors' values (``a`` with itself without ``b``) in fp64, a chunk at a time: the
+    products of fp32 values are exact there, so sums taken over different pieces agree to fp64's rounding."""
+    a, b = a.reshape(-1), None if b is None else b.reshape(-1)
+    total = 0.0
+    for lo in range(0, a.numel(), _DOT_CHUNK):
+        x = a[lo:lo + _DOT_CHUNK].double()
+        total += float(torch.dot(x, x if b is None else b[lo:lo + _DOT_CHUNK].double()))  # a square: one conversion
+    return total
+
+
+class Whole:
+    """The reference gradient as one tensor per parameter, whole on every rank."""
+
+    def __init__(self, grads: list):
+        self.grads = grads
+
+    def __len__(self) -> int:
+        return len(self.grads)
+
+    def piece(self, t: int, start: int, n: int) -> torch.Tensor:
+        return self.grads[t].reshape(-1)[start:start + n]
+
+
+class Copy:
+    """The reference on a whole fp32 copy on every rank (``copy_of``): where every rank holds the model anyway (a
+    plain loop, DDP, ZeRO-0/1/2), or asked for. Held at its peak: the copy's weights and its gradient (two fp32
+    models), the sketches' signs (a quarter of one), one micro-batch's activations."""
+
+    MODE = "whole"
+
+    def __init__(self, model: nn.Module):
+        self.clone = copy_of(model)
+        self.device = next(self.clone.parameters()).device
+
+    @staticmethod
+    def keep_signs(numel: int) -> int | None:
+        """The sketch keeps every tensor's signs (a quarter of the copy's bytes)."""
+        return None
+
+    def release(self) -> None:
+        self.clone = None
+
+    def run(self, window, loss, sketch: Sketch, partitions: list | None, judged: set) -> dict:
+        for t, p in enumerate(self.clone.parameters()):
+            p.requires_grad_(t in judged)
+        return run_window(self.clone, window, loss, sketch, partitions)
+
+    def finish(self, local: dict, sketch: Sketch, layout, judged: set) -> dict:
+        """The reference over every rank (collectives): ``info`` (``gathered``), ``ref`` (``Whole``: the global-batch
+        mean gradient), ``rr`` its squared norm over the judged parameters (fp64), ``top`` its largest magnitude,
+        ``held`` the bytes held. The copy is dropped: nothing of it outlives the judged step but the gradient."""
+        info = gathered(local, sketch)
+        total = float(sum(info["counts"])) or 1.0
+        params = list(self.clone.parameters())
+        grads, rr, top = [], 0.0, 0.0
+        for t, p in enumerate(params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if t in judged:
+                all_sum(g)  # a collective on every rank, in module order
+                g.div_(total)
+                rr += dot64(g)  # as the tally sums its pieces
+                top = max(top, float(g.abs().max()) if g.numel() else 0.0)
+            grads.append(g)
+        held = {"copy": sum(q.numel() * q.element_size() for q in params),
+                "gradient": sum(g.numel() * g.element_size() for g in grads)}
+        self.clone = None
+        return {"info": info, "ref": Whole(grads), "rr": rr, "top": top, "held": held}
 
 
 def gathered(local: dict, sketch: Sketch) -> dict:

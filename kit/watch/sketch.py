@@ -42,10 +42,12 @@ class Sketch:
     expectation as with hashed buckets, and a chunk of coordinates is signed and summed down its whole rows of
     ``size`` (a ragged head and tail added on their own), with no scatter and no padded copy. The signs of a tensor
     are kept once drawn (one byte per coordinate, a quarter of an fp32 gradient: a judged step sketches every tensor
-    K + 2 times) until the sketch is dropped with its judged step. ``size`` is a power of two."""
+    K + 2 times) until the sketch is dropped with its judged step, up to ``keep`` bytes (the sharded reference keeps
+    the rank's share, so that they fall with W as its copy does). ``size`` is a power of two."""
 
-    def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
+    def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None, keep: int | None = None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
+        self.keep = keep  # the most bytes of signs kept (None: every tensor's); the others are drawn at each use
         if self.size & (self.size - 1) or self.size < 2:
             raise ValueError(f"gradkit watch: the sketch's size must be a power of two (got {size})")
         self.device = torch.device(device or "cpu")
@@ -68,7 +70,8 @@ class Sketch:
             for lo in range(0, self.numels[t], _CHUNK):  # int64 products wrap mod 2**64: the top bit is the sign
                 i = torch.arange(lo, min(lo + _CHUNK, self.numels[t]), dtype=torch.int64, device=self.device)
                 hit[lo:lo + i.numel()] = 1 - 2 * (i.mul_(c) < 0).to(torch.int8)
-            self._signs[t] = hit
+            if self.keep is None or self.held_bytes() + hit.numel() <= self.keep:
+                self._signs[t] = hit
         return hit
 
     def zeros(self) -> torch.Tensor:

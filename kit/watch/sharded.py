@@ -1,0 +1,266 @@
+"""The reference sharded over the ranks, for a job whose engine shards the model (ZeRO-3, FSDP2): a judged step's
+memory per rank falls with W as the job's own does, instead of a whole fp32 copy of the model on every rank.
+
+It is built from what torch provides, with no sharding of the kit's own:
+- **the copy under FSDP2.** The copy (``reference.copy_of``) is made with placeholders on the meta device; then, a
+  *unit* at a time (``units``: the largest subtrees that hold at most a 16th of the model, or its largest tensor,
+  and share no parameter with the rest), its parameters are filled with the step's starting weights in fp32
+  (``reference.whole``: gathered from the engine's partitions one tensor at a time) and the unit is put under
+  ``fully_shard``, which keeps each rank's chunk and lets the whole go. FSDP2 gathers a unit for its forward and
+  backward, and reduce-scatters its gradient: summed over the ranks (its divide factor 1), each rank keeps its chunk.
+- **each micro-batch's own gradient, sketched as the backward runs.** The fitted weights need every rank's
+  micro-batches' gradients apart, before FSDP2 sums them over the ranks: a hook on each gathered parameter
+  (``register_post_accumulate_grad_hook``, which runs where autograd has just written that micro-batch's gradient,
+  before FSDP2 reduces it) adds it to the micro-batch's sketch, restricted to each rank's optimizer pieces where the
+  read is partitioned. The gathered parameters are the ones FSDP2 swaps in (``FSDPModule.unshard``).
+- **exact dot products piece by piece.** The reduced reference is gathered one parameter at a time and only the
+  pieces this rank's optimizer holds (``reads.Layout``) are kept (``Aligned``); the tally takes its dot products
+  against them. The copy is dropped before that.
+
+FSDP2 runs a unit's collectives on every rank, so every rank runs as many micro-batches: a rank that recorded fewer
+runs its last one again with its loss times 0 (a gradient of exact zeros, not sketched).
+
+Held at the peak, per rank: the copy's chunk of the weights and of the gradient (2 x the fp32 model / W), one unit
+gathered with its gradient, one micro-batch's activations, the sketches; then the reference's pieces this rank's
+optimizer holds (the fp32 model / W under ZeRO-3) beside the gradient's chunk, and one parameter gathered.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+
+import torch
+import torch.nn as nn
+
+from gradkit.watch.reference import all_gather, all_sum, backward, comm_device, copy_of, dot64, gathered, whole, world
+from gradkit.watch.sketch import Sketch
+
+UNIT_SHARE = 16  # a unit holds at most 1 / UNIT_SHARE of the model's parameters (or its largest tensor)
+_MESHES: dict = {}
+
+
+def shape_of(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape as the model computes with it (ZeRO-3 keeps an empty placeholder in ``p``)."""
+    return torch.Size(p.ds_shape) if hasattr(p, "ds_shape") else p.shape
+
+
+def partitioned(model: nn.Module) -> bool:
+    """Whether the engine shards ``model``'s parameters over the ranks (ZeRO-3's partitions, FSDP2's DTensors)."""
+    return any(hasattr(p, "ds_tensor") or hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def units(model: nn.Module) -> list:
+    """The modules to put under ``fully_shard``, the root last: from the root down, each child subtree that holds at
+    most a ``UNIT_SHARE``-th of the model's parameters (or its largest tensor, whichever is more) and none that a
+    module outside it holds too (a tied weight stays with the module above both); larger ones are split further.
+    Their parameters not in a smaller unit stay with the root's."""
+    numel = {id(p): shape_of(p).numel() for p in model.parameters()}
+    holders: dict = collections.defaultdict(set)
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders[id(p)].add(id(m))
+    limit = max([sum(numel.values()) // UNIT_SHARE, *numel.values()] or [0])
+    out = []
+
+    def visit(m):
+        for child in m.children():
+            inside = {id(x) for x in child.modules()}
+            mine = {id(p) for p in child.parameters()}
+            if not mine:
+                continue
+            closed = all(holders[q] <= inside for q in mine)
+            if closed and sum(numel[q] for q in mine) <= limit:
+                out.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return [*out, model]
+
+
+def mesh(device: torch.device):
+    """A one-dimensional device mesh over every rank (made once per process and device type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device.type, world()[1])
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device.type, (world()[1],))
+    return _MESHES[key]
+
+
+class Aligned:
+    """The reference's pieces this rank's optimizer holds: ``(t, start) -> values``."""
+
+    def __init__(self, pieces: dict, count: int):
+        self.pieces, self.count = pieces, count
+        self.by_t: dict = collections.defaultdict(list)
+        for (t, lo), values in pieces.items():
+            self.by_t[t].append((lo, values))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def piece(self, t: int, start: int, n: int) -> torch.Tensor:
+        """Coordinates ``start .. start + n`` of parameter ``t``'s reference, from the kept piece that holds them (a
+        read that shifts or repeats a piece is served as the whole reference would serve it: the control judges)."""
+        for lo, values in self.by_t.get(t, ()):
+            if lo <= start and start + n <= lo + values.numel():
+                return values[start - lo:start - lo + n]
+        raise KeyError(f"the sharded reference holds no piece of parameter {t} at {start} ({n} values)")
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.pieces.values())
+
+
+class Sharded:
+    """The reference under FSDP2 (the module's docstring); ``run`` and ``finish`` as ``reference.Copy``'s."""
+
+    MODE = "sharded"
+
+    def __init__(self, model: nn.Module):
+        """The copy's skeleton, on this rank alone (no collective): placeholders on the meta device."""
+        self.model, self.device = model, comm_device()
+        self.clone = copy_of(model, make=lambda p: nn.Parameter(torch.empty(shape_of(p), device="meta"),
+                                                                requires_grad=p.requires_grad))
+        self.handles, self.summed, self.largest = [], True, 0
+
+    @staticmethod
+    def keep_signs(numel: int) -> int:
+        """The sketch keeps this rank's share of the signs (a quarter of its chunk of the copy): they fall with W."""
+        return numel // world()[1]
+
+    def _build(self, judged: set) -> list:
+        from torch.distributed.fsdp import fully_shard
+
+        user, placeholders = list(self.model.parameters()), list(self.clone.parameters())
+        index = {id(p): t for t, p in enumerate(placeholders)}
+        slots: dict = collections.defaultdict(list)  # t -> every (module, name) that holds it
+        for m in self.clone.modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) in index:
+                    slots[index[id(p)]].append((m, name))
+        plan, done = units(self.clone), set()
+        for unit in plan:  # every rank in the same order: filling a ZeRO-3 or FSDP2 parameter is a collective
+            size = 0
+            for p in list(unit.parameters()):
+                t = index.get(id(p))
+                if t is None or t in done:
+                    continue  # a smaller unit's, already sharded
+                done.add(t)
+                x = whole(user[t]).to(self.device, torch.float32)
+                if x.data_ptr() == user[t].data_ptr():
+                    x = x.clone()  # never the user's own tensor
+                new = nn.Parameter(x, requires_grad=t in judged)
+                size += x.numel() * 4
+                for m, name in slots[t]:
+                    m._parameters[name] = new
+            self.largest = max(self.largest, size)
+            fully_shard(unit, mesh=mesh(self.device), reshard_after_forward=True)
+        for m in self.clone.modules():  # FSDP2 averages over the ranks: sum instead, where this torch can
+            if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+            elif hasattr(m, "set_gradient_divide_factor") or hasattr(m, "set_reduce_scatter_divide_factor"):
+                self.summed = False  # the average, times W afterwards
+        return [(unit, {(id(m), name): t for t, held in slots.items() for m, name in held
+                        if any(m is x for x in unit.modules())}) for unit in plan]
+
+    def run(self, window, loss, sketch: Sketch, partitions: list | None, judged: set) -> dict:
+        """Every rank's micro-batches through the sharded copy (collectives): this rank's sketches, counts and loss
+        sums as ``reference.run_window`` gives them."""
+        ks = [int(x) for x in all_gather(torch.tensor([len(window.micro_batches)]))]
+        if min(ks) == 0:
+            raise RuntimeError("a rank recorded no micro-batch of this step, and the sharded reference runs every "
+                               "rank's micro-batches in step")
+        plan = self._build(judged)
+        rows = sketch.zeros() if partitions is None else torch.zeros(len(partitions), sketch.size,
+                                                                    dtype=torch.float64, device=sketch.device)
+        by_t = None if partitions is None else collections.defaultdict(list)
+        for q, pieces in enumerate(partitions or ()):
+            for t, start, numel in pieces:
+                by_t[t].append((q, start, numel))
+        live = [True]
+
+        def hook(t, p):
+            if not live[0] or p.grad is None:
+                return
+            if by_t is None:
+                sketch.add(rows, t, p.grad)
+                return
+            flat = p.grad.reshape(-1)
+            for q, start, numel in by_t.get(t, ()):
+                sketch.add(rows[q], t, flat[start:start + numel], start)
+
+        seen = set()
+        for unit, slot in plan:  # the parameters FSDP2 gathers for a unit's forward and backward (kept between)
+            unit.unshard()
+            for m in unit.modules():
+                for name, p in m._parameters.items():
+                    t = slot.get((id(m), name))
+                    if t is None or p is None or hasattr(p, "full_tensor") or id(p) in seen or not p.requires_grad:
+                        continue
+                    seen.add(id(p))
+                    self.handles.append(p.register_post_accumulate_grad_hook(lambda q, t=t: hook(t, q)))
+            unit.reshard()
+        self.clone.train()
+        out = {"sketches": [], "counts": [], "sums": [], "parts": []}
+        mbs = window.micro_batches
+        for i in range(max(ks)):
+            live[0] = i < len(mbs)
+            rows.zero_()
+            total, count = backward(self.clone, mbs[min(i, len(mbs) - 1)], loss, self.device,
+                                    scale=1.0 if live[0] else 0.0)
+            if live[0]:
+                out["sketches"].append(rows.clone() if partitions is None else rows.sum(0))
+                if partitions is not None:
+                    out["parts"].append(rows.clone())
+                out["counts"].append(count)
+                out["sums"].append(float(total))
+        return out
+
+    def finish(self, local: dict, sketch: Sketch, layout, judged: set) -> dict:
+        """As ``reference.Copy.finish``, with ``ref`` the pieces this rank's optimizer holds (``Aligned``)."""
+        info = gathered(local, sketch)
+        total = float(sum(info["counts"])) or 1.0
+        params = list(self.clone.parameters())
+        held = {"copy": sum(p.to_local().numel() * 4 for p in params),
+                "gradient": sum(p.grad.to_local().numel() * 4 for p in params if p.grad is not None),
+                "gathered unit": self.largest}
+        grads = [p.grad if t in judged else None for t, p in enumerate(params)]
+        self.release()
+        del params
+        gc.collect()  # FSDP2's states and the copy's modules hold each other: the copy's weights go now
+        scale = (1.0 if self.summed else world()[1]) / total
+        sums = torch.zeros(2, dtype=torch.float64)
+        for g in grads:
+            if g is not None:
+                mine = g.to_local()
+                mine.mul_(scale)
+                sums[0] += dot64(mine)
+                sums[1] = max(float(sums[1]), float(mine.abs().max()) if mine.numel() else 0.0)
+        all_sum(sums[:1])
+        top = all_sum(sums[1:].clone(), torch.distributed.ReduceOp.MAX)
+        wanted = collections.defaultdict(list)
+        for pieces in layout.by_tensor.values():
+            for pc in pieces:
+                wanted[pc.t].append((pc.start, pc.numel))
+        kept = {}
+        for t, g in enumerate(grads):  # every rank, in module order: one parameter gathered at a time
+            if t not in judged:
+                continue
+            full = g.full_tensor().reshape(-1) if g is not None else None
+            grads[t] = None
+            for start, n in wanted.get(t, ()):
+                if full is None:
+                    kept[(t, start)] = torch.zeros(n)
+                else:
+                    kept[(t, start)] = full if (start, n) == (0, full.numel()) else full[start:start + n].clone()
+        ref = Aligned(kept, len(grads))
+        held["reference pieces"] = ref.nbytes()
+        return {"info": info, "ref": ref, "rr": float(sums[0]), "top": float(top[0]), "held": held}
+
+    def release(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.clone = [], None

@@ -1,0 +1,78 @@
+"""The watch at the size users train (issue 46), for scripts/bench.py --watch: Llamas of ~25M, ~130M and ~440M
+parameters (transformers' own class from a config) trained on W = 2 and 4 CPU ranks under ZeRO-3 and FSDP2 (the
+engines that shard the model: the watch's reference is sharded too) and ZeRO-2 (every rank holds the model: a whole
+copy), AdamW, GA 2 micro-batches of one row of 32 tokens, six steps of which the 3rd and 5th are judged
+(scripts/watch_scale_job.py, one world per row). Per row, the largest over the ranks of:
+
+- the watch's own bytes (the judged step's record, ``held_bytes``: the copy's weights and gradient, the reference's
+  pieces, the unit gathered, the sketches and their signs, the recorded inputs);
+- malloc's peak bytes in use during a judged step above an unjudged step's (``mallinfo2``, sampled every 2 ms);
+- what stays in use after the judged step (in use after minus before it, against an unjudged step's);
+
+each in fp32 models (4 bytes a parameter), beside the bound the issue sets (2 x the fp32 model / W + the largest
+unit gathered where the engine shards the model, 2 x the fp32 model where it does not), and the judged step's time
+over an unjudged one's (medians). Writes runs/bench_watch_scale.json; the sizing table of docs/watch.md is made from
+it (``table``)."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GRID = [(e, s, w) for s in ("25m", "130m", "400m") for w in (2, 4) for e in ("zero3", "fsdp2")] + \
+       [("zero2", s, w) for s in ("25m", "130m") for w in (2, 4)] + [("zero3 whole", "130m", 2)]
+
+
+def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
+    from gradkit.launch import scripts
+
+    out = Path(tempfile.mkdtemp(prefix="gradkit-scale-"))
+    args = ["--engine", engine.split()[0], "--size", size, "--out", out]
+    if engine.endswith("whole"):
+        args += ["--shard", "off"]
+    t0 = time.perf_counter()
+    rc, stdout, stderr = scripts.torchrun(REPO / "scripts" / "watch_scale_job.py", args, world_size=w,
+                                          packages=("deepspeed", "transformers"), timeout_s=timeout_s)
+    took = time.perf_counter() - t0
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    shutil.rmtree(out, ignore_errors=True)
+    if rc or len(ranks) != w:
+        return {"engine": engine, "size": size, "world_size": w, "rc": rc, "tail": (stdout + stderr)[-2000:]}
+    model = ranks[0]["fp32_model_bytes"]
+    held = [max(sum(v for v in (h or {}).values()) for h in r["held_bytes"]) for r in ranks]
+    unit = max(max((h or {}).get("gathered unit", 0) for h in r["held_bytes"]) for r in ranks)
+    sharded = ranks[0]["reference"][0] == "sharded"
+    bound = 2 * model / w + unit if sharded else 2 * model
+    row = {"engine": engine, "size": size, "world_size": w, "parameters": ranks[0]["parameters"],
+           "fp32_model_bytes": model, "reference": ranks[0]["reference"], "verdicts": ranks[0]["verdicts"],
+           "held": max(held) / model, "peak_above_unjudged": max(r["peak_above_unjudged"] for r in ranks) / model,
+           "stays": max(r["stays"] for r in ranks) / model, "bound": bound / model,
+           "judged_over_unjudged": max(r["judged_s"] / r["unjudged_s"] for r in ranks),
+           "unjudged_s": max(r["unjudged_s"] for r in ranks), "judged_s": max(r["judged_s"] for r in ranks),
+           "held_bytes": ranks[0]["held_bytes"][0], "wall_s": took}
+    print(f"{engine:12s} {size:5s} W={w}: {row['parameters'] / 1e6:.0f}M, reference {row['reference'][0]}, "
+          f"held {row['held']:.2f} (bound {row['bound']:.2f}), peak above unjudged {row['peak_above_unjudged']:.2f}, "
+          f"stays {row['stays']:.3f} fp32 models; judged {row['judged_over_unjudged']:.2f}x an unjudged step "
+          f"({row['unjudged_s']:.1f} s); {row['verdicts']}", flush=True)
+    return row
+
+
+def scale_bench(json_path: str, grid=None) -> dict:
+    rows = [one(*g) for g in (grid or GRID)]
+    res = {"rows": rows, "grid": "AdamW, GA 2 x 1 row x 32 tokens, steps 3 and 5 of 6 judged"}
+    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(json_path).write_text(json.dumps(res, indent=1))
+    print(f"-> {json_path}")
+    return res
+
+
+if __name__ == "__main__":
+    only = [tuple(x.split(":")) for x in sys.argv[2:]]  # engine:size:W
+    scale_bench(sys.argv[1] if len(sys.argv) > 1 else str(REPO / "runs" / "bench_watch_scale.json"),
+                [(e.replace("_", " "), s, int(w)) for e, s, w in only] or None)
