@@ -1,7 +1,7 @@
 """The watch at the size users train (issue 46), for scripts/bench.py --watch: Llamas of ~25M, ~130M and ~440M
 parameters (transformers' own class from a config) trained on W = 2 and 4 CPU ranks under ZeRO-3 and FSDP2 (the
 engines that shard the model: the watch's reference is sharded too) and ZeRO-2 (every rank holds the model: a whole
-copy), AdamW, GA 2 micro-batches of one row of 32 tokens, six steps of which the 3rd and 5th are judged
+copy), AdamW, GA 2 micro-batches of one row of 32 tokens, five steps of which the 3rd and 5th are judged
 (scripts/watch_scale_job.py, one world per row). Per row, the largest over the ranks of:
 
 - the watch's own bytes (the judged step's record, ``held_bytes``: the copy's weights and gradient, the reference's
@@ -45,19 +45,23 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
     if rc or len(ranks) != w:
         return {"engine": engine, "size": size, "world_size": w, "rc": rc, "tail": (stdout + stderr)[-2000:]}
     model = ranks[0]["fp32_model_bytes"]
-    held = [max(sum(v for v in (h or {}).values()) for h in r["held_bytes"]) for r in ranks]
+    held = [max((h or {}).get("peak", 0) for h in r["held_bytes"]) for r in ranks]  # the judgement's own peak
+    extra = max(max((h or {}).get("sketches", 0) + (h or {}).get("sketch signs", 0) for h in r["held_bytes"])
+                for r in ranks)
     unit = max(max((h or {}).get("gathered unit", 0) for h in r["held_bytes"]) for r in ranks)
     sharded = ranks[0]["reference"][0] == "sharded"
-    bound = 2 * model / w + unit if sharded else 2 * model
+    bound = (2 * model / w + unit if sharded else 2 * model) + extra  # + the sketches
     row = {"engine": engine, "size": size, "world_size": w, "parameters": ranks[0]["parameters"],
            "fp32_model_bytes": model, "reference": ranks[0]["reference"], "verdicts": ranks[0]["verdicts"],
            "held": max(held) / model, "peak_above_unjudged": max(r["peak_above_unjudged"] for r in ranks) / model,
+           "window_above_unjudged": max(r["window_above_unjudged"] for r in ranks) / model,
            "stays": max(r["stays"] for r in ranks) / model, "bound": bound / model,
            "judged_over_unjudged": max(r["judged_s"] / r["unjudged_s"] for r in ranks),
            "unjudged_s": max(r["unjudged_s"] for r in ranks), "judged_s": max(r["judged_s"] for r in ranks),
            "held_bytes": ranks[0]["held_bytes"][0], "wall_s": took}
     print(f"{engine:12s} {size:5s} W={w}: {row['parameters'] / 1e6:.0f}M, reference {row['reference'][0]}, "
-          f"held {row['held']:.2f} (bound {row['bound']:.2f}), peak above unjudged {row['peak_above_unjudged']:.2f}, "
+          f"held {row['held']:.2f} (bound {row['bound']:.2f}), in the optimizer's step above an unjudged one's "
+          f"{row['window_above_unjudged']:.2f}, the step's peak above {row['peak_above_unjudged']:.2f}, "
           f"stays {row['stays']:.3f} fp32 models; judged {row['judged_over_unjudged']:.2f}x an unjudged step "
           f"({row['unjudged_s']:.1f} s); {row['verdicts']}", flush=True)
     return row
@@ -65,7 +69,7 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
 
 def scale_bench(json_path: str, grid=None) -> dict:
     rows = [one(*g) for g in (grid or GRID)]
-    res = {"rows": rows, "grid": "AdamW, GA 2 x 1 row x 32 tokens, steps 3 and 5 of 6 judged"}
+    res = {"rows": rows, "grid": "AdamW, GA 2 x 1 row x 32 tokens, steps 3 and 5 of 5 judged"}
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(res, indent=1))
     print(f"-> {json_path}")

@@ -1,7 +1,9 @@
 """One rank of scripts/bench_watch_scale.py: a Llama of a chosen size (transformers' own class from a config, no
 download) trained under ZeRO-3, ZeRO-2 or FSDP2 with the watch on it, judging chosen steps; every step timed, and
 malloc's bytes in use (glibc's ``mallinfo2``: small blocks in use plus mmapped ones) sampled every 2 ms on a thread
-of its own: before the step, its peak, after it. Writes ``<out>/rank<R>.json``."""
+of its own: before the step, its peak, after it, and within the innermost optimizer's step (from a step pre-hook put
+on before the watch's: the watch's reference, read and judgement happen there, beside the optimizer's own work).
+Writes ``<out>/rank<R>.json``."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import gradkit.watch
+import gradkit.watch.reads
 
 SIZES = {"25m": (512, 4, 1376, 8192), "130m": (1024, 8, 2816, 16384), "400m": (1536, 12, 4096, 32000)}
 
@@ -64,7 +67,7 @@ def main() -> None:
     p.add_argument("--engine", choices=("zero3", "zero2", "fsdp2"), required=True)
     p.add_argument("--size", choices=tuple(SIZES), required=True)
     p.add_argument("--shard", choices=("auto", "off"), default="auto")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--judged", default="3,5")
     p.add_argument("--ga", type=int, default=2)
     p.add_argument("--rows", type=int, default=1)
@@ -76,6 +79,16 @@ def main() -> None:
                    shard=False if a.shard == "off" else None)
     model = model_of(a.size)
     params = sum(q.numel() for q in model.parameters())
+    malloc = Malloc()
+    window = {}
+
+    def bracket(inner):  # before the watch's own hooks: the innermost optimizer's step, the watch's work inside it
+        def pre(*_):
+            if "base" not in window:
+                window["base"] = malloc.now()
+                window["peak_before"] = malloc.peak
+                malloc.peak = window["base"]
+        inner.register_step_pre_hook(pre)
     if a.engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -84,6 +97,7 @@ def main() -> None:
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        bracket(opt)
         watch = gradkit.watch.Watch(model, opt, **options)
 
         def step(batches):
@@ -98,6 +112,7 @@ def main() -> None:
                   "zero_optimization": {"stage": 3 if a.engine == "zero3" else 2}, "steps_per_print": 10 ** 9}
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
                                           config=config)
+        bracket(gradkit.watch.reads.innermost(engine.optimizer))
         engine = gradkit.watch.watch_engine(engine, **options)
         watch = engine.gradkit_watch
 
@@ -106,31 +121,33 @@ def main() -> None:
                 engine.backward(engine(input_ids=ids, labels=ids).loss)
                 engine.step()
     rank, w = dist.get_rank(), dist.get_world_size()
-    malloc = Malloc()
     data = torch.Generator().manual_seed(rank)
     rows = []
     for s in range(1, a.steps + 1):
         batches = [torch.randint(0, SIZES[a.size][3], (a.rows, a.seq), generator=data) for _ in range(a.ga)]
         dist.barrier()
         before = malloc.reset()
+        window.clear()
         t0 = time.perf_counter()
         step(batches)
         took = time.perf_counter() - t0
         time.sleep(0.01)
-        rows.append({"step": s, "judged": s in judged, "s": took, "before": before, "peak": malloc.peak,
-                     "after": malloc.now()})
+        rows.append({"step": s, "judged": s in judged, "s": took, "before": before,
+                     "peak": max(malloc.peak, window.get("peak_before", 0)), "after": malloc.now(),
+                     "window_base": window.get("base", 0), "window_peak": malloc.peak})
     malloc.stop = True
     recs = [r for r in watch.records if "measured" in r or r.get("verdict") == "cannot-run"]
     unjudged = [r for r in rows if not r["judged"] and r["step"] > 1]
     judged_rows = [r for r in rows if r["judged"]]
-    base = statistics.median(r["peak"] - r["before"] for r in unjudged)
     out = {"rank": rank, "world_size": w, "engine": a.engine, "size": a.size, "parameters": params,
            "fp32_model_bytes": params * 4, "shard": a.shard, "steps": rows,
            "verdicts": [r["verdict"] for r in recs], "reference": [r.get("reference") for r in recs],
            "held_bytes": [r.get("held_bytes") for r in recs],
            "unjudged_s": statistics.median(r["s"] for r in unjudged),
            "judged_s": statistics.median(r["s"] for r in judged_rows),
-           "peak_above_unjudged": max(r["peak"] - r["before"] for r in judged_rows) - base,
+           "peak_above_unjudged": max(r["peak"] for r in judged_rows) - statistics.median(r["peak"] for r in unjudged),
+           "window_above_unjudged": max(r["window_peak"] - r["window_base"] for r in judged_rows)
+           - statistics.median(r["window_peak"] - r["window_base"] for r in unjudged),
            "stays": max(r["after"] - r["before"] for r in judged_rows)
            - statistics.median(r["after"] - r["before"] for r in unjudged)}
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -245,6 +245,7 @@ class Watch:
                             [n / total for n in info["counts"]]) if len(rows) else None
         self.norms[self.step] = (p["rr"] ** 0.5, p["dtype"])
         p["held"]["sketch signs"] = p["sketch"].held_bytes()
+        p["held"]["peak"] += sum(v for k, v in p["held"].items() if k in ("sketches", "sketch signs", "inputs"))
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef,

@@ -17,6 +17,7 @@ are read without the engine: a ZeRO-3 partition is gathered from every rank's ``
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import math
 import types
@@ -275,7 +276,11 @@ class Copy:
             grads.append(g)
         held = {"copy": sum(q.numel() * q.element_size() for q in params),
                 "gradient": sum(g.numel() * g.element_size() for g in grads)}
-        self.clone = None
+        held["peak"] = held["copy"] + held["gradient"]
+        for q in params:
+            q.grad = None  # the gradient is the reference's now, not the copy's
+        self.clone = params = None
+        gc.collect()  # a module's own bound methods hold it in a cycle: the copy's weights go now, not at gc's leisure
         return {"info": info, "ref": Whole(grads), "rr": rr, "top": top, "held": held}
 
 

@@ -12,7 +12,8 @@ It is built from what torch provides, with no sharding of the kit's own:
   micro-batches' gradients apart, before FSDP2 sums them over the ranks: a hook on each gathered parameter
   (``register_post_accumulate_grad_hook``, which runs where autograd has just written that micro-batch's gradient,
   before FSDP2 reduces it) adds it to the micro-batch's sketch, restricted to each rank's optimizer pieces where the
-  read is partitioned. The gathered parameters are the ones FSDP2 swaps in (``FSDPModule.unshard``).
+  read is partitioned. The gathered parameters are the ones FSDP2 swaps into the unit for its forward, found by a
+  forward pre-hook that runs after FSDP2's own.
 - **exact dot products piece by piece.** The reduced reference is gathered one parameter at a time and only the
   pieces this rank's optimizer holds (``reads.Layout``) are kept (``Aligned``); the tally takes its dot products
   against them. The copy is dropped before that.
@@ -123,6 +124,7 @@ class Sharded:
         self.model, self.device = model, comm_device()
         self.clone = copy_of(model, make=lambda p: nn.Parameter(torch.empty(shape_of(p), device="meta"),
                                                                 requires_grad=p.requires_grad))
+        self.numels = [shape_of(p).numel() for p in model.parameters()]
         self.handles, self.summed, self.largest = [], True, 0
 
     @staticmethod
@@ -193,16 +195,20 @@ class Sharded:
                 sketch.add(rows[q], t, flat[start:start + numel], start)
 
         seen = set()
-        for unit, slot in plan:  # the parameters FSDP2 gathers for a unit's forward and backward (kept between)
-            unit.unshard()
-            for m in unit.modules():
-                for name, p in m._parameters.items():
-                    t = slot.get((id(m), name))
-                    if t is None or p is None or hasattr(p, "full_tensor") or id(p) in seen or not p.requires_grad:
-                        continue
-                    seen.add(id(p))
-                    self.handles.append(p.register_post_accumulate_grad_hook(lambda q, t=t: hook(t, q)))
-            unit.reshard()
+
+        def gathered(unit, slot):  # after FSDP2's own pre-forward (put on first): the unit's parameters gathered
+            def pre(*_):
+                for m in unit.modules():
+                    for name, p in m._parameters.items():
+                        t = slot.get((id(m), name))
+                        if t is None or p is None or hasattr(p, "full_tensor") or id(p) in seen or not p.requires_grad:
+                            continue
+                        seen.add(id(p))  # FSDP2 keeps one gathered parameter for every forward and backward
+                        self.handles.append(p.register_post_accumulate_grad_hook(lambda q, t=t: hook(t, q)))
+            return pre
+
+        for unit, slot in plan:
+            self.handles.append(unit.register_forward_pre_hook(gathered(unit, slot)))
         self.clone.train()
         out = {"sketches": [], "counts": [], "sums": [], "parts": []}
         mbs = window.micro_batches
@@ -258,6 +264,8 @@ class Sharded:
                     kept[(t, start)] = full if (start, n) == (0, full.numel()) else full[start:start + n].clone()
         ref = Aligned(kept, len(grads))
         held["reference pieces"] = ref.nbytes()
+        held["peak"] = max(held["copy"] + held["gradient"] + held["gathered unit"],
+                           held["gradient"] + held["reference pieces"] + max(self.numels, default=0) * 4)
         return {"info": info, "ref": ref, "rr": float(sums[0]), "top": float(top[0]), "held": held}
 
     def release(self) -> None:
