@@ -9,7 +9,8 @@ are in scripts/bench_runs.py, the performance table in scripts/bench_table.py; t
     .venv/bin/python scripts/bench.py --suite      # the test command (bash scripts/test.sh), timed (runs/bench_suite.json)
     python3 scripts/bench.py --suite --repeat 5    # in a fresh clone: five runs in a row, each timed
     .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
-    .venv/bin/python scripts/bench.py --watch      # the watch's cost on a tiny Llama (runs/bench_watch.json)
+    .venv/bin/python scripts/bench.py --watch      # the watch's cost on a tiny Llama, and at the size users train
+                                                   # (runs/bench_watch.json, runs/bench_watch_scale.json)
     .venv/bin/python scripts/bench.py --readme docs/speed.md   # the performance table of docs/speed.md from those files
 
 Measures, side by side in one run, on this machine:
@@ -41,6 +42,7 @@ from pathlib import Path
 from bench_runs import (REPO, bisect_bench, corpus_bench, noise, paths_bench, profile, runall_bench, suite_bench,
                         sweep_bench, timed)
 from bench_watch import watch_bench
+from bench_watch_scale import scale_bench
 from bench_table import PERF_PAGE, perf_table, write_readme  # noqa: F401 (perf_table: tests/test_docs.py reads it here)
 
 
@@ -65,8 +67,10 @@ def main() -> int:
     ap.add_argument("--watch", action="store_true",
                     help="only time the watch: unjudged and judged steps against none (runs/bench_watch.json)")
     a = ap.parse_args()
-    if a.watch:
-        return watch_bench(a.json or str(REPO / "runs" / "bench_watch.json"))
+    if a.watch:  # a tiny Llama in one process, then Llamas of ~25M to ~440M on 2 and 4 ranks (tens of minutes)
+        code = watch_bench(a.json or str(REPO / "runs" / "bench_watch.json"))
+        scale_bench(str(REPO / "runs" / "bench_watch_scale.json"))
+        return code
     if a.paths:
         return paths_bench(a.json or str(REPO / "runs" / "bench_paths.json"))
     if a.corpus:

@@ -67,6 +67,20 @@ PERF_ROWS = [
      "passes over the parameters weigh more)", "", "x"),
     ("bench_watch.json", "held_in_gradients", "what the watch holds at a judged step's peak (the copy's weights and "
      "gradient, the sketches and their signs), in fp32 gradients", "≤ 2 + the sketch", "gradients"),
+    ("bench_watch_scale.json", "time_zero3_130m_2", "the watch at the size users train (docs/watch.md's sizing "
+     "table): a judged step against an unjudged one, ~130M-parameter Llama, ZeRO-3, 2 ranks (the sharded copy, the "
+     "reference's fp32 forward and backward under FSDP2, the sketches, the tally)", "≤ 2.2×", "x"),
+    ("bench_watch_scale.json", "time_fsdp2_130m_2", "the same under FSDP2", "≤ 2.2×", "x"),
+    ("bench_watch_scale.json", "held_zero3_400m_2", "the judgement's own peak bytes per rank, ~440M, ZeRO-3, 2 ranks "
+     "(bound: 2 / W + the largest unit + the sketches: {bound_zero3_400m_2})", "≤ the bound", "models"),
+    ("bench_watch_scale.json", "held_zero3_400m_4", "the same on 4 ranks (bound {bound_zero3_400m_4})",
+     "≤ the bound", "models"),
+    ("bench_watch_scale.json", "window_zero3_400m_4", "malloc's bytes in use in the judged optimizer step above an "
+     "unjudged one's, the same", "≤ the bound", "models"),
+    ("bench_watch_scale.json", "held_zero3_whole_130m_2", "a whole copy instead (`shard=False`), ~130M, ZeRO-3, 2 ranks "
+     "(every rank the fp32 model twice)", "-", "models"),
+    ("bench_watch_scale.json", "stays_most", "left in use after a judged step, the most of any row", "≤ 0.01",
+     "models"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
      "≤ 360 s", "s"),
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
@@ -76,7 +90,7 @@ PERF_ROWS = [
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
                  "bench_bisect.json": "--bisect", "bench_paths.json": "--paths", "bench_corpus.json": "--corpus",
-                 "bench_watch.json": "--watch"}
+                 "bench_watch.json": "--watch", "bench_watch_scale.json": "--watch"}
 
 
 PERF_PAGE = "docs/speed.md"  # the page whose <!-- gradkit:table PERF --> block --readme writes (without a file)
@@ -122,6 +136,7 @@ def perf_table(folder: Path, old: str = "", page: str = PERF_PAGE) -> str:
         shown = "not measured yet" if value is None else (f"{value:.1f}{unit}" if unit == "×" else
                                                           f"{value:.2f}×" if unit == "x" else
                                                           f"{value} of {data[name].get('repeat')} passed" if unit == "runs"
+                                                          else f"{value:.2f} fp32 models" if unit == "models"
                                                           else f"{value:.1f} {unit}")
         what = what.format_map(collections.defaultdict(lambda: "?", data[name]))
         lines.append(f"| {what} | {shown} | {target or '-'} | `{cmd}` |")

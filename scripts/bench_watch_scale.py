@@ -1,7 +1,8 @@
 """The watch at the size users train (issue 46), for scripts/bench.py --watch: Llamas of ~25M, ~130M and ~440M
 parameters (transformers' own class from a config) trained on W = 2 and 4 CPU ranks under ZeRO-3 and FSDP2 (the
 engines that shard the model: the watch's reference is sharded too) and ZeRO-2 (every rank holds the model: a whole
-copy), AdamW, GA 2 micro-batches of one row of 32 tokens, five steps of which the 3rd and 5th are judged
+copy), AdamW, GA 2 micro-batches of one row of 32 tokens, five steps of which the 3rd and 5th are judged, DeepSpeed's
+buckets and live parameters at 3e7 (its defaults hold a 440M model whole)
 (scripts/watch_scale_job.py, one world per row). Per row, the largest over the ranks of:
 
 - the watch's own bytes (the judged step's record, ``held_bytes``: the copy's weights and gradient, the reference's
@@ -16,6 +17,7 @@ it (``table``)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -67,9 +69,59 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
     return row
 
 
+PAGE = "docs/watch.md"  # the page whose <!-- gradkit:table SCALE --> block --readme writes
+
+
+def table(res: dict, page: str = PAGE) -> str:
+    """The sizing table of ``page`` from ``res`` (runs/bench_watch_scale.json)."""
+    from gradkit.notebooks import readme_tables
+
+    body = []
+    for r in res["rows"]:
+        if "held" not in r:
+            body.append({"model": r["size"], "engine": r["engine"], "W": r["world_size"],
+                         "reference": f"did not run (exit {r.get('rc')})"})
+            continue
+        body.append({"model": f"{r['parameters'] / 1e6:.0f}M", "engine": r["engine"], "W": r["world_size"],
+                     "reference": r["reference"][0],
+                     "the judgement's own peak": f"{r['held']:.2f}", "bound": f"{r['bound']:.2f}",
+                     "malloc, in the optimizer's step, above an unjudged one's": f"{r['window_above_unjudged']:.2f}",
+                     "the step's peak raised by": f"{max(r['peak_above_unjudged'], 0.0):.2f}",
+                     "left after": f"{r['stays']:.3f}",
+                     "judged / unjudged time": f"{r['judged_over_unjudged']:.2f}x ({r['unjudged_s']:.1f} s)",
+                     "verdicts": ", ".join(sorted(set(r["verdicts"])))})
+    return (f"<sub>measured by `.venv/bin/python scripts/bench.py --watch`, written by `python "
+            f"scripts/bench_watch_scale.py --readme {page}`: {res['grid']}, gloo on {res.get('cpus', '?')} CPU cores; "
+            f"bytes per rank, the largest rank's, in fp32 models (4 bytes a parameter)</sub>\n\n"
+            + readme_tables.markdown_table(body, list(body[0])) + "\n")
+
+
+def write_page(page: str, json_path: str) -> None:
+    from gradkit.notebooks import readme_tables
+
+    path = REPO / page
+    after, done = readme_tables.fill(path.read_text(), {"SCALE": table(json.loads(Path(json_path).read_text()), page)})
+    path.write_text(after)
+    print(f"{page}: {'replaced the sizing table' if done else 'has no <!-- gradkit:table SCALE --> block'}")
+
+
 def scale_bench(json_path: str, grid=None) -> dict:
+    """Every row of ``grid`` (default ``GRID``); a partial grid replaces its rows in ``json_path``, keeping the others."""
     rows = [one(*g) for g in (grid or GRID)]
-    res = {"rows": rows, "grid": "AdamW, GA 2 x 1 row x 32 tokens, steps 3 and 5 of 5 judged"}
+    if grid and Path(json_path).exists():
+        fresh = {(r["engine"], r["size"], r["world_size"]) for r in rows}
+        rows = [r for r in json.loads(Path(json_path).read_text())["rows"]
+                if (r["engine"], r["size"], r["world_size"]) not in fresh] + rows
+        rows.sort(key=lambda r: GRID.index((r["engine"], r["size"], r["world_size"])))
+    res = {"rows": rows, "grid": "AdamW, GA 2 x 1 row x 32 tokens, steps 3 and 5 of 5 judged",
+           "cpus": os.cpu_count()}
+    done = {(r["engine"], r["size"], r["world_size"]): r for r in rows if "held" in r}
+    for (engine, size, w), r in done.items():  # the rows of docs/speed.md (scripts/bench_table.py)
+        key = f"{engine.replace(' ', '_')}_{size}_{w}"
+        res[f"time_{key}"], res[f"held_{key}"] = r["judged_over_unjudged"], r["held"]
+        res[f"window_{key}"], res[f"bound_{key}"] = r["window_above_unjudged"], round(r["bound"], 2)
+    if done:
+        res["stays_most"] = max(r["stays"] for r in done.values())
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(json_path).write_text(json.dumps(res, indent=1))
     print(f"-> {json_path}")
@@ -77,6 +129,9 @@ def scale_bench(json_path: str, grid=None) -> dict:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--readme"]:  # the sizing table of docs/watch.md from runs/bench_watch_scale.json
+        write_page(sys.argv[2] if len(sys.argv) > 2 else PAGE, str(REPO / "runs" / "bench_watch_scale.json"))
+        sys.exit(0)
     only = [tuple(x.split(":")) for x in sys.argv[2:]]  # engine:size:W
     scale_bench(sys.argv[1] if len(sys.argv) > 1 else str(REPO / "runs" / "bench_watch_scale.json"),
                 [(e.replace("_", " "), s, int(w)) for e, s, w in only] or None)

@@ -35,7 +35,7 @@ class Malloc:
     def __init__(self, every_s: float = 0.002):
         self.libc = ctypes.CDLL("libc.so.6")
         self.libc.mallinfo2.restype = _Info
-        self.peak, self.every_s, self.stop = 0, every_s, False
+        self.peak, self.every_s, self.stop, self.lock = 0, every_s, False, threading.Lock()
         threading.Thread(target=self._sample, daemon=True).start()
 
     def now(self) -> int:
@@ -44,12 +44,15 @@ class Malloc:
 
     def _sample(self):
         while not self.stop:
-            self.peak = max(self.peak, self.now())
+            with self.lock:  # never a peak from before a reset written back after it
+                self.peak = max(self.peak, self.now())
             time.sleep(self.every_s)
 
-    def reset(self) -> int:
-        self.peak = now = self.now()
-        return now
+    def reset(self) -> tuple[int, int]:
+        """The bytes in use now, and the peak until now; the peak starts again from now."""
+        with self.lock:
+            before, self.peak = self.peak, self.now()
+            return self.peak, before
 
 
 def model_of(size: str):
@@ -85,9 +88,7 @@ def main() -> None:
     def bracket(inner):  # before the watch's own hooks: the innermost optimizer's step, the watch's work inside it
         def pre(*_):
             if "base" not in window:
-                window["base"] = malloc.now()
-                window["peak_before"] = malloc.peak
-                malloc.peak = window["base"]
+                window["base"], window["peak_before"] = malloc.reset()
         inner.register_step_pre_hook(pre)
     if a.engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -110,6 +111,11 @@ def main() -> None:
 
         config = {"train_micro_batch_size_per_gpu": a.rows, "gradient_accumulation_steps": a.ga,
                   "zero_optimization": {"stage": 3 if a.engine == "zero3" else 2}, "steps_per_print": 10 ** 9}
+        if a.engine == "zero3":  # gathered parameters kept live: DeepSpeed's defaults (1e9) hold a 440M model whole
+            config["zero_optimization"].update(stage3_max_live_parameters=3e7, stage3_max_reuse_distance=3e7,
+                                               stage3_prefetch_bucket_size=3e7)
+        else:  # ZeRO-2's buckets: its defaults (5e8 elements) allocate 2 GB on a CPU rank at every step
+            config["zero_optimization"].update(reduce_bucket_size=3e7, allgather_bucket_size=3e7)
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
                                           config=config)
         bracket(gradkit.watch.reads.innermost(engine.optimizer))
@@ -126,7 +132,7 @@ def main() -> None:
     for s in range(1, a.steps + 1):
         batches = [torch.randint(0, SIZES[a.size][3], (a.rows, a.seq), generator=data) for _ in range(a.ga)]
         dist.barrier()
-        before = malloc.reset()
+        before, _ = malloc.reset()
         window.clear()
         t0 = time.perf_counter()
         step(batches)

@@ -24,7 +24,13 @@ def test_worst_verdict_wins_and_a_crash_is_never_a_pass():
     b3, b4 = cells
     assert (b3["bug"], b3["verdict"], b3["configs"], b3["configs_with_verdict"]) == ("B3", "affected", 3, 2)
     assert b3["ratio"] == 0.403 and "GA 4" in b3["where"]  # fp32 before bf16: no rounding noise in the number
-    assert b4["verdict"] == "cannot-run" and b4["ratio"] is None
+    # what was judged, and beside it what could not run: never a clean bill for the whole version
+    assert b4["verdict"] == "not-affected" and b4["cannot_run"] == 1 and b4["configs_with_verdict"] == 1
+    assert overview.cell_text(b4).endswith("; 1 of 2 could not run")
+    advice = overview.what_to_do(cells, DS)[list(probes.registry()).index("B4")]
+    assert "1 more could not run" in advice and "nothing to change" not in advice
+    only = overview.verdict_matrix([rec("B4", "leak", "cannot-run", None, ga=8)])[0]
+    assert only["verdict"] == "cannot-run" and only["ratio"] is None and overview.unrun_text(only) == ""
 
 
 def test_each_bug_shows_its_telling_number():

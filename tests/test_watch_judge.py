@@ -311,6 +311,25 @@ def test_dot64_is_the_fp64_dot_product_over_every_chunk_of_any_layout(monkeypatc
     assert dot64(torch.zeros(0)) == 0.0 and dot64(torch.zeros(0), torch.zeros(0)) == 0.0
 
 
+def test_a_tally_sums_a_piece_over_every_chunk_as_over_one(monkeypatch):
+    """``_CHUNK`` 7 over a piece of 30 values at an offset (four whole chunks and a part of one): every sum, the
+    largest difference and both sketches as one chunk gives them."""
+    g = torch.Generator().manual_seed(4)
+    ref = [torch.randn(3, 4, generator=g), torch.randn(40, generator=g)]
+    values = ref[1][5:35] * 0.9 + 0.01 * torch.randn(30, generator=g)
+    got = []
+    for chunk in (7, 1 << 20):
+        monkeypatch.setattr(wj, "_CHUNK", chunk)
+        t = Tally(ref, 0.8, Sketch([12, 40], 64))
+        t.add(1, 5, values.clone())
+        got.append((t.ee, t.er, t.dd, t.rr, t.maxdiff, t.per[1].tolist(), t.se, t.sr))
+    (ee, er, dd, rr, mx, per, se, sr), whole = got
+    assert (ee, er, dd, rr, mx) == pytest.approx(whole[:5], rel=1e-12) and per == pytest.approx(whole[5], rel=1e-12)
+    assert torch.allclose(se, whole[6]) and torch.allclose(sr, whole[7])
+    r = ref[1][5:35].double()
+    assert rr == pytest.approx(float(r @ r), rel=1e-12) and mx == pytest.approx(float((values.double() - 0.8 * r).abs().max()))
+
+
 def test_dot64_sums_exact_products_where_fp32_would_round():
     """4097**2 = 16785409 needs 25 bits: fp32 rounds each product, fp64 holds it and the sum exactly."""
     a = torch.full((2, 3), 4097.0)

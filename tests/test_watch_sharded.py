@@ -47,7 +47,7 @@ def _rank(rank: int, out: str, what: str):
     # a file rendezvous: no port for another test's world to take first
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=W)
     try:
-        res = {"compare": _compare, "control": _control, "released": _released}[what](rank)
+        res = {"compare": _compare, "control": _control, "released": _released}[what](rank, out)
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
@@ -64,7 +64,7 @@ def _window(rank: int, n: int):
     return type("Window", (), {"micro_batches": out})()
 
 
-def _compare(rank: int) -> dict:
+def _compare(rank: int, out: str) -> dict:
     """Both references of one window (rank 0 three micro-batches, rank 1 two) on the user's FSDP2 model."""
     from gradkit.watch import losses, reads, reference, sharded
     from gradkit.watch.sketch import Sketch
@@ -98,12 +98,12 @@ def _compare(rank: int) -> dict:
             "held": [w["held"], s["held"]], "judged": len(judged), "kind": layout.kind}
 
 
-def _job(rank: int, steps: int = 2, **watch):
+def _job(rank: int, out: str, steps: int = 2, **watch):
     from gradkit.watch import Watch
 
     model = _user_fsdp2(_llama())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    w = Watch(model, opt, log=None, out=f"{os.environ.get('GRADKIT_TEST_OUT', '.')}/w", shard=True, **watch)
+    w = Watch(model, opt, log=None, out=f"{out}/w", shard=True, **watch)
     for step in range(steps):
         for ids in _batches(rank + 2 * step, 3, same=True):  # a mean of equal means: the token mean
             (model(input_ids=ids, labels=ids).loss / 3).backward()
@@ -112,11 +112,11 @@ def _job(rank: int, steps: int = 2, **watch):
     return w
 
 
-def _control(rank: int) -> dict:
+def _control(rank: int, out: str) -> dict:
     from gradkit.watch import reads
 
     real = reads.Layout.fragments
-    out = {}
+    said = {}
     for fault in ("shifted", "missing"):
         def wrong(self, current, fault=fault):
             got = real(self, current)
@@ -126,15 +126,15 @@ def _control(rank: int) -> dict:
             return [(t, start + 1, v[:-1])] + got[1:]
 
         reads.Layout.fragments = wrong
-        w = _job(rank, steps=1)
+        w = _job(rank, out, steps=1)
         reads.Layout.fragments = real
-        out[fault] = [w.records[0]["verdict"], w.records[0]["why"]]
-    w = _job(rank, steps=1)
-    out["clean"] = [w.records[0]["verdict"], w.records[0]["reference"], w.records[0]["read"]]
-    return out
+        said[fault] = [w.records[0]["verdict"], w.records[0]["why"]]
+    w = _job(rank, out, steps=1)
+    said["clean"] = [w.records[0]["verdict"], w.records[0]["reference"], w.records[0]["read"]]
+    return said
 
 
-def _released(rank: int) -> dict:
+def _released(rank: int, out: str) -> dict:
     """The sharded copy and its gradient are gone after each judged step (weak references to what it made)."""
     from gradkit.watch import sharded
 
@@ -147,7 +147,7 @@ def _released(rank: int) -> dict:
         return real(self, *a)
 
     sharded.Sharded.finish = finish
-    w = _job(rank, steps=3, first=2)
+    w = _job(rank, out, steps=3, first=2)
     import gc
     gc.collect()
     return {"made": len(made), "alive": sum(r() is not None for r in made), "pending": w._pending is None,
@@ -155,7 +155,6 @@ def _released(rank: int) -> dict:
 
 
 def _world(tmp_path, what: str) -> list:
-    os.environ["GRADKIT_TEST_OUT"] = str(tmp_path)
     mp.spawn(_rank, args=(str(tmp_path), what), nprocs=W, join=True)
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(W)]
 

@@ -5,10 +5,10 @@
     cells = overview.verdict_matrix(recs)              # one cell per (bug, version)
     overview.save_matrix(cells, "runs/latest")         # verdict_matrix.json + verdict_matrix.png
 
-A cell is the worst verdict of the bug's *measured* configurations on that version (affected >
-inconclusive > cannot-run > not-affected: a version is only `not-affected` when every configuration
-ran and matched the reference) with the most extreme effective/reference ratio among the records
-that carry that verdict, and the configuration it came from.
+A cell is the worst verdict of the bug's *measured* configurations on that version that were judged (affected >
+inconclusive > not-affected) and, beside it, how many could not run (`cannot-run` only where none could): a
+version reads plain `not-affected` only when every configuration ran and matched the reference. It carries the most
+extreme effective/reference ratio among the records that carry that verdict, and the configuration it came from.
 """
 from __future__ import annotations
 
@@ -137,8 +137,10 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
     cells = []
     for (bug_id, version), group in groups.items():
         verdict_of = lambda r: r.get(every[bug_id].verdict_key) or r["verdict"]  # noqa: E731
-        worst = max((verdict_of(r) for r in group), key=lambda v: _RANK.get(v, -1))
-        bad = [r for r in group if verdict_of(r) == worst]
+        unrun = [r for r in group if verdict_of(r) == oracle.CANNOT_RUN]
+        judged = [r for r in group if verdict_of(r) != oracle.CANNOT_RUN] or group  # what was judged, first
+        worst = max((verdict_of(r) for r in judged), key=lambda v: _RANK.get(v, -1))
+        bad = [r for r in judged if verdict_of(r) == worst]
         with_ratio = [r for r in bad if _ratio(r)]
         # the representative record: fp32 before bf16 (no rounding noise), the largest GA, the most extreme ratio
         pick = max(with_ratio, key=lambda r: (r["dtype"] == "fp32", r["ga"], abs(math.log(_ratio(r))))) \
@@ -150,6 +152,8 @@ def verdict_matrix(recs: list[dict]) -> list[dict]:
                       "gas_verdict": pick.get("gas_verdict") if bug_id == "B1" else None,
                       "ratio_vs_gas1": pick.get("ratio_vs_control") if bug_id == "B1" else None,
                       "configs": len(group), "configs_with_verdict": len(bad),
+                      "cannot_run": len(unrun) if worst != oracle.CANNOT_RUN else 0,
+                      "cannot_reason": (unrun[0].get("reason") or "")[:200] if unrun else "",
                       "reason": pick.get(every[bug_id].verdict_key.replace("verdict", "reason")) or pick.get("reason", ""),
                       "notebook": every[bug_id].notebook})
     return sorted(cells, key=lambda c: (c["bug"], column_key(c["deepspeed"])))
@@ -164,13 +168,19 @@ def gas_text(cell: dict) -> str:
     return "GAS-invariant" if g == oracle.NOT_AFFECTED else f"GAS changes the step{x}"
 
 
+def unrun_text(cell: dict) -> str:
+    """Beside a judged verdict: the configurations that could not run (never counted as judged)."""
+    k = cell.get("cannot_run") or 0
+    return f"; {k} of {cell['configs']} could not run" if k else ""
+
+
 def cell_text(cell: dict) -> str:
     if not cell.get("ratio"):
-        return cell["verdict"]
+        return cell["verdict"] + unrun_text(cell)
     cos = f", cos {cell['cosine']:.3f}" if cell.get("cosine") is not None else ""
     tf = f"; transformers {cell['transformers']}" if cell.get("transformers") else ""
     gas = f"; {gas_text(cell)}" if gas_text(cell) else ""
-    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos}{gas}{tf})"
+    return f"{cell['verdict']} ({cell['ratio']:.3f}{cos}{gas}{tf}){unrun_text(cell)}"
 
 
 def matrix_table(cells: list[dict], link=lambda notebook: f"../notebooks/{notebook}") -> str:
@@ -218,6 +228,11 @@ def what_to_do(cells: list[dict], deepspeed: str | None = None) -> list[str]:
             out.append(f"{bug.id} ({bug.title}): **affected** on {deepspeed} (the applied gradient is "
                        f"{cell['ratio']:.3f} x the reference at {cell['where']}{gas}). To avoid it: "
                        f"{bug.advice}.")
+        elif cell["verdict"] == oracle.NOT_AFFECTED and cell.get("cannot_run"):
+            out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} in the "
+                       f"{_count(cell['configs_with_verdict'])} judged (each matches the reference on every "
+                       f"signal); {cell['cannot_run']} more could not run here ({cell['cannot_reason'][:160]}), "
+                       f"which says nothing of them: see {bug.notebook}.")
         elif cell["verdict"] == oracle.NOT_AFFECTED:
             out.append(f"{bug.id} ({bug.title}): not affected on {deepspeed} ({_count(cell['configs'])} "
                        f"measured, every one matches the reference on every signal); nothing to change.")

@@ -46,7 +46,8 @@ def verdict_matrix(cells: list[dict], title: str = ""):
             ax.add_patch(plt.Rectangle((x, y), 1, 1, color=VERDICT_COLOURS.get(c["verdict"], "white"), alpha=0.75))
             ratio = f"{c['ratio']:.3f}" if c.get("ratio") else "-"
             cos = f"\ncos {c['cosine']:.3f}" if c.get("cosine") is not None and c.get("ratio") else ""
-            ax.text(x + 0.5, y + 0.3, f"{c['verdict']}\n{ratio}{cos}", ha="center", va="center", fontsize=9)
+            unrun = f"\n+{c['cannot_run']} cannot-run" if c.get("cannot_run") else ""
+            ax.text(x + 0.5, y + 0.3, f"{c['verdict']}\n{ratio}{cos}{unrun}", ha="center", va="center", fontsize=9)
             where = c["where"].replace(", transformers ", ", tf ").split(", ")
             ax.text(x + 0.5, y + 0.8, "\n".join(", ".join(where[k:k + 2]) for k in range(0, len(where), 2)),
                     ha="center", va="center", fontsize=SMALL)

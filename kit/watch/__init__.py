@@ -12,7 +12,8 @@ against the exact gradient of the global batch as the user's loss defines it, pe
 kit's tolerances; one line goes to the training log and one record to ``gradkit-watch/watch.jsonl``.
 
 Where things are: ``schedule`` (which steps), ``capture`` (what each micro-batch was fed), ``losses`` (the loss the
-reference is the gradient of), ``reference`` (the reference copy, its gradients and the collectives), ``sketch``
+reference is the gradient of), ``reference`` (the reference copy, its gradients and the collectives), ``sharded`` (the reference
+sharded over the ranks under FSDP2, where the engine shards the model), ``sketch``
 (the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
 ``judge`` (the judgement and its control), ``known`` (the Trainer's and Accelerate's known bugs from the table),
 ``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``accelerate`` and ``hf`` (the Accelerate wrapper and the

@@ -17,7 +17,7 @@ from gradkit.judge.parts import PART_LOST, PART_STALE
 from gradkit.watch.reference import Whole, all_gather, all_sum, dot64, world
 from gradkit.watch.sketch import Sketch
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20  # values converted to fp64 at a time (two vectors: 16 MB)
 STALE = "the previous step's gradient applied again"
 
 

@@ -29,7 +29,7 @@ import torch.nn as nn
 from gradkit.watch.sketch import Sketch
 
 COMPOSABLE = "__composable_api_state_key"  # torch's composable APIs (fully_shard) keep their state there
-_DOT_CHUNK = 1 << 22  # values converted to fp64 at a time (dot64)
+_DOT_CHUNK = 1 << 20  # values converted to fp64 at a time (dot64: 8 MB)
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 

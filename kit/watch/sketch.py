@@ -18,7 +18,7 @@ import torch
 
 SIZE = 4096  # buckets: the fit's error is ~ residual / sqrt(SIZE) (measured in tests/test_watch.py)
 SEED = 0x5EED
-_CHUNK = 1 << 21  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
+_CHUNK = 1 << 20  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
 _BLOCK = 32  # rows of a chunk summed in fp32 before their sums are summed in fp64 (_rows_summed)
 
 
