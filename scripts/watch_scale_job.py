@@ -75,11 +75,14 @@ def main() -> None:
     p.add_argument("--ga", type=int, default=2)
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     judged = {int(x) for x in a.judged.split(",")}
     options = dict(first=0, every=0, steps=judged, out=str(Path(a.out) / "watch"), log=None,
                    shard=False if a.shard == "off" else None)
+    optimizer = (lambda ps: torch.optim.SGD(ps, lr=1e-5)) if a.optim == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-5))
     model = model_of(a.size)
     params = sum(q.numel() for q in model.parameters())
     malloc = Malloc()
@@ -97,7 +100,7 @@ def main() -> None:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        opt = optimizer(model.parameters())
         bracket(opt)
         watch = gradkit.watch.Watch(model, opt, **options)
 
@@ -110,14 +113,14 @@ def main() -> None:
         import deepspeed
 
         config = {"train_micro_batch_size_per_gpu": a.rows, "gradient_accumulation_steps": a.ga,
-                  "zero_optimization": {"stage": 3 if a.engine == "zero3" else 2}, "steps_per_print": 10 ** 9}
+                  "zero_optimization": {"stage": 3 if a.engine == "zero3" else 2}, "steps_per_print": 10 ** 9,
+                  "zero_allow_untested_optimizer": True}  # SGD
         if a.engine == "zero3":  # gathered parameters kept live: DeepSpeed's defaults (1e9) hold a 440M model whole
             config["zero_optimization"].update(stage3_max_live_parameters=3e7, stage3_max_reuse_distance=3e7,
                                                stage3_prefetch_bucket_size=3e7)
         else:  # ZeRO-2's buckets: its defaults (5e8 elements) allocate 2 GB on a CPU rank at every step
             config["zero_optimization"].update(reduce_bucket_size=3e7, allgather_bucket_size=3e7)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-5),
-                                          config=config)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=config)
         bracket(gradkit.watch.reads.innermost(engine.optimizer))
         engine = gradkit.watch.watch_engine(engine, **options)
         watch = engine.gradkit_watch
@@ -138,6 +141,8 @@ def main() -> None:
         step(batches)
         took = time.perf_counter() - t0
         time.sleep(0.01)
+        print(f"rank {rank}: step {s} ({'judged' if s in judged else 'unjudged'}) {took:.1f} s, in use "
+              f"{malloc.now() / 2 ** 30:.2f} GiB, peak {malloc.peak / 2 ** 30:.2f} GiB", flush=True)
         rows.append({"step": s, "judged": s in judged, "s": took, "before": before,
                      "peak": max(malloc.peak, window.get("peak_before", 0)), "after": malloc.now(),
                      "window_base": window.get("base", 0), "window_peak": malloc.peak})

@@ -232,6 +232,27 @@ def test_a_reference_the_model_refuses_is_cannot_run_and_the_job_goes_on(tmp_pat
     assert "RuntimeError: only the one true module may run" in w.records[0]["why"]
 
 
+def test_a_judged_step_that_would_take_the_jobs_memory_is_not_judged_and_the_job_goes_on(tmp_path, monkeypatch):
+    """The reference's memory is asked for before it is taken (``reference.room``): where the host has less free
+    than the copy needs, the step is ``cannot-run`` with both numbers, and the job's own steps are as without it."""
+    import collections
+
+    import psutil
+
+    from gradkit.watch import reference
+
+    clean = _job(tmp=tmp_path / "clean", steps=2)
+    real = psutil.virtual_memory
+    monkeypatch.setattr(reference.psutil, "virtual_memory",
+                        lambda: collections.namedtuple("Mem", "available")(1000))  # 1000 bytes free
+    short = _job(tmp=tmp_path / "short", steps=2)
+    assert [r["verdict"] for r in short.records] == [oracle.CANNOT_RUN] * 2
+    assert "GiB is free for it: the step is not judged" in short.records[0]["why"], short.records[0]["why"]
+    assert all(torch.equal(a, b) for a, b in zip(clean.model.state_dict().values(), short.model.state_dict().values()))
+    monkeypatch.setattr(reference.psutil, "virtual_memory", real)
+    assert [r["verdict"] for r in clean.records] == [oracle.NOT_AFFECTED] * 2  # the control: room, then judged
+
+
 def test_a_second_run_into_the_same_folder_keeps_the_first_runs_records_aside(tmp_path):
     """Records of two runs in one file would be read as one run's (``gradkit report``, notebook 09): the second run
     moves the first's file aside, whole, and writes its own."""

@@ -44,6 +44,7 @@ p.add_argument("--optim", default="adamw_torch", help="the Trainer's optim (e.g.
 p.add_argument("--lora", action="store_true", help="a PEFT LoRA adapter on the attention projections")
 p.add_argument("--gradient-checkpointing", action="store_true")
 p.add_argument("--out", default="gradkit-watch")
+p.add_argument("--no-watch", action="store_true", help="the same job without the watch (a control's losses)")
 p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
                help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
@@ -115,8 +116,8 @@ targs = TrainingArguments(output_dir=args.out + "-trainer", per_device_train_bat
                           optim=args.optim)
 trainer = (SumLoss if args.custom_loss else Raises if args.user_error else Trainer)(
     model=model, args=targs, train_dataset=rows, data_collator=collator,
-    callbacks=[gradkit.watch.Callback(out=args.out, every=args.every,
-                                      shard={"on": True, "off": False}.get(args.shard))])  # <- gradkit's one line
+    callbacks=[] if args.no_watch else [gradkit.watch.Callback(out=args.out, every=args.every, shard={
+        "on": True, "off": False}.get(args.shard))])  # <- gradkit's one line
 trainer.train()
 # Leave without the interpreter's tear-down: on CPU its C++ destructors (gloo, DeepSpeed's comm op) abort a rank now
 # and then after the work is done ("terminate called without an active exception"), as kit/launch/worker.py says.

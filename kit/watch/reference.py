@@ -20,10 +20,12 @@ import collections
 import gc
 import inspect
 import math
+import os
 import types
 
 import torch
 import torch.distributed as dist
+import psutil
 import torch.nn as nn
 
 from gradkit.watch.sketch import Sketch
@@ -221,6 +223,23 @@ def dot64(a: torch.Tensor, b: torch.Tensor | None = None) -> float:
     return total
 
 
+MARGIN = 1.25  # a judged step goes ahead only where this much more than its estimate is free
+
+
+def room(need: int, device: torch.device) -> None:
+    """Raises ``MemoryError`` where this rank has not ``need`` bytes (times ``MARGIN``) free where the reference
+    will live: the GPU's free memory and its allocator's cached blocks, or the host's available memory shared by
+    the ranks on it (``LOCAL_WORLD_SIZE``). The watch's first rule: a judged step never takes the job's memory."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device)
+    else:
+        free = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if need * MARGIN > free:
+        raise MemoryError(f"the reference needs about {need / 2 ** 30:.2f} GiB on this rank and {free / 2 ** 30:.2f} "
+                          f"GiB is free for it: the step is not judged, so that the job keeps its memory")
+
+
 class Whole:
     """The reference gradient as one tensor per parameter, whole on every rank."""
 
@@ -242,6 +261,9 @@ class Copy:
     MODE = "whole"
 
     def __init__(self, model: nn.Module):
+        numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        device = next(model.parameters()).device
+        room(9 * numel, device)  # fp32 weights and gradient, a byte of signs a parameter
         self.clone = copy_of(model)
         self.device = next(self.clone.parameters()).device
 

@@ -33,7 +33,8 @@ import gc
 import torch
 import torch.nn as nn
 
-from gradkit.watch.reference import all_gather, all_sum, backward, comm_device, copy_of, dot64, gathered, whole, world
+from gradkit.watch.reference import (all_gather, all_sum, backward, comm_device, copy_of, dot64, gathered, room, whole,
+                                     world)
 from gradkit.watch.sketch import Sketch
 
 UNIT_SHARE = 16  # a unit holds at most 1 / UNIT_SHARE of the model's parameters (or its largest tensor)
@@ -125,6 +126,13 @@ class Sharded:
         self.clone = copy_of(model, make=lambda p: nn.Parameter(torch.empty(shape_of(p), device="meta"),
                                                                 requires_grad=p.requires_grad))
         self.numels = [shape_of(p).numel() for p in model.parameters()]
+        w = world()[1]
+        *smaller, root = units(self.clone)
+        sizes = [sum(p.numel() for p in u.parameters()) for u in smaller]
+        unit = max([*sizes, sum(self.numels) - sum(sizes)])  # the root's own: what no smaller unit holds
+        # its chunk of the weights and gradient, a byte of signs a parameter of its share; a unit gathered with its
+        # gradient, and the next FSDP2 fetches meanwhile
+        room((9 * sum(self.numels)) // w + 12 * unit, self.device)
         self.handles, self.summed, self.largest = [], True, 0
 
     @staticmethod
