@@ -81,8 +81,10 @@ def table(res: dict, page: str = PAGE) -> str:
     body = []
     for r in res["rows"]:
         if "held" not in r:
+            why = ("a rank was killed, out of the host's memory, in DeepSpeed's own start" if "SIGKILL" in r["tail"]
+                   else f"exit {r.get('rc')}")
             body.append({"model": r["size"], "engine": r["engine"], "W": r["world_size"],
-                         "reference": f"did not run (exit {r.get('rc')})"})
+                         "reference": f"did not run ({why})"})
             continue
         body.append({"model": f"{r['parameters'] / 1e6:.0f}M", "engine": r["engine"], "W": r["world_size"],
                      "reference": r["reference"][0],

@@ -130,7 +130,7 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     the pinned ranges (scripts/refresh_table writes them there and on the bugs page)."""
     blocks = {"B1": readme_tables.PAGE, "B2": readme_tables.PAGE, "B3": readme_tables.PAGE, "B4": readme_tables.PAGE,
               "SWEEP": "docs/sweep.md", "PERF": "docs/speed.md", "MUTATION": "docs/tests.md",
-              "SUPPORT": "docs/watch.md"}
+              "SUPPORT": "docs/watch.md", "SCALE": "docs/watch.md"}
     found = {}
     for page in [README, *DOCS]:
         for m in readme_tables.BLOCK.finditer(page.read_text()):
@@ -138,7 +138,7 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     assert {k: [p for p, _ in v] for k, v in found.items()} == {**{k: [p] for k, p in blocks.items()},
                                                                 "RANGES": ["README.md", readme_tables.PAGE]}
     assert all("`scripts/refresh_table --ranges-only`" in body.splitlines()[0] for _, body in found["RANGES"])
-    for name in ("SWEEP", "PERF", "MUTATION", "SUPPORT"):
+    for name in ("SWEEP", "PERF", "MUTATION", "SUPPORT", "SCALE"):
         (page, body), = found[name]
         assert f"--readme {page}`" in body.splitlines()[0], (name, body.splitlines()[0])
     assert "python -m gradkit.notebooks.readme_tables" in found["B4"][0][1].splitlines()[0]
