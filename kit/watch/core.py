@@ -24,7 +24,7 @@ import gradkit.watch.losses as losses
 import gradkit.watch.reference as reference
 import gradkit.watch.sharded as sharded
 from gradkit.watch.capture import Recorder
-from gradkit.watch.guard import Faults, failed, planted
+from gradkit.watch.guard import Faults, failed
 from gradkit.watch.reads import Layout, chain
 from gradkit.watch.schedule import Schedule
 from gradkit.watch.sketch import SIZE, Sketch
@@ -197,9 +197,12 @@ class Watch:
             mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
             partitions = [None] * reference.world()[1]
             dist.all_gather_object(partitions, mine)
+        refused = self.faults.run("reference", step, lambda: "")  # agreed before the sharded reference's collectives
+        fault = self.faults.agree()
+        if fault:
+            return {"cannot": failed(fault)}
         try:
-            planted("reference", step)
-            local, refused = built.run(window, self.loss, sketch, partitions, judged), ""
+            local = built.run(window, self.loss, sketch, partitions, judged)
         except Exception as e:  # noqa: BLE001 - the user's model or loss refused the reference: said, not raised
             local, refused = None, f"{type(e).__name__}: {e}"
         flag = torch.tensor([1.0 if refused else 0.0])
