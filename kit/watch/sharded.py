@@ -127,7 +127,8 @@ class Sharded:
                                                                 requires_grad=p.requires_grad))
         self.numels = [shape_of(p).numel() for p in model.parameters()]
         w = world()[1]
-        *smaller, root = units(self.clone)
+        self.plan = units(self.clone)  # the units, once: their sizes here, fully_shard in _build
+        *smaller, root = self.plan
         sizes = [sum(p.numel() for p in u.parameters()) for u in smaller]
         unit = max([*sizes, sum(self.numels) - sum(sizes)])  # the root's own: what no smaller unit holds
         # its chunk of the weights and gradient, a byte of signs a parameter of its share; a unit gathered with its
@@ -150,7 +151,7 @@ class Sharded:
             for name, p in m._parameters.items():
                 if p is not None and id(p) in index:
                     slots[index[id(p)]].append((m, name))
-        plan, done = units(self.clone), set()
+        plan, done = self.plan, set()
         for unit in plan:  # every rank in the same order: filling a ZeRO-3 or FSDP2 parameter is a collective
             size = 0
             for p in list(unit.parameters()):
