@@ -66,7 +66,7 @@ PERF_ROWS = [
     ("bench_watch.json", "judged_over_none_small", "the same with micro-batches of {tokens_small} tokens (the sketches' "
      "passes over the parameters weigh more)", "", "x"),
     ("bench_watch.json", "held_in_gradients", "what the watch holds at a judged step's peak (the copy's weights and "
-     "gradient, the sketches and their signs), in fp32 gradients", "≤ 2 + the sketch", "gradients"),
+     "gradient, the sketches and their sign pattern), in fp32 gradients", "≤ 2 + the sketch", "gradients"),
     ("bench_watch_scale.json", "time_zero3_130m_2", "the watch at the size users train (docs/watch.md's sizing "
      "table): a judged step against an unjudged one, ~130M-parameter Llama, ZeRO-3, 2 ranks (the sharded copy, the "
      "reference's fp32 forward and backward under FSDP2, the sketches, the tally)", "≤ 2.2×", "x"),

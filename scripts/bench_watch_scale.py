@@ -1,24 +1,27 @@
 """The watch at the size users train (issue 46), for scripts/bench.py --watch: Llamas of ~25M, ~130M and ~440M
 parameters (transformers' own class from a config) trained on W = 2 and 4 CPU ranks under ZeRO-3 and FSDP2 (the
 engines that shard the model: the watch's reference is sharded too) and ZeRO-2 (every rank holds the model: a whole
-copy), AdamW (SGD at ~440M: the state would not fit here), GA 2 micro-batches of one row of 32 tokens, five steps of which the 3rd and 5th are judged, DeepSpeed's
+copy), AdamW (SGD at ~440M: the state would not fit here), ZeRO-3's model built under ``deepspeed.zero.Init`` (as the
+Trainer does), GA 2 micro-batches of one row of 32 tokens, five steps of which the 3rd and 5th are judged, DeepSpeed's
 buckets and live parameters at 3e7 (its defaults hold a 440M model whole)
 (scripts/watch_scale_job.py, one world per row). Per row, the largest over the ranks of:
 
 - the watch's own bytes (the judged step's record, ``held_bytes``: the copy's weights and gradient, the reference's
-  pieces, the unit gathered, the sketches and their signs, the recorded inputs);
+  pieces, the unit gathered, the sketches and their sign pattern, the recorded inputs);
 - malloc's peak bytes in use during a judged step above an unjudged step's (``mallinfo2``, sampled every 2 ms);
 - what stays in use after the judged step (in use after minus before it, against an unjudged step's);
 
 each in fp32 models (4 bytes a parameter), beside the bound the issue sets (2 x the fp32 model / W + the largest
 unit gathered where the engine shards the model, 2 x the fp32 model where it does not), and the judged step's time
-over an unjudged one's (medians). Writes runs/bench_watch_scale.json; the sizing table of docs/watch.md is made from
+over an unjudged one's (medians), with what it adds split in two (the records' ``seconds``): the reference's forward
+and backward of every micro-batch (under FSDP2: its gathers and reduce-scatters), and the rest of the watch's work. Writes runs/bench_watch_scale.json; the sizing table of docs/watch.md is made from
 it (``table``)."""
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -50,10 +53,12 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
         return {"engine": engine, "size": size, "world_size": w, "rc": rc, "tail": (stdout + stderr)[-2000:]}
     model = ranks[0]["fp32_model_bytes"]
     held = [max((h or {}).get("peak", 0) for h in r["held_bytes"]) for r in ranks]  # the judgement's own peak
-    extra = max(max((h or {}).get("sketches", 0) + (h or {}).get("sketch signs", 0) for h in r["held_bytes"])
+    extra = max(max((h or {}).get("sketches", 0) + (h or {}).get("sign pattern", 0) for h in r["held_bytes"])
                 for r in ranks)
     unit = max(max((h or {}).get("gathered unit", 0) for h in r["held_bytes"]) for r in ranks)
     sharded = ranks[0]["reference"][0] == "sharded"
+    secs = lambda r, keys: statistics.median(sum(x.get(k, 0.0) for k in keys) for x in r["seconds"] if x)  # noqa
+    own = ("copy", "agree", "build", "gather", "read", "judgement")
     bound = (2 * model / w + unit if sharded else 2 * model) + extra  # + the sketches
     row = {"engine": engine, "size": size, "world_size": w, "parameters": ranks[0]["parameters"],
            "fp32_model_bytes": model, "reference": ranks[0]["reference"], "verdicts": ranks[0]["verdicts"],
@@ -62,12 +67,14 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
            "stays": max(r["stays"] for r in ranks) / model, "bound": bound / model,
            "judged_over_unjudged": max(r["judged_s"] / r["unjudged_s"] for r in ranks),
            "unjudged_s": max(r["unjudged_s"] for r in ranks), "judged_s": max(r["judged_s"] for r in ranks),
-           "held_bytes": ranks[0]["held_bytes"][0], "wall_s": took}
+           "held_bytes": ranks[0]["held_bytes"][0], "wall_s": took,
+           "reference_s": max(secs(r, ("reference",)) for r in ranks), "own_s": max(secs(r, own) for r in ranks)}
     print(f"{engine:12s} {size:5s} W={w}: {row['parameters'] / 1e6:.0f}M, reference {row['reference'][0]}, "
           f"held {row['held']:.2f} (bound {row['bound']:.2f}), in the optimizer's step above an unjudged one's "
           f"{row['window_above_unjudged']:.2f}, the step's peak above {row['peak_above_unjudged']:.2f}, "
           f"stays {row['stays']:.3f} fp32 models; judged {row['judged_over_unjudged']:.2f}x an unjudged step "
-          f"({row['unjudged_s']:.1f} s); {row['verdicts']}", flush=True)
+          f"({row['unjudged_s']:.1f} s), of which the reference's forward and backward {row['reference_s']:.1f} s and "
+          f"the rest of the watch's work {row['own_s']:.1f} s; {row['verdicts']}", flush=True)
     return row
 
 
@@ -93,6 +100,8 @@ def table(res: dict, page: str = PAGE) -> str:
                      "the step's peak raised by": f"{max(r['peak_above_unjudged'], 0.0):.2f}",
                      "left after": f"{r['stays']:.3f}",
                      "judged / unjudged time": f"{r['judged_over_unjudged']:.2f}x ({r['unjudged_s']:.1f} s)",
+                     "added: the reference's forward and backward + the rest":
+                         f"{r['reference_s']:.1f} s + {r['own_s']:.1f} s" if "own_s" in r else "-",
                      "verdicts": ", ".join(sorted(set(r["verdicts"])))})
     return (f"<sub>measured by `.venv/bin/python scripts/bench.py --watch`, written by `python "
             f"scripts/bench_watch_scale.py --readme {page}`: {res['grid']}, gloo on {res.get('cpus', '?')} CPU cores; "

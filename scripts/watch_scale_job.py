@@ -83,8 +83,7 @@ def main() -> None:
                    shard=False if a.shard == "off" else None)
     optimizer = (lambda ps: torch.optim.SGD(ps, lr=1e-5)) if a.optim == "sgd" else \
         (lambda ps: torch.optim.AdamW(ps, lr=1e-5))
-    model = model_of(a.size)
-    params = sum(q.numel() for q in model.parameters())
+    model = None if a.engine == "zero3" else model_of(a.size)  # ZeRO-3's is built partitioned, below
     malloc = Malloc()
     window = {}
 
@@ -118,6 +117,9 @@ def main() -> None:
         if a.engine == "zero3":  # gathered parameters kept live: DeepSpeed's defaults (1e9) hold a 440M model whole
             config["zero_optimization"].update(stage3_max_live_parameters=3e7, stage3_max_reuse_distance=3e7,
                                                stage3_prefetch_bucket_size=3e7)
+            deepspeed.init_distributed()
+            with deepspeed.zero.Init(config_dict_or_path=config):  # partitioned as it is built (as the Trainer does)
+                model = model_of(a.size)
         else:  # ZeRO-2's buckets: its defaults (5e8 elements) allocate 2 GB on a CPU rank at every step
             config["zero_optimization"].update(reduce_bucket_size=3e7, allgather_bucket_size=3e7)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model.parameters()), config=config)
@@ -130,6 +132,7 @@ def main() -> None:
                 engine.backward(engine(input_ids=ids, labels=ids).loss)
                 engine.step()
     rank, w = dist.get_rank(), dist.get_world_size()
+    params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
     data = torch.Generator().manual_seed(rank)
     rows = []
     for s in range(1, a.steps + 1):
@@ -154,6 +157,7 @@ def main() -> None:
            "fp32_model_bytes": params * 4, "shard": a.shard, "steps": rows,
            "verdicts": [r["verdict"] for r in recs], "reference": [r.get("reference") for r in recs],
            "held_bytes": [r.get("held_bytes") for r in recs],
+           "seconds": [r.get("seconds") for r in recs],
            "unjudged_s": statistics.median(r["s"] for r in unjudged),
            "judged_s": statistics.median(r["s"] for r in judged_rows),
            "peak_above_unjudged": max(r["peak"] for r in judged_rows) - statistics.median(r["peak"] for r in unjudged),

@@ -18,11 +18,11 @@ from gradkit.judge import oracle
 W = 2
 
 
-def _llama():
+def _llama(vocab: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=True, attention_dropout=0.1)
     return LlamaForCausalLM(cfg)
@@ -37,17 +37,35 @@ def _user_fsdp2(model):
     return model
 
 
+def _zero3(model, rank: int):
+    """ZeRO-3's layout as DeepSpeed leaves it: each parameter an empty placeholder whose ``ds_tensor`` holds this rank's
+    partition of its flat (ceil(numel / W) values, the last rank's padded), and the optimizer's pieces those partitions
+    (a first dimension W does not divide makes them differ from FSDP2's chunks of rows)."""
+    from gradkit.watch.reads import Piece
+
+    pieces = {}
+    for t, p in enumerate(model.parameters()):
+        n, each, shape = p.numel(), -(-p.numel() // W), p.shape
+        flat = torch.cat([p.detach().reshape(-1), torch.zeros(each * W - n)])
+        p.ds_tensor, p.ds_numel, p.ds_shape = flat[rank * each:(rank + 1) * each].clone(), n, shape
+        p.data = torch.empty(0)
+        if p.requires_grad and rank * each < n:
+            pieces[t] = [Piece(t, rank * each, 0, min(each, n - rank * each))]
+    return type("Layout", (), {"by_tensor": pieces, "replicated": False, "kind": "fp32 partitions"})()
+
+
 def _batches(rank: int, n: int, same: bool = False):
     """Token rows of ``n`` lengths (each micro-batch one more token per rank and three per micro-batch), or of one."""
     g = torch.Generator().manual_seed(10 + rank)
-    return [torch.randint(0, 64, (2, 8 if same else 5 + 3 * i + rank), generator=g) for i in range(n)]
+    return [torch.randint(0, 63, (2, 8 if same else 5 + 3 * i + rank), generator=g) for i in range(n)]
 
 
 def _rank(rank: int, out: str, what: str):
     # a file rendezvous: no port for another test's world to take first
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=W)
     try:
-        res = {"compare": _compare, "control": _control, "released": _released}[what](rank, out)
+        res = {"compare": _compare, "control": _control, "released": _released,
+               "compare zero3": lambda r, o: _compare(r, o, "zero3")}[what](rank, out)
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
@@ -64,15 +82,19 @@ def _window(rank: int, n: int):
     return type("Window", (), {"micro_batches": out})()
 
 
-def _compare(rank: int, out: str) -> dict:
-    """Both references of one window (rank 0 three micro-batches, rank 1 two) on the user's FSDP2 model."""
+def _compare(rank: int, out: str, engine: str = "fsdp2") -> dict:
+    """Both references of one window (rank 0 three micro-batches, rank 1 two) on the user's FSDP2 model, or on a
+    ZeRO-3 one whose embedding's rows W does not divide (its chunks gathered, its pieces not in the chunk)."""
     from gradkit.watch import losses, reads, reference, sharded
     from gradkit.watch.sketch import Sketch
 
-    model = _user_fsdp2(_llama())
+    model = _user_fsdp2(_llama()) if engine == "fsdp2" else _llama(vocab=63)
     model.model.norm.weight.requires_grad_(False)  # frozen: never stepped, never judged
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    layout = reads.Layout(model, opt, opt)
+    if engine == "fsdp2":
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        layout = reads.Layout(model, opt, opt)
+    else:
+        layout = _zero3(model, rank)
     parts = [None] * W
     dist.all_gather_object(parts, [(pc.t, pc.start, pc.numel) for ps in layout.by_tensor.values() for pc in ps])
     judged = {x[0] for ps in parts for x in ps}
@@ -80,8 +102,9 @@ def _compare(rank: int, out: str) -> dict:
     numels = [sharded.shape_of(p).numel() for p in model.parameters()]
     got = {}
     for name, made in (("whole", reference.Copy(model)), ("sharded", sharded.Sharded(model))):
-        sk = Sketch(numels, 1024, keep=made.keep_signs(sum(numels)))
+        sk = Sketch(numels, 1024)
         got[name] = made.finish(made.run(window, losses.Tokens(), sk, parts, judged), sk, layout, judged)
+        gathered = getattr(made, "gathered_params", None)
     diff = norm = 0.0
     for ps in layout.by_tensor.values():
         for pc in ps:
@@ -95,7 +118,7 @@ def _compare(rank: int, out: str) -> dict:
             "counts": [w["info"]["counts"], s["info"]["counts"]], "per_rank": s["info"]["per_rank"],
             "basis": float((w["info"]["basis"] - s["info"]["basis"]).norm() / w["info"]["basis"].norm()),
             "parts": float((w["info"]["parts"] - s["info"]["parts"]).norm() / w["info"]["parts"].norm()),
-            "held": [w["held"], s["held"]], "judged": len(judged), "kind": layout.kind}
+            "held": [w["held"], s["held"]], "judged": len(judged), "kind": layout.kind, "gathered": gathered}
 
 
 def _job(rank: int, out: str, steps: int = 2, **watch):
@@ -160,9 +183,13 @@ def _world(tmp_path, what: str) -> list:
 
 
 @pytest.mark.world
-def test_the_sharded_reference_is_the_whole_one_to_the_fp32_limit_at_a_w_th_of_its_bytes(tmp_path):
-    for r in _world(tmp_path, "compare"):
-        assert r["kind"] == "sharded parameters" and r["per_rank"] == [3, 2]
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_the_sharded_reference_is_the_whole_one_to_the_fp32_limit_at_a_w_th_of_its_bytes(tmp_path, engine):
+    for r in _world(tmp_path, "compare" if engine == "fsdp2" else "compare zero3"):
+        assert r["kind"] == ("sharded parameters" if engine == "fsdp2" else "fp32 partitions")
+        assert r["per_rank"] == [3, 2]
+        # FSDP2's chunks are this rank's own; ZeRO-3's embedding (63 rows) is gathered to fill them
+        assert r["gathered"] == (0 if engine == "fsdp2" else 1), r["gathered"]
         assert r["rel"] < 1e-6, r  # piece by piece, where each rank's optimizer holds its chunk
         assert r["rr"][1] == pytest.approx(r["rr"][0], rel=1e-6) and r["top"][1] == pytest.approx(r["top"][0], rel=1e-5)
         assert r["counts"][0] == r["counts"][1]

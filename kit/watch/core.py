@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -107,7 +108,9 @@ class Watch:
             if self._pending is None and self.recorder.recording:
                 self._pending = self._reference(self.recorder.take())
             if self._pending is not None and "tally" in self._pending:
+                t0 = time.perf_counter()
                 self.faults.run("read", self.step + 1, self._read, optimizer)
+                self._pending["seconds"]["read"] += time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - a last resort: the phases above keep their own faults
             self.faults.note("reference", e)
             self._pending = {"cannot": failed(self.faults.first)}
@@ -175,10 +178,11 @@ class Watch:
     # ------------------------------------------------------------ reference and judgement
 
     def _reference(self, window) -> dict:
-        step = self.step + 1
+        step, t0 = self.step + 1, time.perf_counter()
         if self.layout is None:
             self.layout = self.faults.run("read", step, Layout, self.model, self.wrapper, self.basic)
         built = self.faults.run("copy", step, self._copy)
+        t1 = time.perf_counter()
         fault = self.faults.agree()  # the first collective of the step: every rank ends it here if one failed
         if fault:
             return {"cannot": failed(fault)}
@@ -191,7 +195,7 @@ class Watch:
         if self.loss is None and window.micro_batches:
             self.loss = losses.guess(window.micro_batches[0], self.criterion)
         numels = [sharded.shape_of(p).numel() for p in self.model.parameters()]
-        sketch = Sketch(numels, self.sketch_size, device=built.device, keep=built.keep_signs(sum(numels)))
+        sketch = Sketch(numels, self.sketch_size, device=built.device)
         partitions = None
         if not self.layout.replicated and 1 < reference.world()[1] <= PARTITIONS_FITTED:
             mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
@@ -201,6 +205,7 @@ class Watch:
         fault = self.faults.agree()
         if fault:
             return {"cannot": failed(fault)}
+        t2 = time.perf_counter()
         try:
             local = built.run(window, self.loss, sketch, partitions, judged)
         except Exception as e:  # noqa: BLE001 - the user's model or loss refused the reference: said, not raised
@@ -211,6 +216,7 @@ class Watch:
             built.release()
             return {"cannot": "the reference could not be computed: "
                               + (refused or "another rank could not compute its reference")}
+        t3 = time.perf_counter()
         out = built.finish(local, sketch, self.layout, judged)
         info = out["info"]
         coef = reference.clip_coef(out["rr"] ** 0.5, self.clip)
@@ -220,7 +226,10 @@ class Watch:
         dtype = self.dtype or lines.dtype_of(self.model, window)
         return {"tally": wjudge.Tally(out["ref"], coef, sketch), "judged": judged, "rr": out["rr"],
                 "maxref": out["top"], "info": info, "dtype": dtype, "window": len(window.micro_batches),
-                "sketch": sketch, "held": held, "reference": built.MODE}
+                "sketch": sketch, "held": held, "reference": built.MODE,
+                "seconds": {"copy": t1 - t0, "agree": t2 - t1, "build": getattr(built, "build_s", 0.0),
+                            "reference": t3 - t2 - getattr(built, "build_s", 0.0),
+                            "gather": time.perf_counter() - t3, "read": 0.0}}
 
     def _copy(self):
         """The reference's copy for this judged step (made again at each: nothing of it is held between steps),
@@ -229,7 +238,7 @@ class Watch:
         return sharded.Sharded(self.model) if shard else reference.Copy(self.model)
 
     def _finish(self, p: dict) -> dict:
-        tally, info = p["tally"], p["info"]
+        tally, info, t0 = p["tally"], p["info"], time.perf_counter()
         own = tally.finish(self.layout.replicated)
         if not p["rr"]:
             out = {"verdict": oracle.INCONCLUSIVE, "why": "the reference gradient is zero on every judged parameter"}
@@ -242,17 +251,19 @@ class Watch:
         fault = self.faults.agree()  # after the judgement's own arithmetic: one verdict on every rank
         if fault:
             return self._cannot(fault)
+        p["seconds"]["judgement"] = time.perf_counter() - t0
         total = float(sum(info["counts"])) or 1.0
         rows = info["basis"]
         self._prev_basis = (torch.stack([b / n if n else b for b, n in zip(rows, info["counts"])]),
                             [n / total for n in info["counts"]]) if len(rows) else None
         self.norms[self.step] = (p["rr"] ** 0.5, p["dtype"])
-        p["held"]["sketch signs"] = p["sketch"].held_bytes()
-        p["held"]["peak"] += sum(v for k, v in p["held"].items() if k in ("sketches", "sketch signs", "inputs"))
+        p["held"]["sign pattern"] = p["sketch"].held_bytes()
+        p["held"]["peak"] += sum(v for k, v in p["held"].items() if k in ("sketches", "sign pattern", "inputs"))
         rec = {"step": self.step, **out, "dtype": p["dtype"], "ga": p["window"], "per_rank": info["per_rank"],
                "counts": info["counts"], "global_count": total, "loss": getattr(self.loss, "name", "?"),
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef,
-               "held_bytes": p["held"], "reference": p["reference"]}
+               "held_bytes": p["held"], "reference": p["reference"],
+               "seconds": {k: round(v, 3) for k, v in p["seconds"].items()}}
         declared = self.context.get("declared_ga")
         if declared and max(info["per_rank"]) < declared:
             rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import psutil
 import torch.nn as nn
 
-from gradkit.watch.sketch import Sketch
+from gradkit.watch.sketch import SIGNS, Sketch
 
 COMPOSABLE = "__composable_api_state_key"  # torch's composable APIs (fully_shard) keep their state there
 _DOT_CHUNK = 1 << 20  # values converted to fp64 at a time (dot64: 8 MB)
@@ -256,21 +256,16 @@ class Whole:
 class Copy:
     """The reference on a whole fp32 copy on every rank (``copy_of``): where every rank holds the model anyway (a
     plain loop, DDP, ZeRO-0/1/2), or asked for. Held at its peak: the copy's weights and its gradient (two fp32
-    models), the sketches' signs (a quarter of one), one micro-batch's activations."""
+    models), one micro-batch's activations, the sketches."""
 
     MODE = "whole"
 
     def __init__(self, model: nn.Module):
         numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         device = next(model.parameters()).device
-        room(9 * numel, device)  # fp32 weights and gradient, a byte of signs a parameter
+        room(8 * numel + SIGNS, device)  # fp32 weights and gradient, the sketch's sign pattern
         self.clone = copy_of(model)
         self.device = next(self.clone.parameters()).device
-
-    @staticmethod
-    def keep_signs(numel: int) -> int | None:
-        """The sketch keeps every tensor's signs (a quarter of the copy's bytes)."""
-        return None
 
     def release(self) -> None:
         self.clone = None

@@ -2,21 +2,23 @@
 memory per rank falls with W as the job's own does, instead of a whole fp32 copy of the model on every rank.
 
 It is built from what torch provides, with no sharding of the kit's own:
-- **the copy under FSDP2.** The copy (``reference.copy_of``) is made with placeholders on the meta device; then, a
-  *unit* at a time (``units``: the largest subtrees that hold at most a 16th of the model, or its largest tensor,
-  and share no parameter with the rest), its parameters are filled with the step's starting weights in fp32
-  (``reference.whole``: gathered from the engine's partitions one tensor at a time) and the unit is put under
-  ``fully_shard``, which keeps each rank's chunk and lets the whole go. FSDP2 gathers a unit for its forward and
-  backward, and reduce-scatters its gradient: summed over the ranks (its divide factor 1), each rank keeps its chunk.
+- **the copy under FSDP2.** The copy (``reference.copy_of``) is made with placeholders on the meta device and put
+  under ``fully_shard`` a *unit* at a time (``units``: the largest subtrees that hold at most a 16th of the model,
+  or its largest tensor, and share no parameter with the rest); only then are each rank's chunks made, and filled
+  with the step's starting weights in fp32: from what this rank already holds where that is its chunk (ZeRO-3's
+  partition of a parameter whose rows W divides, or a vector; FSDP2's chunk: no collective), else from the
+  parameter gathered whole (``reference.whole``), one at a time. FSDP2 gathers a unit for its forward and backward,
+  and reduce-scatters its gradient: summed over the ranks (its divide factor 1), each rank keeps its chunk.
 - **each micro-batch's own gradient, sketched as the backward runs.** The fitted weights need every rank's
   micro-batches' gradients apart, before FSDP2 sums them over the ranks: a hook on each gathered parameter
   (``register_post_accumulate_grad_hook``, which runs where autograd has just written that micro-batch's gradient,
   before FSDP2 reduces it) adds it to the micro-batch's sketch, restricted to each rank's optimizer pieces where the
   read is partitioned. The gathered parameters are the ones FSDP2 swaps into the unit for its forward, found by a
   forward pre-hook that runs after FSDP2's own.
-- **exact dot products piece by piece.** The reduced reference is gathered one parameter at a time and only the
-  pieces this rank's optimizer holds (``reads.Layout``) are kept (``Aligned``); the tally takes its dot products
-  against them. The copy is dropped before that.
+- **exact dot products piece by piece.** The pieces this rank's optimizer holds (``reads.Layout``) are taken from
+  the reduced reference's chunk where they lie in it (ZeRO-3's and FSDP2's own layouts, as above), else from the
+  parameter gathered, one at a time; only they are kept (``Aligned``), and the tally takes its dot products against
+  them. The copy is dropped before that.
 
 FSDP2 runs a unit's collectives on every rank, so every rank runs as many micro-batches: a rank that recorded fewer
 runs its last one again with its loss times 0 (a gradient of exact zeros, not sketched).
@@ -29,13 +31,15 @@ from __future__ import annotations
 
 import collections
 import gc
+import time
 
 import torch
 import torch.nn as nn
 
+from gradkit.watch.reads import shard_rows
 from gradkit.watch.reference import (all_gather, all_sum, backward, comm_device, copy_of, dot64, gathered, room, whole,
                                      world)
-from gradkit.watch.sketch import Sketch
+from gradkit.watch.sketch import SIGNS, Sketch
 
 UNIT_SHARE = 16  # a unit holds at most 1 / UNIT_SHARE of the model's parameters (or its largest tensor)
 _MESHES: dict = {}
@@ -79,6 +83,37 @@ def units(model: nn.Module) -> list:
 
     visit(model)
     return [*out, model]
+
+
+def chunk_of(shape: torch.Size, w: int, r: int) -> tuple[int, int] | None:
+    """Where rank ``r``'s chunk of a parameter of ``shape`` sits in its flat under FSDP2 (``torch.chunk``'s rows of
+    its first dimension; the last ranks' short or empty): ``(start, numel)``; None for a scalar."""
+    if len(shape) == 0:
+        return None
+    rows = shape[0]
+    row = shape.numel() // rows if rows else 0
+    each = -(-rows // w)
+    lo, hi = min(r * each, rows), min(r * each + each, rows)
+    return lo * row, (hi - lo) * row
+
+
+def own_part(p: torch.Tensor, w: int, r: int) -> torch.Tensor | None:
+    """This rank's FSDP2 chunk of the user's parameter ``p``, flat, where this rank already holds exactly it (a ZeRO-3
+    partition that is the chunk: a first dimension that W divides, or a vector; an FSDP2 chunk; a whole tensor);
+    None where it must be gathered."""
+    chunk = chunk_of(shape_of(p), w, r)
+    if chunk is None:
+        return None
+    start, n = chunk
+    if hasattr(p, "ds_tensor"):  # ZeRO-3: rank r holds coordinates r x ceil(numel / W) on, padded
+        each = -(-p.ds_numel // w)
+        mine = p.ds_tensor.reshape(-1)
+        ok = start == min(r * each, p.ds_numel) and mine.numel() >= n
+        return mine[:n] if ok else None
+    if hasattr(p, "full_tensor"):  # FSDP2 (or a DTensor of another layout: gathered)
+        ok = shard_rows(p) == chunk and p.device_mesh.size() == w and p.device_mesh.get_local_rank() == r
+        return p.to_local().reshape(-1) if ok else None
+    return p.detach().reshape(-1)[start:start + n]
 
 
 def mesh(device: torch.device):
@@ -131,17 +166,15 @@ class Sharded:
         *smaller, root = self.plan
         sizes = [sum(p.numel() for p in u.parameters()) for u in smaller]
         unit = max([*sizes, sum(self.numels) - sum(sizes)])  # the root's own: what no smaller unit holds
-        # its chunk of the weights and gradient, a byte of signs a parameter of its share; a unit gathered with its
-        # gradient, and the next FSDP2 fetches meanwhile
-        room((9 * sum(self.numels)) // w + 12 * unit, self.device)
-        self.handles, self.summed, self.largest = [], True, 0
-
-    @staticmethod
-    def keep_signs(numel: int) -> int:
-        """The sketch keeps this rank's share of the signs (a quarter of its chunk of the copy): they fall with W."""
-        return numel // world()[1]
+        # its chunk of the weights and gradient; a unit gathered with its gradient, and the next FSDP2 fetches
+        # meanwhile; the sketch's sign pattern
+        room((8 * sum(self.numels)) // w + 12 * unit + SIGNS, self.device)
+        self.handles, self.summed, self.largest, self.build_s = [], True, 0, 0.0
 
     def _build(self, judged: set) -> list:
+        """The units under ``fully_shard`` while their parameters are placeholders, then each rank's chunks filled with
+        the step's starting weights: from what this rank holds where that is the chunk (``own_part``: no collective),
+        else from the parameter gathered whole (every rank in the same order)."""
         from torch.distributed.fsdp import fully_shard
 
         user, placeholders = list(self.model.parameters()), list(self.clone.parameters())
@@ -151,23 +184,34 @@ class Sharded:
             for name, p in m._parameters.items():
                 if p is not None and id(p) in index:
                     slots[index[id(p)]].append((m, name))
-        plan, done = self.plan, set()
-        for unit in plan:  # every rank in the same order: filling a ZeRO-3 or FSDP2 parameter is a collective
+        for t, p in enumerate(placeholders):
+            p.requires_grad_(t in judged)
+        done = set()
+        for unit in self.plan:
             size = 0
-            for p in list(unit.parameters()):
-                t = index.get(id(p))
-                if t is None or t in done:
-                    continue  # a smaller unit's, already sharded
-                done.add(t)
-                x = whole(user[t]).to(self.device, torch.float32)
-                if x.data_ptr() == user[t].data_ptr():
-                    x = x.clone()  # never the user's own tensor
-                new = nn.Parameter(x, requires_grad=t in judged)
-                size += x.numel() * 4
-                for m, name in slots[t]:
-                    m._parameters[name] = new
+            for p in unit.parameters():
+                if id(p) in index and index[id(p)] not in done:  # not a smaller unit's, already sharded
+                    done.add(index[id(p)])
+                    size += p.numel() * 4
             self.largest = max(self.largest, size)
             fully_shard(unit, mesh=mesh(self.device), reshard_after_forward=True)
+        buffers = [(m, name, b) for m in self.clone.modules() for name, b in m._buffers.items() if b is not None]
+        self.clone.to_empty(device=self.device)  # each rank's chunks only
+        for m, name, b in buffers:
+            m._buffers[name] = b
+        rank, w = world()
+        parts = [own_part(p, w, rank) for p in user]
+        local = torch.tensor([0.0 if x is None else 1.0 for x in parts])
+        all_sum(local, torch.distributed.ReduceOp.MIN)  # every rank gathers the same parameters
+        with torch.no_grad():
+            for t, p in enumerate(self.clone.parameters()):
+                dst = p.to_local().reshape(-1)
+                if local[t] > 0:
+                    dst.copy_(parts[t])
+                else:
+                    start, n = chunk_of(shape_of(user[t]), w, rank)
+                    dst.copy_(whole(user[t]).reshape(-1)[start:start + n])
+        self.gathered_params = int((local == 0).sum())
         for m in self.clone.modules():  # FSDP2 averages over the ranks: sum instead, where this torch can
             if hasattr(m, "set_gradient_divide_factor") and hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_gradient_divide_factor(1.0)
@@ -175,7 +219,7 @@ class Sharded:
             elif hasattr(m, "set_gradient_divide_factor") or hasattr(m, "set_reduce_scatter_divide_factor"):
                 self.summed = False  # the average, times W afterwards
         return [(unit, {(id(m), name): t for t, held in slots.items() for m, name in held
-                        if any(m is x for x in unit.modules())}) for unit in plan]
+                        if any(m is x for x in unit.modules())}) for unit in self.plan]
 
     def run(self, window, loss, sketch: Sketch, partitions: list | None, judged: set) -> dict:
         """Every rank's micro-batches through the sharded copy (collectives): this rank's sketches, counts and loss
@@ -184,7 +228,9 @@ class Sharded:
         if min(ks) == 0:
             raise RuntimeError("a rank recorded no micro-batch of this step, and the sharded reference runs every "
                                "rank's micro-batches in step")
+        t0 = time.perf_counter()
         plan = self._build(judged)
+        self.build_s = time.perf_counter() - t0
         rows = sketch.zeros() if partitions is None else torch.zeros(len(partitions), sketch.size,
                                                                     dtype=torch.float64, device=sketch.device)
         by_t = None if partitions is None else collections.defaultdict(list)
@@ -260,17 +306,28 @@ class Sharded:
         for pieces in layout.by_tensor.values():
             for pc in pieces:
                 wanted[pc.t].append((pc.start, pc.numel))
+        here = torch.ones(len(grads))  # the pieces this rank wants lie in its own chunk (ZeRO-3's, FSDP2's layouts)
+        for t, g in enumerate(grads):
+            rows = shard_rows(g) if g is not None else (0, 0)
+            here[t] = float(rows is not None and all(rows[0] <= a and a + n <= rows[0] + rows[1]
+                                                     for a, n in wanted.get(t, ())) or g is None)
+        all_sum(here, torch.distributed.ReduceOp.MIN)  # else every rank gathers that parameter
         kept = {}
         for t, g in enumerate(grads):  # every rank, in module order: one parameter gathered at a time
             if t not in judged:
                 continue
-            full = g.full_tensor().reshape(-1) if g is not None else None
+            lo, flat = 0, None
+            if g is not None and here[t] > 0:
+                lo, flat = shard_rows(g)[0], g.to_local().reshape(-1)
+            elif g is not None:
+                flat = g.full_tensor().reshape(-1)
             grads[t] = None
             for start, n in wanted.get(t, ()):
-                if full is None:
+                if flat is None:
                     kept[(t, start)] = torch.zeros(n)
                 else:
-                    kept[(t, start)] = full if (start, n) == (0, full.numel()) else full[start:start + n].clone()
+                    kept[(t, start)] = flat if (start - lo, n) == (0, flat.numel()) else \
+                        flat[start - lo:start - lo + n].clone()
         ref = Aligned(kept, len(grads))
         held["reference pieces"] = ref.nbytes()
         held["peak"] = max(held["copy"] + held["gradient"] + held["gathered unit"],

@@ -18,7 +18,9 @@ import torch
 
 SIZE = 4096  # buckets: the fit's error is ~ residual / sqrt(SIZE) (measured in tests/test_watch.py)
 SEED = 0x5EED
-_CHUNK = 1 << 20  # coordinates hashed at a time: the hash's own memory stays a few MB whatever the tensor
+_CHUNK = 1 << 20  # coordinates signed at a time: the working memory stays a few MB whatever the tensor
+PERIOD = 1048573  # the sign pattern's length, a prime (coprime to every size)
+SIGNS = (PERIOD + _CHUNK) * 4  # the bytes of the sign pattern a sketch holds
 _BLOCK = 32  # rows of a chunk summed in fp32 before their sums are summed in fp64 (_rows_summed)
 
 
@@ -37,55 +39,45 @@ def _rows_summed(rows: torch.Tensor, block: int = _BLOCK) -> torch.Tensor:
 
 class Sketch:
     """CountSketch of vectors laid out as the tensors of a module's parameters (module order). Coordinate i of tensor
-    t goes into bucket ``(i + s_t) mod size`` with the sign of ``c_t * i`` as an int64 product (its top bit; c_t odd,
-    s_t and c_t drawn per tensor from the seed): the sign is the random part, so inner products are kept in
-    expectation as with hashed buckets, and a chunk of coordinates is signed and summed down its whole rows of
-    ``size`` (a ragged head and tail added on their own), with no scatter and no padded copy. The signs of a tensor
-    are kept once drawn (one byte per coordinate, a quarter of an fp32 gradient: a judged step sketches every tensor
-    K + 2 times) until the sketch is dropped with its judged step, up to ``keep`` bytes (the sharded reference keeps
-    the rank's share, so that they fall with W as its copy does). ``size`` is a power of two."""
+    t goes into bucket ``(i + s_t) mod size`` with the sign ``pattern[(i + o_t) mod PERIOD]``, a fixed random pattern
+    of +1 / -1 (s_t, o_t and the pattern drawn from the seed): coordinates that share a bucket (i, i + size, ...)
+    take their signs from different places of the pattern, and PERIOD is a prime, so a bucket and a sign repeat
+    together only after ``size x PERIOD`` coordinates (4e9 at the default size): inner products are kept in
+    expectation as with hashed signs. A chunk's signs are one slice of the pattern (held once, 8 MB), so a chunk is
+    signed and summed down its whole rows of ``size`` (a ragged head and tail added on their own) with no hashing,
+    no scatter and no padded copy, and no per-coordinate state is kept. ``size`` is a power of two."""
 
-    def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None, keep: int | None = None):
+    def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
-        self.keep = keep  # the most bytes of signs kept (None: every tensor's); the others are drawn at each use
         if self.size & (self.size - 1) or self.size < 2:
             raise ValueError(f"gradkit watch: the sketch's size must be a power of two (got {size})")
         self.device = torch.device(device or "cpu")
         g = torch.Generator(device="cpu").manual_seed(self.seed)
-        shifts = torch.randint(0, self.size, (len(self.numels),), generator=g).tolist()
-        odd = (torch.randint(0, 2 ** 62, (len(self.numels),), generator=g) * 2 + 1).tolist()
-        self._sc = [(sh, c - 2 ** 63 if c >= 2 ** 63 else c) for sh, c in zip(shifts, odd)]  # c as an int64
-        self._signs: dict[int, torch.Tensor] = {}  # tensor -> its coordinates' signs (int8)
+        self._shift = torch.randint(0, self.size, (len(self.numels),), generator=g).tolist()
+        self._offset = torch.randint(0, PERIOD, (len(self.numels),), generator=g).tolist()
+        pattern = 1.0 - 2.0 * torch.randint(0, 2, (PERIOD,), generator=g, dtype=torch.float32)
+        self._pattern = torch.cat([pattern, pattern[:_CHUNK]]).to(self.device)  # any chunk's signs are one slice
 
     def held_bytes(self) -> int:
-        """What the kept signs hold."""
-        return sum(m.numel() * m.element_size() for m in self._signs.values())
+        """What the sign pattern holds."""
+        return self._pattern.numel() * self._pattern.element_size()
 
-    def signs(self, t: int) -> torch.Tensor:
-        """Tensor ``t``'s signs, one int8 of +1 / -1 per coordinate (drawn on first use, then kept)."""
-        hit = self._signs.get(t)
-        if hit is None:
-            c = self._sc[t][1]
-            hit = torch.empty(self.numels[t], dtype=torch.int8, device=self.device)
-            for lo in range(0, self.numels[t], _CHUNK):  # int64 products wrap mod 2**64: the top bit is the sign
-                i = torch.arange(lo, min(lo + _CHUNK, self.numels[t]), dtype=torch.int64, device=self.device)
-                hit[lo:lo + i.numel()] = 1 - 2 * (i.mul_(c) < 0).to(torch.int8)
-            if self.keep is None or self.held_bytes() + hit.numel() <= self.keep:
-                self._signs[t] = hit
-        return hit
+    def signs(self, t: int, first: int, n: int) -> torch.Tensor:
+        """The signs of coordinates ``first .. first + n`` of tensor ``t`` (``n`` at most a chunk): a view."""
+        j = (first + self._offset[t]) % PERIOD
+        return self._pattern[j:j + n]
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float64, device=self.device)
 
     def add(self, out: torch.Tensor, t: int, values: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Adds the sketch of ``values`` -- coordinates ``start .. start + len`` of tensor ``t`` -- into ``out``."""
-        shift = self._sc[t][0]
+        shift = self._shift[t]
         v = values.detach().reshape(-1)
-        signs = self.signs(t)
         for lo in range(0, v.numel(), _CHUNK):
             part = v[lo:lo + _CHUNK].to(out.device, torch.float32 if v.dtype != torch.float64 else torch.float64)
             first = start + lo
-            signed = part * signs[first:first + part.numel()]  # one pass; int8 times fp32 is fp32
+            signed = part * self.signs(t, first, part.numel())  # one pass
             head = (first + shift) % self.size
             lead = min((-head) % self.size, signed.numel())  # up to the first whole row, then whole rows, then a tail
             body = (signed.numel() - lead) // self.size * self.size
