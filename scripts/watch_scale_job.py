@@ -118,6 +118,7 @@ def main() -> None:
             config["zero_optimization"].update(stage3_max_live_parameters=3e7, stage3_max_reuse_distance=3e7,
                                                stage3_prefetch_bucket_size=3e7)
             deepspeed.init_distributed()
+            import transformers.models.llama.modeling_llama  # noqa: F401 - imported before zero.Init patches torch
             with deepspeed.zero.Init(config_dict_or_path=config):  # partitioned as it is built (as the Trainer does)
                 model = model_of(a.size)
         else:  # ZeRO-2's buckets: its defaults (5e8 elements) allocate 2 GB on a CPU rank at every step

@@ -3,6 +3,7 @@
 the fp32 limit, piece by piece where each rank's optimizer holds its chunk, with ranks that ran unequal numbers of
 micro-batches; it holds a W-th of the whole copy's bytes; nothing of it is left after the judged step; and the
 control still catches a read that misses or shifts a piece."""
+import gc
 import json
 import math
 import os
@@ -170,10 +171,13 @@ def _released(rank: int, out: str) -> dict:
         return real(self, *a)
 
     sharded.Sharded.finish = finish
-    w = _job(rank, out, steps=3, first=2)
-    import gc
-    gc.collect()
-    return {"made": len(made), "alive": sum(r() is not None for r in made), "pending": w._pending is None,
+    gc.disable()  # only the watch's own collection runs: what it leaves for a later one would stay until then
+    try:
+        w = _job(rank, out, steps=3, first=2)
+        alive = sum(r() is not None for r in made)
+    finally:
+        gc.enable()
+    return {"made": len(made), "alive": alive, "pending": w._pending is None,
             "verdicts": [r["verdict"] for r in w.records]}
 
 

@@ -335,6 +335,7 @@ class Sharded:
         return {"info": info, "ref": ref, "rr": float(sums[0]), "top": float(top[0]), "held": held}
 
     def release(self) -> None:
+        """Drops every reference to the copy (its units included): the garbage collector can take it at once."""
         for h in self.handles:
             h.remove()
-        self.handles, self.clone = [], None
+        self.handles, self.clone, self.plan = [], None, None

@@ -18,8 +18,8 @@ import torch
 
 SIZE = 4096  # buckets: the fit's error is ~ residual / sqrt(SIZE) (measured in tests/test_watch.py)
 SEED = 0x5EED
-_CHUNK = 1 << 20  # coordinates signed at a time: the working memory stays a few MB whatever the tensor
-PERIOD = 1048573  # the sign pattern's length, a prime (coprime to every size)
+_CHUNK = 1 << 18  # coordinates signed at a time: the working memory stays a few MB whatever the tensor
+PERIOD = 262139  # the sign pattern's length, a prime (coprime to every size)
 SIGNS = (PERIOD + _CHUNK) * 4  # the bytes of the sign pattern a sketch holds
 _BLOCK = 32  # rows of a chunk summed in fp32 before their sums are summed in fp64 (_rows_summed)
 
@@ -42,10 +42,11 @@ class Sketch:
     t goes into bucket ``(i + s_t) mod size`` with the sign ``pattern[(i + o_t) mod PERIOD]``, a fixed random pattern
     of +1 / -1 (s_t, o_t and the pattern drawn from the seed): coordinates that share a bucket (i, i + size, ...)
     take their signs from different places of the pattern, and PERIOD is a prime, so a bucket and a sign repeat
-    together only after ``size x PERIOD`` coordinates (4e9 at the default size): inner products are kept in
-    expectation as with hashed signs. A chunk's signs are one slice of the pattern (held once, 8 MB), so a chunk is
-    signed and summed down its whole rows of ``size`` (a ragged head and tail added on their own) with no hashing,
-    no scatter and no padded copy, and no per-coordinate state is kept. ``size`` is a power of two."""
+    together only after ``size x PERIOD`` coordinates of one tensor (1.07e9 at the default size; in a larger tensor
+    such pairs only add to the sketch's noise): inner products are kept in expectation as with hashed signs. A
+    chunk's signs are one slice of the pattern (held once, 2 MB), so a chunk is signed and summed down its whole rows
+    of ``size`` (a ragged head and tail added on their own) with no hashing, no scatter and no padded copy, and no
+    per-coordinate state is kept. ``size`` is a power of two."""
 
     def __init__(self, numels: list[int], size: int = SIZE, seed: int = SEED, device=None):
         self.numels, self.size, self.seed = list(numels), int(size), int(seed)
