@@ -125,7 +125,7 @@ def one_shape(rounds: int = 10, ga: int = 4, rows: int = 4, seq: int = 64, size:
            "floor_over_none": 1 + med["floor"] / med["none"], "half_over_none": med["half"] / med["none"],
            "half_layers": f"{sum(n.startswith(half) for n in names)} of {len(names)} tensors",
            "none_spread": (max(out["none"]) - min(out["none"])) / med["none"], "held_bytes": held,
-           "held_in_gradients": sum(held.values()) / (params * 4), "rss_growth_bytes": growth,
+           "held_in_gradients": held.get("peak", sum(held.values())) / (params * 4), "rss_growth_bytes": growth,
            "verdicts": sorted(verdicts)}
     print(f"tiny Llama {params / 1e6:.1f}M parameters, GA {ga} x {rows} rows x {seq} tokens, {rounds} rounds: a step "
           f"{med['none'] * 1e3:.0f} ms without the watch (spread {res['none_spread']:.2f}); unjudged "

@@ -51,6 +51,10 @@ def one(engine: str, size: str, w: int, timeout_s: int = 1500) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     if rc or len(ranks) != w:
         return {"engine": engine, "size": size, "world_size": w, "rc": rc, "tail": (stdout + stderr)[-2000:]}
+    if all(v == "cannot-run" for v in ranks[0]["verdicts"]):  # the memory guard (or another refusal): said as such
+        print(f"{engine:12s} {size:5s} W={w}: not judged: {ranks[0]['whys'][0]}", flush=True)
+        return {"engine": engine, "size": size, "world_size": w, "rc": 0, "parameters": ranks[0]["parameters"],
+                "cannot": ranks[0]["whys"][0], "unjudged_s": max(r["unjudged_s"] for r in ranks), "wall_s": took}
     model = ranks[0]["fp32_model_bytes"]
     held = [max((h or {}).get("peak", 0) for h in r["held_bytes"]) for r in ranks]  # the judgement's own peak
     extra = max(max((h or {}).get("sketches", 0) + (h or {}).get("sign pattern", 0) for h in r["held_bytes"])
@@ -87,6 +91,11 @@ def table(res: dict, page: str = PAGE) -> str:
 
     body = []
     for r in res["rows"]:
+        if "cannot" in r:
+            first = r["cannot"].split("; rank 1")[0].split("copy: ")[-1].rstrip(")")  # rank 0's sentence
+            body.append({"model": f"{r['parameters'] / 1e6:.0f}M", "engine": r["engine"], "W": r["world_size"],
+                         "reference": f"not judged (rank 0: {first})"})
+            continue
         if "held" not in r:
             why = ("a rank was killed, out of the host's memory, in DeepSpeed's own start" if "SIGKILL" in r["tail"]
                    else f"exit {r.get('rc')}")
@@ -133,6 +142,8 @@ def scale_bench(json_path: str, grid=None) -> dict:
         key = f"{engine.replace(' ', '_')}_{size}_{w}"
         res[f"time_{key}"], res[f"held_{key}"] = r["judged_over_unjudged"], r["held"]
         res[f"window_{key}"], res[f"bound_{key}"] = r["window_above_unjudged"], round(r["bound"], 2)
+        if "reference_s" in r:  # an unjudged step plus the reference's forward and backward alone
+            res[f"floor_{key}"] = 1.0 + r["reference_s"] / r["unjudged_s"]
     if done:
         res["stays_most"] = max(r["stays"] for r in done.values())
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def main() -> None:
                   "zero_allow_untested_optimizer": True}  # SGD
         if a.engine == "zero3":  # gathered parameters kept live: DeepSpeed's defaults (1e9) hold a 440M model whole
             config["zero_optimization"].update(stage3_max_live_parameters=3e7, stage3_max_reuse_distance=3e7,
-                                               stage3_prefetch_bucket_size=3e7)
+                                               stage3_prefetch_bucket_size=3e7, reduce_bucket_size=3e7)
             deepspeed.init_distributed()
             import transformers.models.llama.modeling_llama  # noqa: F401 - imported before zero.Init patches torch
             with deepspeed.zero.Init(config_dict_or_path=config):  # partitioned as it is built (as the Trainer does)
@@ -157,6 +157,7 @@ def main() -> None:
     out = {"rank": rank, "world_size": w, "engine": a.engine, "size": a.size, "parameters": params,
            "fp32_model_bytes": params * 4, "shard": a.shard, "steps": rows,
            "verdicts": [r["verdict"] for r in recs], "reference": [r.get("reference") for r in recs],
+           "whys": [r.get("why") for r in recs if r["verdict"] == "cannot-run"],
            "held_bytes": [r.get("held_bytes") for r in recs],
            "seconds": [r.get("seconds") for r in recs],
            "unjudged_s": statistics.median(r["s"] for r in unjudged),

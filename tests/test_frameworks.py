@@ -49,6 +49,20 @@ def test_detect_ignores_the_file_name(tmp_path):
     assert frameworks.detect(p) == "axolotl"
 
 
+def test_a_config_is_read_by_its_content_json_wherever_it_parses_as_json(tmp_path):
+    """A DeepSpeed config shipped as .conf, JSON with numbers written 1e9: YAML would read '1e9' as a string (and
+    DeepSpeed's parser would then refuse what DeepSpeed itself reads as a number)."""
+    conf = tmp_path / "ds_config.conf"
+    conf.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,\n'
+                    ' "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "allgather_bucket_size": 1e9}}\n')
+    run = frameworks.read(conf)
+    assert run.framework == "deepspeed" and run.zero_stage == 2
+    assert run.ds_config["zero_optimization"]["allgather_bucket_size"] == 1e9
+    yml = tmp_path / "ds_config.yml"  # YAML stays YAML: its own reading of 1e9
+    yml.write_text("train_micro_batch_size_per_gpu: 2\nzero_optimization:\n  stage: 2\n  reduce_bucket_size: 1e9\n")
+    assert frameworks.read(yml).ds_config["zero_optimization"]["reduce_bucket_size"] == "1e9"
+
+
 @pytest.mark.parametrize("shipped", sorted(p.relative_to(SHIPPED).as_posix() for p in SHIPPED.rglob("*.json")))
 def test_every_shipped_deepspeed_json_is_a_bare_deepspeed_config(shipped):
     run = frameworks.read(SHIPPED / shipped)

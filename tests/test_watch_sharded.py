@@ -66,7 +66,8 @@ def _rank(rank: int, out: str, what: str):
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=W)
     try:
         res = {"compare": _compare, "control": _control, "released": _released,
-               "compare zero3": lambda r, o: _compare(r, o, "zero3")}[what](rank, out)
+               "compare zero3": lambda r, o: _compare(r, o, "zero3"),
+               "released whole": lambda r, o: _released(r, o, shard=False)}[what](rank, out)
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(res, f)
     finally:
@@ -122,12 +123,12 @@ def _compare(rank: int, out: str, engine: str = "fsdp2") -> dict:
             "held": [w["held"], s["held"]], "judged": len(judged), "kind": layout.kind, "gathered": gathered}
 
 
-def _job(rank: int, out: str, steps: int = 2, **watch):
+def _job(rank: int, out: str, steps: int = 2, shard: bool = True, **watch):
     from gradkit.watch import Watch
 
     model = _user_fsdp2(_llama())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    w = Watch(model, opt, log=None, out=f"{out}/w", shard=True, **watch)
+    w = Watch(model, opt, log=None, out=f"{out}/w", shard=shard, **watch)
     for step in range(steps):
         for ids in _batches(rank + 2 * step, 3, same=True):  # a mean of equal means: the token mean
             (model(input_ids=ids, labels=ids).loss / 3).backward()
@@ -158,22 +159,24 @@ def _control(rank: int, out: str) -> dict:
     return said
 
 
-def _released(rank: int, out: str) -> dict:
-    """The sharded copy and its gradient are gone after each judged step (weak references to what it made)."""
-    from gradkit.watch import sharded
+def _released(rank: int, out: str, shard: bool = True) -> dict:
+    """The copy and its gradient, sharded or whole, are gone after each judged step (weak references to what it
+    made), without waiting for the garbage collector."""
+    from gradkit.watch import reference, sharded
 
     made = []
-    real = sharded.Sharded.finish
+    made_by = sharded.Sharded if shard else reference.Copy
+    real = made_by.finish
 
     def finish(self, *a):
         made.extend(weakref.ref(p) for p in self.clone.parameters())
         made.extend(weakref.ref(p.grad) for p in self.clone.parameters() if p.grad is not None)
         return real(self, *a)
 
-    sharded.Sharded.finish = finish
+    made_by.finish = finish
     gc.disable()  # only the watch's own collection runs: what it leaves for a later one would stay until then
     try:
-        w = _job(rank, out, steps=3, first=2)
+        w = _job(rank, out, steps=3, first=2, shard=shard)
         alive = sum(r() is not None for r in made)
     finally:
         gc.enable()
@@ -212,7 +215,8 @@ def test_the_control_still_catches_a_read_that_shifts_or_misses_a_piece_of_the_s
 
 
 @pytest.mark.world
-def test_nothing_of_the_sharded_reference_stays_after_the_judged_step(tmp_path):
-    for r in _world(tmp_path, "released"):
+@pytest.mark.parametrize("shard", [True, False], ids=["sharded", "whole"])
+def test_nothing_of_the_reference_stays_after_the_judged_step(tmp_path, shard):
+    for r in _world(tmp_path, "released" if shard else "released whole"):
         assert r["verdicts"] == [oracle.NOT_AFFECTED] * 2 and r["pending"]
         assert r["made"] > 0 and r["alive"] == 0, r

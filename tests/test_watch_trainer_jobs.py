@@ -33,20 +33,23 @@ def test_the_trainer_on_a_tiny_llama_with_padded_rows_of_every_length_is_exact_a
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("how", [("1", "--precision", "bf16"), ("3", "--lora", "--gradient-checkpointing")],
-                         ids=["zero1-bf16", "zero3-lora-checkpointing"])
+@pytest.mark.parametrize("how", [("1", "--precision", "bf16"), ("2", "--precision", "fp16"),
+                                 ("3", "--lora", "--gradient-checkpointing")],
+                         ids=["zero1-bf16", "zero2-fp16", "zero3-lora-checkpointing"])
 def test_the_trainer_on_deepspeed_with_its_own_optimizer_and_its_two_parameter_groups_is_exact(tmp_path, how):
     """The Trainer on the DeepSpeed config LLaMA-Factory ships (every size "auto"), its own AdamW with a decay and a
     no-decay group, rows of 3 to 60 tokens half of them prompt-masked. ZeRO-1/2 step one group at a time with the
     torch optimizer's groups cut down to it (the watch reads every group's partition: it used to stop the job here),
-    here in bf16 mixed precision; ZeRO-3 reads its sub-groups' partitions, here of a LoRA adapter (the base model
-    frozen: never stepped, never judged) with gradient checkpointing (the reference's copy recomputes too). ZeRO-0 is
-    the plain parameters' read, ZeRO-2 ZeRO-1's, offloaded optimizers their partitions on the CPU
-    (tests/test_watch_jobs.py reads each in DeepSpeed's own loop)."""
+    here in bf16 mixed precision, and in fp16 with DeepSpeed's dynamic loss scale (the Trainer's "auto": its scaler,
+    overflow check and unscale run on the CPU, told fp16 is supported, as ``gradkit check`` does); ZeRO-3 reads its
+    sub-groups' partitions, here of a LoRA adapter (the base model frozen: never stepped, never judged) with gradient
+    checkpointing (the reference's copy recomputes too). ZeRO-0 is the plain parameters' read, ZeRO-2 ZeRO-1's,
+    offloaded optimizers their partitions on the CPU (tests/test_watch_jobs.py reads each in DeepSpeed's own loop)."""
     recs = _run(tmp_path, "trainer_job.py", "--deepspeed", *how, "--rows", "prompts", "--ga", "4")
     assert _verdicts(recs) == _verdicts(recs, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
     assert all(r["read"] == "fp32 partitions" and r["versions"]["deepspeed"] for r in recs if "ga" in r)
-    assert all(r["dtype"] == ("bf16" if "bf16" in how else "fp32") for r in recs if "ga" in r)
+    dtype = "bf16" if "bf16" in how else "fp16" if "fp16" in how else "fp32"
+    assert all(r["dtype"] == dtype for r in recs if "ga" in r)
     if "--lora" in how:
         assert all(r["judged_parameters"] == 8 for r in recs if "ga" in r)  # A and B of q and v, 2 layers
 

@@ -14,7 +14,8 @@ forgets to divide.
 
 On DeepSpeed (``--deepspeed STAGE``): the config LLaMA-Factory and axolotl ship, every size ``"auto"`` (the Trainer
 fills them), ``--offload optimizer|param|both`` to the CPU, ``--ds-optimizer`` DeepSpeed's optimizer from the config
-(torch's AdamW under it) instead of the Trainer's; ``--precision bf16`` mixed precision; ``--lora`` a PEFT LoRA adapter
+(torch's AdamW under it) instead of the Trainer's; ``--precision bf16`` mixed precision, ``fp16`` DeepSpeed's fp16 with
+its dynamic loss scale (``--loss-scale-window``: the steps between its increases); ``--lora`` a PEFT LoRA adapter
 (only its weights train); ``--gradient-checkpointing``. The device is the machine's: CUDA where there is one.
 """
 import argparse
@@ -39,7 +40,9 @@ p.add_argument("--every", type=int, default=0, help="judge every this many steps
 p.add_argument("--deepspeed", type=int, choices=(0, 1, 2, 3), help="the Trainer on DeepSpeed, this ZeRO stage")
 p.add_argument("--offload", choices=("optimizer", "param", "both"), help="with --deepspeed: offloaded to the CPU")
 p.add_argument("--ds-optimizer", action="store_true", help="with --deepspeed: the optimizer from the DeepSpeed config")
-p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+               help="mixed precision (fp16: with --deepspeed, its dynamic loss scale)")
+p.add_argument("--loss-scale-window", type=int, help="with --precision fp16: DeepSpeed's loss_scale_window")
 p.add_argument("--optim", default="adamw_torch", help="the Trainer's optim (e.g. sgd)")
 p.add_argument("--lora", action="store_true", help="a PEFT LoRA adapter on the attention projections")
 p.add_argument("--gradient-checkpointing", action="store_true")
@@ -48,6 +51,12 @@ p.add_argument("--no-watch", action="store_true", help="the same job without the
 p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
                help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
+if args.precision == "fp16" and args.deepspeed is None:
+    p.error("--precision fp16 runs DeepSpeed's fp16 (give --deepspeed STAGE): Accelerate's own fp16 needs a GPU")
+if args.precision == "fp16" and not torch.cuda.is_available():  # DeepSpeed's CPU accelerator declares no fp16 where
+    from gradkit.probes.ranks.ds_config import allow_fp16_on_cpu  # oneDNN lacks fp16 kernels; torch computes half on
+
+    allow_fp16_on_cpu()  # any CPU: told so, DeepSpeed's own fp16 code runs (as gradkit check does)
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -104,6 +113,8 @@ if args.deepspeed is not None:  # as LLaMA-Factory's and axolotl's shipped confi
           "zero_optimization": {"stage": args.deepspeed, "overlap_comm": False, "contiguous_gradients": True}}
     for what in ("optimizer", "param") if args.offload == "both" else (args.offload,) if args.offload else ():
         ds["zero_optimization"][f"offload_{what}"] = {"device": "cpu"}
+    if args.loss_scale_window:
+        ds["fp16"]["loss_scale_window"] = args.loss_scale_window
     if args.offload:
         ds["zero_force_ds_cpu_optimizer"] = False  # a torch optimizer, not DeepSpeedCPUAdam (a C++ op to build)
     if args.ds_optimizer:  # DeepSpeed builds it (torch's AdamW: no fused op to build); the Trainer's is not made
@@ -112,7 +123,8 @@ targs = TrainingArguments(output_dir=args.out + "-trainer", per_device_train_bat
                           gradient_accumulation_steps=args.ga, learning_rate=1e-3, max_steps=args.steps,
                           report_to=[], save_strategy="no", logging_steps=1, use_cpu=not torch.cuda.is_available(),
                           seed=0, remove_unused_columns=False, dataloader_drop_last=True, deepspeed=ds,
-                          bf16=args.precision == "bf16", gradient_checkpointing=args.gradient_checkpointing,
+                          bf16=args.precision == "bf16", fp16=args.precision == "fp16",
+                          gradient_checkpointing=args.gradient_checkpointing,
                           optim=args.optim)
 trainer = (SumLoss if args.custom_loss else Raises if args.user_error else Trainer)(
     model=model, args=targs, train_dataset=rows, data_collator=collator,

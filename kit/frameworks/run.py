@@ -64,16 +64,26 @@ class Launch:
 
 
 def load_mapping(path, what: str = "config") -> dict:
-    """A YAML or JSON file that must hold a mapping; ``ConfigError`` in one sentence otherwise."""
+    """A YAML or JSON file that must hold a mapping, read by its content: as JSON wherever the text parses as JSON
+    (as DeepSpeed reads its config, whatever the file is called: YAML would read JSON's ``1e9`` as a string), else as
+    YAML (a ``.json`` file must be JSON); ``ConfigError`` in one sentence otherwise."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise ConfigError(f"cannot read {p}: {e.strerror or e}") from None
+    data, error = None, None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        data = json.loads(text)
+    except ValueError as e:
+        error = e
+    if error is not None and p.suffix != ".json":
+        try:
+            data, error = yaml.safe_load(text), None
+        except yaml.YAMLError as e:
+            error = e
+    if error is not None:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p} must hold a {what} mapping (key: value), got {type(data).__name__}")

@@ -17,7 +17,6 @@ are read without the engine: a ZeRO-3 partition is gathered from every rank's ``
 from __future__ import annotations
 
 import collections
-import gc
 import inspect
 import math
 import os
@@ -107,6 +106,8 @@ def copy_of(model: nn.Module, make=None) -> nn.Module:
         return new
 
     out = clone(model)
+    fresh.clear()  # ``clone`` calls itself: its closure is a cycle, which must not keep the copy's tensors
+    done.clear()
     out.__dict__[PATCHED_KEYWORDS] = frozenset(patched)
     return out
 
@@ -236,8 +237,10 @@ def room(need: int, device: torch.device) -> None:
     else:
         free = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if need * MARGIN > free:
-        raise MemoryError(f"the reference needs about {need / 2 ** 30:.2f} GiB on this rank and {free / 2 ** 30:.2f} "
-                          f"GiB is free for it: the step is not judged, so that the job keeps its memory")
+        gib = lambda x: f"{x / 2 ** 30:.2f} GiB"  # noqa: E731
+        raise MemoryError(f"the reference needs about {gib(need)} on this rank, {gib(need * MARGIN)} with the watch's "
+                          f"margin, and {gib(free)} is free for it: the step is not judged, so that the job keeps its "
+                          "memory")
 
 
 class Whole:
@@ -296,8 +299,10 @@ class Copy:
         held["peak"] = held["copy"] + held["gradient"]
         for q in params:
             q.grad = None  # the gradient is the reference's now, not the copy's
+        for m in self.clone.modules():  # the copy's own dicts: its tensors go now, by their counts (a module's own
+            m._parameters.clear()  # bound methods hold it in a cycle, and a full collection costs ~0.2 s in a
+            m._buffers.clear()  # process that imported transformers)
         self.clone = params = None
-        gc.collect()  # a module's own bound methods hold it in a cycle: the copy's weights go now, not at gc's leisure
         return {"info": info, "ref": Whole(grads), "rr": rr, "top": top, "held": held}
 
 
