@@ -231,6 +231,16 @@ def test_a_step_after_fewer_micro_batches_than_declared_is_a_candidate_only_then
     assert hypotheses([], [], 1.0, declared_ga=1)["global mean / GA"] == []  # no micro-batch is short of any GA
 
 
+def test_a_loss_scale_that_changed_before_the_read_is_a_candidate_only_where_it_changed():
+    """DeepSpeed's fp16 ZeRO steps grow the scale before they unscale (issue 47): a step the scale doubled in is the
+    mean times old / new; no change, no candidate."""
+    from gradkit.watch.judge import SCALE_GREW
+
+    half = hypotheses(COUNTS, PER_RANK, 1.0, scale_change=0.5)[SCALE_GREW]
+    assert half == pytest.approx([0.5 * w for w in hypotheses(COUNTS, PER_RANK, 1.0)["global mean"]])
+    assert SCALE_GREW not in hypotheses(COUNTS, PER_RANK, 1.0)
+
+
 def test_a_loss_scale_not_divided_out_is_a_candidate_only_where_there_is_a_scale():
     assert hypotheses(COUNTS, PER_RANK, 0.5, loss_scale=2.0)["global mean / loss scale"] == \
         pytest.approx([0.5 * n / (22 * 2) for n in COUNTS])

@@ -55,6 +55,25 @@ def test_the_trainer_on_deepspeed_with_its_own_optimizer_and_its_two_parameter_g
 
 
 @pytest.mark.world
+def test_the_trainer_on_deepspeed_fp16_applies_half_the_step_where_its_loss_scale_grows_and_the_watch_names_it(
+        tmp_path):
+    """Issue 47's finding, on the user's own job: ZeRO-2 in fp16 with DeepSpeed's dynamic loss scale, its window 2.
+    After two clean steps the scale doubles, and step 3's gradient is unscaled by the new scale: half the reference,
+    named as the loss scale's change; the steps around it, same job, same world, are exact."""
+    from gradkit.watch.judge import SCALE_GREW
+
+    recs = _run(tmp_path, "trainer_job.py", "--deepspeed", "2", "--precision", "fp16", "--rows", "prompts", "--ga",
+                "4", "--steps", "4", "--every", "1", "--loss-scale-window", "2")
+    steps = [r for r in recs if "ga" in r]
+    assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2 + [oracle.AFFECTED, oracle.NOT_AFFECTED], \
+        [r["line"] for r in steps]
+    third = steps[2]
+    assert third["matches"] == SCALE_GREW and third["loss_scale_change"] == 0.5, third["line"]
+    assert third["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.5, abs=1e-3)
+    assert third["measured"]["metrics"]["cosine"] > 0.9999  # the direction is right: only its size is halved
+
+
+@pytest.mark.world
 def test_trls_trainer_on_deepspeed_with_packing_at_its_bf16_is_exact(tmp_path):
     recs = _run(tmp_path, "trl_job.py", "--deepspeed", "2", "--packing")
     assert _verdicts(recs) == _verdicts(recs, logged=True) == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradkit.judge import oracle, records
+from gradkit.probes.ranks.ds_config import own_loss_scale
 import gradkit.watch.judge as wjudge
 import gradkit.watch.lines as lines
 import gradkit.watch.losses as losses
@@ -74,6 +75,7 @@ class Watch:
         self._prev_basis = None  # the previous step's basis, where it was judged
         self._consumed = False  # the optimizer consumed a gradient since the last step end
         self._written = False  # this run has written its first record (an earlier run's file was moved aside)
+        self._scale_start = 1.0  # the engine's fp16 loss scale when the judged step's first backward ran
         self.faults = Faults()  # the watch's own errors: the judged step's cannot-run, never the job's (guard.py)
         self.recorder = Recorder(model, criterion,
                                  guard=lambda fn, *a: self.faults.run("capture", self.step + 1, fn, *a))
@@ -97,6 +99,7 @@ class Watch:
                 Schedule.take_file(self.out)
         if self.schedule.judged(nxt, asked):
             self.recorder.start()
+            self._scale_start = own_loss_scale(self.wrapper)  # what the step's losses are scaled by
         else:
             self.recorder.take()
 
@@ -225,6 +228,7 @@ class Watch:
                 "inputs": sum(lines.nbytes(mb.args) + lines.nbytes(mb.kwargs) for mb in window.micro_batches)}
         dtype = self.dtype or lines.dtype_of(self.model, window)
         return {"tally": wjudge.Tally(out["ref"], coef, sketch), "judged": judged, "rr": out["rr"],
+                "scale_change": self._scale_start / (own_loss_scale(self.wrapper) or 1.0),
                 "maxref": out["top"], "info": info, "dtype": dtype, "window": len(window.micro_batches),
                 "sketch": sketch, "held": held, "reference": built.MODE,
                 "seconds": {"copy": t1 - t0, "agree": t2 - t1, "build": getattr(built, "build_s", 0.0),
@@ -247,7 +251,7 @@ class Watch:
                                   info["basis"], info["counts"], info["per_rank"], p["dtype"], own, self._prev_basis,
                                   self.context.get("loss_scale", 1.0), info.get("parts"),
                                   [n for n, _ in self.model.named_parameters()], self.context.get("declared_ga"),
-                                  self.clip)
+                                  self.clip, p["scale_change"])
         fault = self.faults.agree()  # after the judgement's own arithmetic: one verdict on every rank
         if fault:
             return self._cannot(fault)
@@ -264,6 +268,8 @@ class Watch:
                "read": self.layout.kind, "judged_parameters": len(p["judged"]), "clip_coef": tally.coef,
                "held_bytes": p["held"], "reference": p["reference"],
                "seconds": {k: round(v, 3) for k, v in p["seconds"].items()}}
+        if p["scale_change"] != 1.0:  # the fp16 loss scale at the step's backward passes over the one at its read
+            rec["loss_scale_change"] = p["scale_change"]
         declared = self.context.get("declared_ga")
         if declared and max(info["per_rank"]) < declared:
             rec["short_window"] = (f"the optimizer stepped after {max(info['per_rank'])} of the {declared} "

@@ -19,6 +19,7 @@ from gradkit.watch.sketch import Sketch
 
 _CHUNK = 1 << 20  # values converted to fp64 at a time (two vectors: 16 MB)
 STALE = "the previous step's gradient applied again"
+SCALE_GREW = "global mean x old / new loss scale"  # the loss scale changed before the gradient was unscaled
 
 
 class Tally:
@@ -69,7 +70,7 @@ class Tally:
 
 
 def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.0, previous=None,
-               own: int | None = None, declared_ga: int | None = None) -> dict:
+               own: int | None = None, declared_ga: int | None = None, scale_change: float = 1.0) -> dict:
     """Named steps as weights over the rank-major basis (each micro-batch's mean-loss gradient), from the
     micro-batches' counts: the global mean (each n_k / N), only each rank's last micro-batch, every micro-batch's
     mean summed (1/W each: a missing division by the accumulation), each micro-batch's mean averaged equally (a
@@ -78,7 +79,9 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     more),
     the global mean over the loss scale, the previous step's gradient applied again, and, seen from partition
     ``own``, that rank's boundary micro-batch whole and the other ranks' missing (BF16_Optimizer's leak, B4), and where
-    the step came after fewer micro-batches than the ``declared_ga`` the loop divides by, the mean / that GA."""
+    the step came after fewer micro-batches than the ``declared_ga`` the loop divides by, the mean / that GA, and where
+    the engine's loss scale changed between the step's backward passes and its read (``scale_change``: the scale the
+    losses had over the scale at the read), the mean times that change (the gradient unscaled by the new scale)."""
     total = float(sum(counts)) or 1.0
     w = len(per_rank)
     k = len(counts)
@@ -103,6 +106,8 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
         out["global mean / GA"] = [c / (total * declared_ga) for c in counts]
     if loss_scale > 1.0:
         out["global mean / loss scale"] = [c / (total * loss_scale) for c in counts]
+    if scale_change != 1.0:
+        out[SCALE_GREW] = [c * scale_change / total for c in counts]
     out = {name: [x * coef for x in ws] for name, ws in out.items()}
     if previous is not None and len(previous):  # the previous step's own weights over its micro-batches
         out[STALE] = out["global mean"] + [coef * float(x) for x in previous]
@@ -167,7 +172,7 @@ def exact_first(measured: dict, control: dict) -> tuple[str, str]:
 def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, counts: list, per_rank: list,
               dtype: str, own_sketches: list, prev: tuple | None = None, loss_scale: float = 1.0,
               parts: torch.Tensor | None = None, names: list | None = None, declared_ga: int | None = None,
-              clip: float | None = None) -> dict:
+              clip: float | None = None, scale_change: float = 1.0) -> dict:
     """``{"measured", "control", "verdict", "why", "attribution", "explained", "shape"}`` of one consumed step.
     ``rr_all``: the squared norm of the reference over every parameter the optimizer steps; ``maxref`` its largest
     entry; ``basis``: each micro-batch's sketch of its summed-loss gradient (rank-major); ``prev``: the previous
@@ -177,7 +182,8 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
     ``names``: the parameters' names, for the parts a step got wrong on their own: a parameter no micro-batch reached
     that was stepped anyway (an old gradient: ``PART_STALE``), one that was reached and got nothing (``PART_LOST``),
     each judged as its share of the whole step (``groups``); ``clip``: the norm the engine clips at, where a wrong
-    step is clipped by its own norm (``clipped_by_own_norm``)."""
+    step is clipped by its own norm (``clipped_by_own_norm``); ``scale_change``: the fp16 loss scale the step's losses
+    had over the one at its read (``hypotheses``)."""
     c = tally.coef
     rn = c * math.sqrt(rr_all)
     en = math.sqrt(max(tally.ee, 0.0))
@@ -205,7 +211,7 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
         for q, (mine, rows_q) in enumerate(zip(own_sketches, parts)):
             basis_q = torch.stack([b / n if n else b for b, n in zip(rows_q, counts)])
             measured["rank_buffers"].append({"attribution": oracle.attribute(mine, basis_q, expected)})
-            hyp = hypotheses(counts, per_rank, c, loss_scale, own=q)
+            hyp = hypotheses(counts, per_rank, c, loss_scale, own=q, scale_change=scale_change)
             scale = clipped_by_own_norm(hyp, rows, tally.se, en, clip, c, dtype)
             h = naming.explain(mine, basis_q, {k: [x * scale[k] for x in w] for k, w in hyp.items()}, dtype)
             part_names.append(naming.step_name(h))
@@ -218,7 +224,7 @@ def judgement(tally: Tally, rr_all: float, maxref: float, basis: torch.Tensor, c
                "dtype": "fp32", "attribution": oracle.attribute(c * tally.sr, full, want)}
     word, why = exact_first(measured, control)
     cands = hypotheses(counts, per_rank, c, loss_scale, prev[1] if prev is not None else None,
-                       declared_ga=declared_ga)
+                       declared_ga=declared_ga, scale_change=scale_change)
     scale = clipped_by_own_norm(cands, full, tally.se, en, clip, c, dtype)
     cands = {k: [x * scale[k] for x in w] for k, w in cands.items()}
     explained = naming.explain(tally.se, full, cands, dtype)
