@@ -428,6 +428,19 @@ def test_a_loss_scale_not_divided_out_is_named_where_the_engine_had_one(monkeypa
     assert "global mean / loss scale" not in rec["explained"]["candidates"] and rec["matches"] == "none"
 
 
+def test_a_step_unscaled_by_a_loss_scale_that_grew_is_named_on_a_replicated_read_and_on_each_partition(monkeypatch):
+    from gradkit.watch.judge import SCALE_GREW
+
+    grads = grads_of()
+    step = [x / 2 for x in reference(grads)]
+    for replicated in (True, False):  # one read of the whole step, or each rank's partition named on its own
+        rec = judged(monkeypatch, step, grads, replicated=replicated, scale_change=0.5)[0]
+        assert rec["verdict"] == oracle.AFFECTED and rec["matches"] == SCALE_GREW, rec["shape"]
+        assert rec["partitions"] == ([] if replicated else [SCALE_GREW] * 2)
+    rec = judged(monkeypatch, step, grads, replicated=True)[0]  # the scale did not change: not a candidate
+    assert SCALE_GREW not in rec["explained"]["candidates"] and rec["matches"] == "none"
+
+
 def test_a_step_after_one_of_four_declared_micro_batches_is_the_mean_over_ga(monkeypatch):
     counts = [3.0, 5.0]
     grads = grads_of(k=2)

@@ -69,6 +69,7 @@ def test_the_trainer_on_deepspeed_fp16_applies_half_the_step_where_its_loss_scal
         [r["line"] for r in steps]
     third = steps[2]
     assert third["matches"] == SCALE_GREW and third["loss_scale_change"] == 0.5, third["line"]
+    assert third["partitions"] == [SCALE_GREW] * 2  # each rank's partition, named from its own view, the same
     assert third["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.5, abs=1e-3)
     assert third["measured"]["metrics"]["cosine"] > 0.9999  # the direction is right: only its size is halved
 
