@@ -228,11 +228,11 @@ class Watch:
                 "inputs": sum(lines.nbytes(mb.args) + lines.nbytes(mb.kwargs) for mb in window.micro_batches)}
         dtype = self.dtype or lines.dtype_of(self.model, window)
         return {"tally": wjudge.Tally(out["ref"], coef, sketch), "judged": judged, "rr": out["rr"],
-                "scale_change": self._scale_start / (own_loss_scale(self.wrapper) or 1.0),
+                "scale_change": self._scale_start / own_loss_scale(self.wrapper),  # never 0: 1 where none
                 "maxref": out["top"], "info": info, "dtype": dtype, "window": len(window.micro_batches),
                 "sketch": sketch, "held": held, "reference": built.MODE,
-                "seconds": {"copy": t1 - t0, "agree": t2 - t1, "build": getattr(built, "build_s", 0.0),
-                            "reference": t3 - t2 - getattr(built, "build_s", 0.0),
+                "seconds": {"copy": t1 - t0, "agree": t2 - t1, "build": built.build_s,
+                            "reference": t3 - t2 - built.build_s,
                             "gather": time.perf_counter() - t3, "read": 0.0}}
 
     def _copy(self):

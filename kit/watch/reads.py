@@ -60,20 +60,27 @@ def innermost(optimizer):
     return chain(optimizer)[-1]
 
 
+def chunk_of(shape: torch.Size, w: int, r: int) -> tuple[int, int] | None:
+    """Where rank ``r``'s chunk of a parameter of ``shape`` sits in its flat under FSDP2 (``torch.chunk``'s rows of
+    its first dimension, the last ranks' chunks short or empty): ``(start, numel)``; None for a scalar."""
+    if len(shape) == 0:
+        return None
+    rows = shape[0]
+    row = shape.numel() // rows if rows else 0
+    each = -(-rows // w)
+    lo, hi = min(r * each, rows), min(r * each + each, rows)
+    return lo * row, (hi - lo) * row
+
+
 def shard_rows(p) -> tuple[int, int] | None:
     """Where this rank's chunk of a DTensor sharded on its first dimension over a one-dimensional mesh (FSDP2's
-    layout: ``torch.chunk``'s rows, the last ranks' chunks short or empty) sits in the parameter's flat: ``(start,
-    numel)``; None for any other placement (a plain tensor, a replicated or two-dimensional one)."""
+    layout, ``chunk_of``) sits in the parameter's flat: ``(start, numel)``; None for any other placement (a plain
+    tensor, a replicated or two-dimensional one)."""
     placements = getattr(p, "placements", None)
     if placements is None or len(placements) != 1 or not placements[0].is_shard(0) or p.dim() == 0:
         return None
-    w, r, rows = p.device_mesh.size(), p.device_mesh.get_local_rank(), p.shape[0]
-    each = -(-rows // w)
-    lo, hi = min(r * each, rows), min(r * each + each, rows)
-    if p.to_local().shape[0] != hi - lo:
-        return None
-    row = p.numel() // rows if rows else 0
-    return lo * row, (hi - lo) * row
+    start, n = chunk_of(p.shape, p.device_mesh.size(), p.device_mesh.get_local_rank())
+    return (start, n) if p.to_local().numel() == n else None
 
 
 class Layout:

@@ -262,6 +262,7 @@ class Copy:
     models), one micro-batch's activations, the sketches."""
 
     MODE = "whole"
+    build_s = 0.0  # the copy is made in __init__ (the sharded one builds in ``run``: its seconds apart)
 
     def __init__(self, model: nn.Module):
         numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

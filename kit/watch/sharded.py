@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn as nn
 
-from gradkit.watch.reads import shard_rows
+from gradkit.watch.reads import chunk_of, shard_rows
 from gradkit.watch.reference import (all_gather, all_sum, backward, comm_device, copy_of, dot64, gathered, room, whole,
                                      world)
 from gradkit.watch.sketch import SIGNS, Sketch
@@ -83,18 +83,6 @@ def units(model: nn.Module) -> list:
 
     visit(model)
     return [*out, model]
-
-
-def chunk_of(shape: torch.Size, w: int, r: int) -> tuple[int, int] | None:
-    """Where rank ``r``'s chunk of a parameter of ``shape`` sits in its flat under FSDP2 (``torch.chunk``'s rows of
-    its first dimension; the last ranks' short or empty): ``(start, numel)``; None for a scalar."""
-    if len(shape) == 0:
-        return None
-    rows = shape[0]
-    row = shape.numel() // rows if rows else 0
-    each = -(-rows // w)
-    lo, hi = min(r * each, rows), min(r * each + each, rows)
-    return lo * row, (hi - lo) * row
 
 
 def own_part(p: torch.Tensor, w: int, r: int) -> torch.Tensor | None:
@@ -306,11 +294,10 @@ class Sharded:
         for pieces in layout.by_tensor.values():
             for pc in pieces:
                 wanted[pc.t].append((pc.start, pc.numel))
-        here = torch.ones(len(grads))  # the pieces this rank wants lie in its own chunk (ZeRO-3's, FSDP2's layouts)
-        for t, g in enumerate(grads):
-            rows = shard_rows(g) if g is not None else (0, 0)
-            here[t] = float(rows is not None and all(rows[0] <= a and a + n <= rows[0] + rows[1]
-                                                     for a, n in wanted.get(t, ())) or g is None)
+        chunks = [None if g is None else shard_rows(g) for g in grads]  # where each gradient's local chunk sits
+        here = torch.tensor([float(g is None or c is not None and all(c[0] <= a and a + n <= c[0] + c[1]
+                                                                      for a, n in wanted.get(t, ())))
+                             for t, (g, c) in enumerate(zip(grads, chunks))])  # the pieces wanted lie in the chunk
         all_sum(here, torch.distributed.ReduceOp.MIN)  # else every rank gathers that parameter
         kept = {}
         for t, g in enumerate(grads):  # every rank, in module order: one parameter gathered at a time
@@ -318,7 +305,7 @@ class Sharded:
                 continue
             lo, flat = 0, None
             if g is not None and here[t] > 0:
-                lo, flat = shard_rows(g)[0], g.to_local().reshape(-1)
+                lo, flat = chunks[t][0], g.to_local().reshape(-1)
             elif g is not None:
                 flat = g.full_tensor().reshape(-1)
             grads[t] = None
