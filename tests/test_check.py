@@ -90,15 +90,26 @@ def test_the_console_command_says_one_sentence_and_exits_2(tmp_path):
 
 
 @pytest.mark.world
-def test_fp16_is_judged_on_cpu_by_deepspeeds_own_fp16_code_and_said_so(tmp_path, capsys):
+def test_fp16_with_a_dynamic_loss_scale_is_judged_with_deepspeeds_own_scaler_its_skip_said_and_its_growth_named_b10(
+        tmp_path, capsys):
     """DeepSpeed's CPU accelerator declares fp16 only where oneDNN has fp16 kernels; told it is supported, its own
-    fp16 paths (static loss scale, ZeRO-2's unscale and clip) run and apply the right step."""
-    cfg = {**B3_CONFIG, "gradient_accumulation_steps": 4, "fp16": {"enabled": True, "loss_scale": 0}}
-    code = check.main([_write(tmp_path, cfg), "--loop", "engine", "--steps", "2"])
+    fp16 code runs: the dynamic loss scaler as configured (its window shortened), one overflow the check makes on
+    purpose (skipped by the scaler, said as skipped, not judged), and the step where the scale grows, which ZeRO-2
+    unscales by the new scale: half the update, named B10; the static scale re-run (its fix) is exact."""
+    cfg = {**B3_CONFIG, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0, "fp16": {"enabled": True,
+                                                                                            "loss_scale": 0}}
+    code = check.main([_write(tmp_path, cfg), "--loop", "engine", "--json", str(tmp_path / "out.json")])
     text = capsys.readouterr().out
-    assert code == 0, text
-    assert "fp16 judged on CPU: DeepSpeed's CPU accelerator is told fp16 is supported" in text
-    assert "fp16 dynamic loss scaling -> a static loss scale of 256" in text and "ZeRO-2 fp16" in text
+    assert code == 1, text
+    assert "fp16 judged on CPU: DeepSpeed's CPU accelerator is told fp16 is supported" in text and "ZeRO-2 fp16" in text
+    assert "fp16.loss_scale_window 1000 -> 2" in text and "6 optimizer steps each judged" in text
+    (row,) = json.loads((tmp_path / "out.json").read_text())["summary"]["loops"]
+    ratios = [None if st["skipped"] else round(st["ratio"], 3) for st in row["steps"]]
+    assert ratios == [1.0, None, 1.0, 1.0, 0.5, 1.0], ratios  # step 2 overflowed; after it, two clean steps, then the rise
+    assert row["steps"][4]["loss_scale"] * 2 == row["steps"][4]["loss_scale_after"] > 0  # the scale doubled there
+    assert row["explained_by"] == "B10" and row["worst_step"] == 4 and row["cosine"] > 0.9999, row
+    assert row["fix"]["verdict"] == oracle.NOT_AFFECTED and row["fix"]["ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert "step 2 (loss scale 65536 kept: hysteresis) skipped by the fp16 loss scaler on an overflow" in text
 
 
 def test_auto_values_resolve_as_the_trainer_does():

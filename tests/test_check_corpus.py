@@ -1,7 +1,8 @@
 """`gradkit check DIR` on real 2-rank worlds: the corpus of DeepSpeed configs in the shapes well-known projects ship
 (tests/configs/corpus/, sources in its SOURCES.md) and the training configs of each framework the kit reads
 (tests/configs/frameworks/). Each config gets a judged verdict on the loops its framework runs, or a reason a user
-can act on; the one config a real DeepSpeed bug hits is affected, and nothing else is."""
+can act on; the configs real DeepSpeed bugs hit are affected (B9's fp16 ZeRO-0 one, and B10 on every fp16 config with
+a dynamic loss scale), and nothing else is."""
 import json
 
 import pytest
@@ -22,6 +23,11 @@ ACTIONABLE = ("could not run: the optimizer", "could not run: compile.deepcompil
 FP16_ZERO0 = "dsexamples__bingbertsquad_bsz24.json"
 
 
+def _dynamic_fp16(path) -> bool:
+    fp16 = (json.loads(path.read_text()) if path.suffix == ".json" else {}).get("fp16") or {}
+    return fp16.get("enabled") in (True, "auto") and not fp16.get("loss_scale", 0)
+
+
 def test_the_corpus_is_judged_in_the_loops_frameworks_run_and_only_a_real_bug_is_affected(repo, tmp_path, capsys):
     out = tmp_path / "table"
     code = check.main([str(repo / "tests/configs/corpus"), "--out", str(out)])
@@ -31,7 +37,15 @@ def test_the_corpus_is_judged_in_the_loops_frameworks_run_and_only_a_real_bug_is
     assert len(configs) >= 40 and not doc["skipped"], text
     assert code == 1 and doc["verdict"] == oracle.AFFECTED, text
     affected = {r["config"].split("/")[-1] for r in doc["rows"] if r["verdict"] == oracle.AFFECTED}
-    assert affected == {FP16_ZERO0}, affected
+    # B10: every fp16 config with DeepSpeed's dynamic scale applies half the update where the scale grows (the
+    # check's window is 2); read from the files themselves, apart from the kit
+    dynamic = {n for n in configs if _dynamic_fp16(repo / "tests/configs/corpus" / n)}
+    assert FP16_ZERO0 in affected and affected <= dynamic | {FP16_ZERO0} and len(affected & dynamic) >= 15, \
+        sorted(affected)
+    for r in doc["rows"]:
+        name = r["config"].split("/")[-1]
+        if r["verdict"] == oracle.AFFECTED and name != FP16_ZERO0:
+            assert r["precision"] == "fp16" and r["bug_or_reason"].startswith("B10") and r["cosine"] > 0.999, r
     fp16 = [r for r in doc["rows"] if r["config"].endswith(FP16_ZERO0)]
     assert all(r["ratio"] < 0.01 and r["cosine"] > 0.9999 for r in fp16), fp16  # 1 / 128 of the step, right direction
     assert all(r["bug_or_reason"].startswith("B9") for r in fp16), fp16  # named: the mean / the optimizer's loss scale

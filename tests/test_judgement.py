@@ -281,6 +281,31 @@ def test_a_step_divided_by_the_optimizers_loss_scale_is_named_where_the_optimize
     assert bug == "B9" and why.startswith("B9 (deepspeedai/DeepSpeed#8393): FP16_UnfusedOptimizer divides")
 
 
+def test_a_step_unscaled_by_a_grown_loss_scale_is_named_b10_and_a_tiny_step_is_named_within_its_reads_rounding():
+    """B10: the scale the losses got over the one the step was unscaled by (old / new); the hypothesis exists only
+    where the scale moved, and is named only on a dynamic fp16 scale. A step 1 / 65536 of the mean, read as the
+    difference of two weight vectors each rounded, is named within that rounding (``floor``) and not without it."""
+    w, n = 2, 4
+    assert ds_ranks.SCALE_GREW not in ds_ranks.hypothesis_weights(w, n, loss_scale=512.0)
+    hyp = ds_ranks.hypothesis_weights(w, n, loss_scale=1024.0, scale_change=0.5)
+    assert hyp[ds_ranks.SCALE_GREW] == [0.5 / 8] * 8
+    basis = _basis(w * n)
+    h = naming.explain(torch.tensor(hyp[ds_ranks.SCALE_GREW], dtype=torch.float64) @ basis, basis, hyp, "fp16")
+    assert naming.step_name(h) == ds_ranks.SCALE_GREW
+    rec = {"config": {"loop": "engine", "ds_config": {"fp16": {"enabled": True, "loss_scale": 0}}},
+           "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2, "optimizer": "DeepSpeedZeroOptimizer", "ga": n,
+           "matches": ds_ranks.SCALE_GREW}
+    assert check.explain(rec)[0] == "B10"
+    static = {**rec, "config": {**rec["config"], "ds_config": {"fp16": {"enabled": True, "loss_scale": 1024}}}}
+    assert check.explain(static)[0] is None  # a static scale never moves: B10 is not a candidate there
+    tiny = ds_ranks.hypothesis_weights(w, n, loss_scale=65536.0)
+    step = torch.tensor(tiny[ds_ranks.UNSCALED], dtype=torch.float64) @ basis
+    noisy = step + 0.02 * step.norm() * torch.randn(step.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) / step.numel() ** 0.5
+    assert naming.step_name(naming.explain(noisy, basis, tiny, "fp16")) == "none"
+    within = naming.explain(noisy, basis, tiny, "fp16", floor=0.05 * step.norm().item())
+    assert naming.step_name(within) == ds_ranks.UNSCALED
+
+
 def test_an_optimizers_own_loss_scale_is_read_from_its_property_or_its_older_attributes():
     from types import SimpleNamespace as NS
 

@@ -303,3 +303,19 @@ def test_a_groups_fit_that_cannot_tell_its_weights_apart_is_excused_like_the_who
         judged_ = {**judged(ref, ref), "groups": {"head": {"rel_err": 0.0, "attribution": attribution}}}
         sig = next(s for s in oracle.signals(judged_) if s["signal"] == "misplaced weight of head")
         assert sig["ok"] is ok
+
+
+def test_a_step_the_loss_scaler_skipped_is_said_never_judged_and_a_case_of_only_skipped_steps_is_inconclusive():
+    """An fp16 overflow makes DeepSpeed's loss scaler skip the step: nothing is applied, by design. The verdict
+    judges the applied steps, says the skipped one with its scales, and never calls a case whose every step was
+    skipped not-affected (nothing was measured)."""
+    ref = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    good = {"metrics": oracle.compare(ref, ref), "dtype": "fp16", "step": 0}
+    skip = {"metrics": {**oracle.compare(ref * 1e-9, ref), "norm_ratio": 0.0}, "dtype": "fp16", "step": 1,
+            "skipped": True, "loss_scale": 65536.0, "loss_scale_after": 32768.0}
+    control = {"metrics": oracle.compare(ref, ref), "dtype": "fp32"}
+    word, why = oracle.verdict({**good, "steps": [good, skip], "worst_step": 0}, control)
+    assert word == oracle.NOT_AFFECTED and "step 2 (loss scale 65536 -> 32768) skipped by the fp16 loss scaler" in why
+    word, why = oracle.verdict({**skip, "steps": [skip], "worst_step": 0}, control)
+    assert word == oracle.INCONCLUSIVE and why.startswith("nothing was applied to judge"), why
+    assert oracle.skipped_text([good]) == ""

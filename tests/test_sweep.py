@@ -9,7 +9,7 @@ from gradkit.commands import repro
 from gradkit.commands.sweep import grouping
 from gradkit.commands.sweep import run as sweep_run
 from gradkit.commands.sweep import spec as sweep_spec
-from gradkit.judge import oracle, records
+from gradkit.judge import naming, oracle, records
 
 SPEC = {
     "world_size": 2,
@@ -137,3 +137,25 @@ def test_an_unknown_group_gets_a_report_ready_to_paste_upstream_with_its_config_
         assert "REPRODUCED" in text and "engine, *_ = deepspeed.initialize(" in text  # the script inline, with what it printed
     with pytest.raises(config.ConfigError, match="no unknown group with the reproduction repro_x.py"):
         report.main([str(tmp_path), "--group", "repro_x"])
+
+
+FP16_SPEC = {  # DeepSpeed's dynamic fp16 loss scale against a static one and bf16, at ZeRO-1 and ZeRO-3
+    "world_size": 2,
+    "base": {"train_micro_batch_size_per_gpu": 4},
+    "axes": {"zero_optimization.stage": [1, 3], "dtype": ["fp16", "bf16"], "fp16.loss_scale": [0, 1024], "ga": [4]},
+    "skip": [{"dtype": "bf16", "fp16.loss_scale": 1024}],
+}
+
+
+@pytest.mark.world
+def test_the_sweep_groups_the_dynamic_fp16_scale_alone_and_names_b10(tmp_path):
+    """The scale's growth step is unscaled by the new scale on both stages (B10); a static scale never grows and bf16
+    has no scale: the group's condition is the dynamic scale itself, and the step it leaves is named."""
+    spec = sweep_spec.check_spec(json.loads(json.dumps(FP16_SPEC)))
+    recs = sweep_run.run(spec, tmp_path, progress=False)
+    assert len(recs) == 6 and oracle.CANNOT_RUN not in {r["verdict"] for r in recs}, [r["reason"] for r in recs]
+    (group,) = grouping.groups(recs, spec["axes"])
+    assert group["when"] == {"dtype": ["fp16"], "fp16.loss_scale": [0]}, group["when"]
+    assert group["known_bug"] == "B10" and group["count"] == 2 and group["matches"] == [naming.SCALE_GREW]
+    assert "[B10]" in grouping.describe(group)
+

@@ -67,6 +67,13 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   update is 1 / loss_scale (deepspeedai/DeepSpeed#8393, open; #7839 fixed the bf16 ZeRO-0 case in 0.18.6); before it
   the logged grad norm is the scaled one (#8588, open). Found by gradkit check on a shipped fp16 ZeRO-0 config; B4's
   config runs this optimizer on 0.17.6 - 0.18.4 (#7515 until #7788).
+- B10 (fp16 with a dynamic loss scale, ZeRO-1/2/3 and the fp16 optimizers): ``step()`` calls ``_update_scale`` before
+  ``unscale_and_clip_grads``, which divides the gradient, scaled by the old scale in backward, by the new one; on the
+  step where the scale grows (one in ``loss_scale_window``) the update is old / new = 1/2 of the right one (ZeRO-3's
+  logged norm too; ZeRO-1/2 divide the norm by ``prev_scale`` since deepspeedai/DeepSpeed#2695, 0.8.0). The ordering
+  is in DeepSpeed's first public import (2020-02-03, v0.1.0) and unchanged in every release up to 0.19.8; its
+  comment on deepspeedai/DeepSpeed#8588 (open) reproduces it for ``FP16_Optimizer`` only. Found by ``gradkit check``
+  judging DeepSpeed's own dynamic scaler with a short window; the Trainer's watch sees it on the user's job.
 
 The paths without DeepSpeed (notebook 07) are pinned case by case (``Known.rules``): their cases are correct paths,
 loop bugs the oracle must see, and documented behaviours.
@@ -93,7 +100,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradkit.judge import oracle, pins
+from gradkit.judge import naming, oracle, pins
 from gradkit.judge.parts import PART_LOST, PART_STALE
 from gradkit.stacks.versions import version_key
 
@@ -304,6 +311,19 @@ KNOWN = {k.bug: k for k in (
                     "applied to the loss (it scales it for a ZeRO optimizer only)", "global mean / loss scale",
                     "no release fixes it: run ZeRO stage 1 or more (a ZeRO optimizer scales the loss itself), or "
                     "a DeepSpeed release before 0.18.3")),
+    Known("B10", "deepspeed", "found by gradkit (deepspeedai/DeepSpeed#8588's comments read the same ordering; no "
+          "report for ZeRO as of 2026-11-27)", affected_from=None, fixed_in=None, last_affected=None,
+          newest_pinned="0.19.8",
+          notes=("fp16 with a dynamic loss scale (fp16.loss_scale 0): the step on which the scale grows, one in "
+                 "loss_scale_window (1000 by default); a clip that binds hides it (the clipped step has the clip's "
+                 "norm either way)",
+                 "the optimizer's step() calls _update_scale before unscale_and_clip_grads, which divides the "
+                 "gradient (scaled by the old scale in backward) by the new one: that step applies old / new = 1/2",),
+          explains=("DeepSpeed's fp16 step raises its dynamic loss scale (_update_scale) before it unscales the "
+                    "gradient (unscale_and_clip_grads), which then divides by the new scale: the step where the scale "
+                    "grows applies old / new of the update (1/2)", naming.SCALE_GREW,
+                    "no release fixes it: a static loss scale (\"fp16\": {\"loss_scale\": 1024} or another power "
+                    "of 2), or bf16; with a dynamic scale, one step in loss_scale_window is applied at half size")),
     Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from=None, fixed_in="0.19.8", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
           notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",

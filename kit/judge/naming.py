@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import math
 
-from gradkit.judge.oracle import AFFECTED, clipped, compare, matches_reference, norm_verdict, severity
+from gradkit.judge.oracle import AFFECTED, clipped, compare, norm_verdict, severity, signals
 from gradkit.judge.parts import groups_off, multiple, part_pattern, unclipped
 from gradkit.judge.tolerances import TOLERANCES
 
+# named steps of an fp16 loss scaler: the optimizer divides by a loss scale the loss never got (B9), and the scale
+# changed between the backward that scaled the loss and the unscale (B10: ``_update_scale`` runs first)
+UNSCALED = "global mean / loss scale"
+SCALE_GREW = "global mean x old / new loss scale"
 
-def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0) -> dict:
+
+def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0,
+            floor: float = 0.0) -> dict:
     """Which hypothesis is the effective gradient? Compare it with ``sum_k w_k * basis_k`` for each candidate.
 
     ``candidates`` maps a name ("global mean", "last micro-batch / N", ...) to its weights over
@@ -24,6 +30,8 @@ def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip
     one of them may be claimed. ``clip``: the engine clips whatever it accumulated at this norm, so each
     candidate is clipped as it would be. With ``reference``, also ``predicted_ratio``: each candidate's norm over
     the reference's, i.e. the effective/reference ratio a user would measure if that hypothesis were true.
+    ``floor``: the norm of the error the step's read may carry (the rounding of the weights it is the difference
+    of): a candidate much smaller than the weights' own step is known only to within it (``read_floor``).
     """
     import torch
 
@@ -37,7 +45,8 @@ def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip
     vectors = {name: v for name, v in vectors.items() if v.norm() > 0}  # "all but the first" of one: no prediction
     out = {name: compare(effective, v) for name, v in vectors.items()}
     best = min(out, key=lambda n: out[n]["rel_l2"])
-    matching = sorted(n for n in out if matches_reference(out[n], dtype))
+    matching = sorted(n for n in out if all(s["ok"] for s in signals(
+        {"metrics": out[n], "dtype": dtype, "read_floor": floor / max(vectors[n].norm().item(), 1e-300)})))
     res = {"candidates": out, "best": best, "best_matches": best in matching,
            "ambiguous": matching if len(matching) > 1 else []}
     if reference is not None:
@@ -129,7 +138,7 @@ def annotate_norms(rec: dict) -> dict:
     dtype = rec.get("judge_dtype") or rec.get("dtype") or "fp32"
     norms = []
     for s in rec.get("steps") or []:
-        if s.get("reference_norm"):
+        if s.get("reference_norm") and not s.get("skipped"):  # a skipped step's norm is the overflow's
             word, why = norm_verdict(s.get("logged_norm"), s["reference_norm"], dtype)
             s["norm_verdict"] = word
             norms.append((s.get("step", 0), word, why))

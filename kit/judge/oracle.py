@@ -275,12 +275,33 @@ def verdict(measured: dict | None, control: dict | None) -> tuple[str, str]:
         m = control["metrics"]
         return INCONCLUSIVE, (f"the control is off the reference itself (ratio {m['norm_ratio']:.4f}; "
                               f"{_off(control_sigs)}): the harness, not the engine, is suspect")
+    steps = measured.get("steps") or []
+    skipped = skipped_text(steps)
+    if steps and all(s.get("skipped") for s in steps):
+        return INCONCLUSIVE, f"nothing was applied to judge: {skipped}"
     m, sigs = measured["metrics"], signals(measured)
     numbers = f"ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e}"
-    steps = measured.get("steps") or []
-    where = f" at step {measured.get('worst_step', 0) + 1} (the worst of {len(steps)})" if len(steps) > 1 else ""
+    applied = len([s for s in steps if not s.get("skipped")])
+    where = f" at step {measured.get('worst_step', 0) + 1} (the worst of {applied} applied)" if applied > 1 else ""
+    skipped = f"; {skipped}" if skipped else ""
     if all(s["ok"] for s in sigs):
         return NOT_AFFECTED, (f"effective gradient matches the fp32 reference on every signal{where} ({numbers}; "
-                              f"{len(sigs)} signals within the {measured['dtype']} limits)")
+                              f"{len(sigs)} signals within the {measured['dtype']} limits){skipped}")
     return AFFECTED, (f"effective gradient is off the fp32 reference{where} ({numbers}): {_off(sigs)} "
-                      f"({measured['dtype']})")
+                      f"({measured['dtype']}){skipped}")
+
+
+def skipped_text(steps: list[dict]) -> str:
+    """The steps an fp16 loss scaler skipped (an overflow: nothing applied, by design), with their scales; "" where
+    none was."""
+    skipped = [s for s in steps if s.get("skipped")]
+    if not skipped:
+        return ""
+    if not any(s.get("loss_scale") for s in skipped):  # the control: no loss scaler, it skips where one would
+        return f"step{'s' if len(skipped) > 1 else ''} {', '.join(str(s['step'] + 1) for s in skipped)} skipped, as " \
+               "the loss scaler must skip its overflow (not judged)"
+    each = ", ".join(f"{s['step'] + 1} (loss scale {s.get('loss_scale', 0):g}"
+                     + (f" -> {s['loss_scale_after']:g})" if s.get("loss_scale_after") != s.get("loss_scale") else
+                        " kept: hysteresis)") for s in skipped)
+    return (f"step{'s' if len(skipped) > 1 else ''} {each} skipped by the fp16 loss scaler on an overflow: nothing "
+            "applied, as designed (not judged)")

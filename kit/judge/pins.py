@@ -135,6 +135,19 @@ PINS: dict[str, tuple[Pin, ...]] = {
             "DeepSpeedEngine.backward scales the loss only for a ZeRO optimizer, FP16_UnfusedOptimizer.step still "
             "unscales (deepspeedai/DeepSpeed#7665)"),
     ),
+    "B10": (
+        Pin("the step changes: the scale grows one clean step later (after an overflow at step j: step j + W + 1, "
+            "was j + W)", "0.17.0", "0.17.1", "B10", "gradkit bisect --known B10 --keep",
+            "DeepSpeedZeroOptimizer.step and DynamicLossScaler.update_scale's stable interval "
+            "(deepspeedai/DeepSpeed#6976)"),
+        Pin("the step changes: every step keeps only the boundary micro-batch, at half (ratio 0.22 - 0.49; the first "
+            "micro-batch's overflow is never seen, so nothing is skipped)", "0.17.5", "0.17.6", "B10",
+            "gradkit bisect --known B10 --keep", "DeepSpeedZeroOptimizer.get_flat_partition / "
+            "independent_gradient_partition_epilogue / step"),
+        Pin("the step changes: back to the growth step alone at half", "0.18.2", "0.18.3", "B10",
+            "gradkit bisect --known B10 --keep", "DeepSpeedZeroOptimizer.backward / backward_prologue moved into the "
+            "engine (deepspeedai/DeepSpeed#7665), backward_epilogue, create_gradient_handling_hooks"),
+    ),
     "B8": (
         Pin("fixed", "0.19.7", "0.19.8", "B8", "gradkit bisect --known B8 --keep",
             "split_half_float_double, called by DeepSpeedZeroOptimizer.buffered_reduce_fallback "
@@ -153,11 +166,13 @@ START_HIDDEN: dict[str, str] = {
     "B6": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B7": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B8": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
+    "B10": f"affected on every release that runs here, from {OLDEST_DS}: the start is older (the ordering is in "
+           "DeepSpeed's first public import, v0.1.0)",
 }
 # the same in a few words (the README's short table)
 START_SHORT: dict[str, str] = {
     "ACC": "0.28.0, with the feature (0.27.x cannot run it)",
     "HFT": "before 4.45.2, the oldest that runs here",
     "FSDP2": "only torch 2.13.0 runs here",
-    **{bug: "before 0.14.4, the oldest that runs here" for bug in ("B6", "B7", "B8")},
+    **{bug: "before 0.14.4, the oldest that runs here" for bug in ("B6", "B7", "B8", "B10")},
 }

@@ -32,14 +32,17 @@ from gradkit import launch
 from gradkit import shapes
 from gradkit.judge import naming, oracle, records, tolerances
 from gradkit.probes import ds_features, runner
-from gradkit.probes.ds_resolve import Resolved, load, resolve  # noqa: F401 - a config is read and resolved here too
+from gradkit.probes.ds_resolve import Resolved, dynamic_scale, load, resolve  # noqa: F401 - read and resolved here too
 from gradkit.probes.probe import Probe
-from gradkit.probes.ranks.ds_config import MASTERS_STEP, UNMANAGED_SINCE
+from gradkit.probes.ranks.ds_config import MASTERS_STEP, OVERFLOW, UNMANAGED_SINCE
 from gradkit.stacks import versions
 from gradkit.stacks.versions import version_key
 
 LOOPS = ("engine", "boundary", "manual", "unmanaged")
 STEPS = 3  # optimizer steps per check or sweep point, each judged
+DYNAMIC_STEPS = 6  # ... with a dynamic fp16 loss scale: an overflow, then two of its windows
+OVERFLOW_STEP = 1  # the step (from 0) a dynamic fp16 scale is made to overflow
+FIX_SCALE = 256.0  # B10's fix re-run: a static loss scale
 
 
 def dtype_of(cfg: dict) -> str:
@@ -94,6 +97,8 @@ def known_fixes(cfg: dict, loop: str) -> list[str]:
     if (dtype_of(cfg) == "bf16" and cfg.get("data_types", {}).get("grad_accum_dtype") == "fp32"
             and not cfg["bf16"].get("immediate_grad_update", False)):
         out.append("fix:B4")
+    if dynamic_scale(cfg):
+        out.append("fix:B10")
     return out
 
 
@@ -119,6 +124,8 @@ def case_config(cfg: dict, loop: str, fix: str | None = None) -> dict:
         out["managed_gradient_accumulation"] = False
     if fix == "fix:B4":
         out["bf16"] = {**out["bf16"], "immediate_grad_update": True}
+    if fix == "fix:B10":  # a static scale, which never moves (2**8: the kit's model's gradients never overflow at it)
+        out["fp16"] = {**out["fp16"], "loss_scale": FIX_SCALE}
     return out
 
 
@@ -132,6 +139,21 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
         raise kconfig.ConfigError(f"unknown loop style(s) {unknown or loops}; known: {', '.join(LOOPS)} (or all)")
     kconfig.check_positive_int("steps", steps)
     n, dtype, notes = cfg["gradient_accumulation_steps"], dtype_of(cfg), []
+    overflow = {}
+    if dynamic_scale(cfg):
+        # a scale above 2**16 overflows the kit's model and halves once a step until it does not: one more step each
+        want = DYNAMIC_STEPS + max(0, int(cfg["fp16"].get("initial_scale_power", 16)) - 16)
+        if steps < want:
+            notes.append(f"{want} steps judged, not {steps}: the dynamic fp16 loss scale moves every "
+                         f"{cfg['fp16'].get('loss_scale_window')} steps or on an overflow (and halves once a step from "
+                         f"2^{cfg['fp16'].get('initial_scale_power', 16)} while it overflows), and each of its moves is "
+                         "judged")
+            steps = want
+        overflow = {"overflow_step": OVERFLOW_STEP}
+        notes.append(f"step {OVERFLOW_STEP + 1} overflows on purpose: rank 0's first micro-batch has its loss x "
+                     f"{OVERFLOW:.3g}, so DeepSpeed's loss scaler must skip that step on every rank and apply nothing "
+                     "(said as skipped; the control skips it too); the steps after it show whether the skip left "
+                     "anything behind")
     stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
     on = model_keys(model)
     coarser = judge_note(cfg)
@@ -142,7 +164,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
                      f"scaled so the first step is {MASTERS_STEP:g} of the weights' norm, since a step read from "
                      f"{masters_dtype(cfg)} masters is known only to within their rounding (said as the read floor)")
     out = [{"name": "control", "role": "control", "loop": "torch", "ga": n, "dtype": "fp32", "zero_stage": None,
-            "steps": steps, "clip": clip, **on}]
+            "steps": steps, "clip": clip, **overflow, **on}]
     for loop in loops:
         if loop == "unmanaged" and deepspeed_version and version_key(deepspeed_version) < version_key(UNMANAGED_SINCE):
             notes.append(f"unmanaged: left out, DeepSpeed {deepspeed_version} has no managed_gradient_accumulation "
@@ -153,7 +175,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
                         "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
                         "masters_dtype": masters_dtype(cfg),
                         "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix),
-                        **on})
+                        **(overflow if fix != "fix:B10" else {}), **on})
     return out, notes
 
 
@@ -220,7 +242,7 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
     kconfig.check_timeout(timeout_s)
     ds = stack.get("deepspeed") or versions.installed_version("deepspeed")
     cases, notes = plan(cfg, loops, ds, steps, model)
-    meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": steps}
+    meta = {"config_notes": list(cfg.notes) + notes, "resolved_config": dict(cfg), "step_count": cases[0]["steps"]}
     # the ranks do it (gradkit.probes.ranks.ds_config.allow_fp16_on_cpu)
     if dtype_of(cfg) == "fp16" and device == "cpu":
         meta["config_notes"].append("fp16 judged on CPU: DeepSpeed's CPU accelerator is told fp16 is supported (torch "
@@ -239,9 +261,9 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
         v = next((r["versions"]["deepspeed"] for r in recs if (r.get("versions") or {}).get("deepspeed")), ds)
         for r in recs:
             r["config_notes"] = list(r.get("config_notes") or []) + [
-                f"DeepSpeed {v} refuses {'; '.join(stripped)}: dropped to judge the rest (the kit's SGD and static "
-                f"loss scale do not read them); a run of this config on {v} stops in deepspeed.initialize until they "
-                "are removed"]
+                f"DeepSpeed {v} refuses {'; '.join(stripped)}: dropped to judge the rest (the kit's SGD does not read "
+                f"an optimizer's keys; a refused loss-scaling knob takes DeepSpeed's default); a run of this config on "
+                f"{v} stops in deepspeed.initialize until they are removed"]
     for r in recs:
         if r["verdict"] == oracle.CANNOT_RUN and "managed_gradient_accumulation" in (r.get("error") or ""):
             r["reason"] = f"not available: {r['error']}"

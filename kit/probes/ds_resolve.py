@@ -7,7 +7,7 @@ Everything in the config that touches gradients is kept (ZeRO stage, bf16 / fp16
 ``communication_data_type``, offload, bucket sizes, ``gradient_predivide_factor``, ``prescale_gradients``,
 ``bf16.immediate_grad_update`` ...). What would hide the measurement is replaced, and said: the optimizer
 becomes SGD (lr = 1, no momentum or weight decay), the scheduler goes, bucket sizes shrink so the tiny model
-spans several buckets, fp16's dynamic loss scale becomes a static one. Clipping is kept: every loss is scaled so
+spans several buckets, fp16's dynamic loss scale raises its scale every ``WINDOW`` steps. Clipping is kept: every loss is scaled so
 the clip acts, and the expected step is the reference clipped.
 """
 from __future__ import annotations
@@ -34,6 +34,15 @@ class Resolved(dict):
     notes: list
     refused: str | None = None
     model: object = None  # what ``gradkit.commands.check`` runs it on (a shape's name, or an architecture's keys)
+
+
+WINDOW = 2  # the loss_scale_window a dynamic fp16 scale is judged with: an increase every 2 overflow-free steps
+
+
+def dynamic_scale(cfg: dict) -> bool:
+    """fp16 with DeepSpeed's dynamic loss scale (``fp16.loss_scale`` 0 or absent)."""
+    f = cfg.get("fp16") or {}
+    return f.get("enabled") is True and not f.get("loss_scale", 0)
 
 
 def _auto(value) -> bool:
@@ -123,12 +132,16 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
         if name in cfg:
             cfg[name] = {**cfg[name], "enabled": on}
     refused = refused or ds_features.apply(cfg, notes, fp16, world_size)
-    if fp16:
-        scale = cfg["fp16"].get("loss_scale", 0)
-        if not scale:
-            cfg["fp16"]["loss_scale"] = 256
-            notes.append("fp16 dynamic loss scaling -> a static loss scale of 256 (a dynamic scale skips the "
-                         "first steps on overflow; one step must be measurable)")
+    if fp16 and dynamic_scale(cfg):
+        window = cfg["fp16"].get("loss_scale_window", 1000)
+        if not isinstance(window, (int, float)) or window < 1:
+            raise kconfig.ConfigError(f"fp16.loss_scale_window must be a number >= 1, got {window!r}")
+        if window > WINDOW:
+            cfg["fp16"]["loss_scale_window"] = WINDOW
+            notes.append(f"fp16.loss_scale_window {window:g} -> {WINDOW}: DeepSpeed's own dynamic loss scaler runs "
+                         f"(initial scale, hysteresis and floor as configured); with this window it raises the scale "
+                         f"after every {WINDOW} steps without an overflow, so its increases (one step in {window:g} "
+                         "of the run) and any overflow skip fall inside the judged steps")
     zero = cfg.setdefault("zero_optimization", {})
     if not isinstance(zero, dict):
         raise kconfig.ConfigError(f'"zero_optimization" must be an object, got {zero!r}')

@@ -19,7 +19,7 @@ from gradkit.watch.sketch import Sketch
 
 _CHUNK = 1 << 20  # values converted to fp64 at a time (two vectors: 16 MB)
 STALE = "the previous step's gradient applied again"
-SCALE_GREW = "global mean x old / new loss scale"  # the loss scale changed before the gradient was unscaled
+SCALE_GREW = naming.SCALE_GREW  # the loss scale changed before the gradient was unscaled (B10)
 
 
 class Tally:
@@ -105,7 +105,7 @@ def hypotheses(counts: list, per_rank: list, coef: float, loss_scale: float = 1.
     if declared_ga and declared_ga > max(per_rank or [0]):
         out["global mean / GA"] = [c / (total * declared_ga) for c in counts]
     if loss_scale > 1.0:
-        out["global mean / loss scale"] = [c / (total * loss_scale) for c in counts]
+        out[naming.UNSCALED] = [c / (total * loss_scale) for c in counts]
     if scale_change != 1.0:
         out[SCALE_GREW] = [c * scale_change / total for c in counts]
     out = {name: [x * coef for x in ws] for name, ws in out.items()}

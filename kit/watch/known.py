@@ -4,7 +4,8 @@ match (their steps vary by release, see each bug's notes), so every bug expected
 several are: a tie is never resolved by the order of a list."""
 from __future__ import annotations
 
-from gradkit.judge import expectations, oracle
+from gradkit.commands.check import known as kknown
+from gradkit.judge import expectations, naming, oracle
 
 CANDIDATES = {"trainer": ("B1", "HFT"), "accelerate": ("ACC",)}
 TIE = "several known bugs are expected here and the measurement does not tell them apart"
@@ -19,7 +20,21 @@ def case_of(bug: str, rec: dict) -> str | None:
     return None
 
 
+def named_step(rec: dict) -> str | None:
+    """The known bug whose own named step the record's step is (B9's and B10's fp16 loss-scale steps, under the
+    Trainer on DeepSpeed), where the table expects it on the job's releases; None where none is."""
+    versions = rec.get("versions") or {}
+    for k in expectations.KNOWN.values():
+        if k.explains and k.explains[1] in (naming.UNSCALED, naming.SCALE_GREW) and rec.get("matches") == \
+                k.explains[1] and kknown.expected_here(k.bug, versions):
+            return f"{k.bug} ({k.report}): {k.explains[0]}; fix: {k.explains[2]}"
+    return None
+
+
 def from_table(rec: dict, path: str) -> str:
+    named = named_step(rec)
+    if named:
+        return named
     versions = rec.get("versions") or {}
     ga = rec.get("declared_ga") or rec.get("trainer_ga")
     expected = [b for b in CANDIDATES[path]

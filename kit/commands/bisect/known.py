@@ -63,7 +63,9 @@ RECIPES = {r.name: r for r in (
                                                         "communication_data_type": "fp32",
                                                         "zero_optimization": {"stage": 1, "contiguous_gradients": False}}),
     Recipe("B9", "B9", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "fp16": {
-        "enabled": True, "loss_scale": 0, "initial_scale_power": 16}}),
+        "enabled": True, "loss_scale": 256}}),  # static: B10's growth steps are B10's recipe
+    Recipe("B10", "B10", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 16}, "zero_optimization": {"stage": 2}}),
     Recipe("ACC", "ACC", "accelerate", "0.27.0", "accelerate before 0.27 is not installed here (sync_each_batch "
            "arrives in 0.28.0)", probe="ACC", case="sync_each_batch",
            plan={"world_sizes": (2,), "ga_values": (4,), "cases": ("control", "sync_each_batch")}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gradkit import shapes
 from gradkit.judge import expectations, oracle
+from gradkit.probes.ds_resolve import dynamic_scale
 from gradkit.stacks.versions import version_key
 
 # the loop styles a user's own training loop would be: what they do, in one phrase each
@@ -64,6 +65,8 @@ def candidates(rec: dict) -> list[str]:
         out.append("B4")
     if rec.get("optimizer") == "FP16_UnfusedOptimizer" and expected_here("B9", versions):
         out.append("B9")
+    if dynamic_scale(rec["config"].get("ds_config") or {}) and expected_here("B10", versions):
+        out.append("B10")
     zero = (rec["config"].get("ds_config") or {}).get("zero_optimization") or {}
     offload = (zero.get("offload_optimizer") or {}).get("device") == "cpu" or zero.get("cpu_offload") is True
     if (stage in (1, 2) and offload and rec["ga"] > 2 and loop in ("engine", "boundary")

@@ -64,7 +64,9 @@ def summarise(recs: list[dict]) -> dict:
                           "misplaced_weight": st["attribution"]["misplaced_weight"], "shape": st.get("shape"),
                           "logged_norm_ratio": (st["logged_norm"] / st["reference_norm"]
                                                 if st.get("logged_norm") is not None else None),
-                          "off": oracle.severity({**st, "dtype": records.judge_dtype(r)}) > 1.0}
+                          "off": oracle.severity({**st, "dtype": records.judge_dtype(r)}) > 1.0 and not st.get("skipped"),
+                          "skipped": bool(st.get("skipped")), "loss_scale": st.get("loss_scale"),
+                          "loss_scale_after": st.get("loss_scale_after")}
                          for st in r.get("steps") or []],
                "off": [w for w, v in (("applied step", r["verdict"]), ("logged grad norm", norm)) if v == oracle.AFFECTED],
                "explained_by": None, "explanation": None, "fix": None}
@@ -107,7 +109,8 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
     lines.append(f"  {'loop':<10} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}  per step (ratio; "
                  f"* off)  logged norm")
     for row in summary["loops"]:
-        per_step = " ".join(f"{kverdict.num(st['ratio'], '.3f')}{'*' if st['off'] else ''}" for st in row["steps"])
+        per_step = " ".join("skip " if st["skipped"] else f"{kverdict.num(st['ratio'], '.3f')}{'*' if st['off'] else ''}"
+                            for st in row["steps"])
         lines.append(f"  {row['loop']:<10} {row['verdict']:<13} {kverdict.num(row['ratio'], '7.4f')} "
                      f"{kverdict.num(row['cosine'], '8.5f')} {kverdict.num(row['misplaced_weight'], '9.4f')}  {per_step or '-':<21}"
                      f"  {row['norm_verdict']}")
@@ -126,6 +129,9 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
         elif row["verdict"] != oracle.NOT_AFFECTED:
             said = [r["reason"] for r in summary["loops"][:summary["loops"].index(row)]]
             lines.append("      the same" if row["reason"] in said else f"      {row['reason'][:600]}")
+        skipped = oracle.skipped_text([{**st, "step": st["step"] - 1} for st in row["steps"]])
+        if skipped and row["verdict"] in (oracle.AFFECTED, oracle.NOT_AFFECTED):
+            lines.append(f"      {skipped}")
         if row.get("read_finding"):
             lines.append(f"      finding (not an accumulation bug): {row['read_finding']}")
     c = summary["control"]

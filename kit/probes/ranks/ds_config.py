@@ -21,14 +21,18 @@ STALE_FAULT_KEY = "gradkit_fault_keep_grads"  # tests: the plain-torch loop forg
 LOOP_FAULT_KEY = "gradkit_fault_loop"
 
 
-UNSCALED = "global mean / loss scale"  # B9: the optimizer unscales a loss the engine did not scale
+UNSCALED = naming.UNSCALED  # B9: the optimizer unscales a loss the engine did not scale
+SCALE_GREW = naming.SCALE_GREW  # B10: the scale grew between the backward and the unscale
 
 
-def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, loss_scale: float = 1.0) -> dict:
+def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, loss_scale: float = 1.0,
+                       scale_change: float = 1.0) -> dict:
     """Weights over the rank-major basis (rank r, micro-batch i -> r*n + i), as seen from rank ``own``;
     ``previous``: the basis goes on with the previous step's micro-batches (weight 0 unless a hypothesis says).
-    ``loss_scale``: the optimizer's own loss scale (an fp16 optimizer's ``cur_scale``); above 1, the step it gives
-    when it divides by a scale the loss never got (``UNSCALED``) is a hypothesis too."""
+    ``loss_scale``: the optimizer's own loss scale when it unscaled (an fp16 optimizer's ``cur_scale``); above 1,
+    the step it gives when it divides by a scale the loss never got (``UNSCALED``) is a hypothesis too.
+    ``scale_change``: the scale the step's losses got over the one it was unscaled by; where it is not 1 (the
+    dynamic scaler moved in between), the step that leaves (``SCALE_GREW``) is one too."""
     k = w * n
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
@@ -40,6 +44,8 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, los
         out[STALE] = [1.0 / k] * (2 * k)
     if loss_scale > 1.0:
         out[UNSCALED] = [1.0 / (k * loss_scale)] * k
+    if scale_change != 1.0:
+        out[SCALE_GREW] = [scale_change / k] * k
     return out
 
 
@@ -53,6 +59,20 @@ def own_loss_scale(optimizer) -> float:
             continue
         return value if value > 0 else 1.0
     return 1.0
+
+
+OVERFLOW = 2.0 ** 24  # the factor on one micro-batch's loss that makes its fp16 gradient overflow at any loss scale
+
+
+def overflowing(loss_fn):
+    """``loss_fn`` whose first micro-batch's loss is multiplied by ``OVERFLOW`` (a ``gradkit check`` of a dynamic fp16
+    scale puts one overflow in the judged steps: the scaler must skip that step on every rank, applying nothing)."""
+    calls = []
+
+    def fn(out, y):
+        calls.append(1)
+        return loss_fn(out, y) * (OVERFLOW if len(calls) == 1 else 1.0)
+    return fn
 
 
 def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None:
@@ -160,7 +180,7 @@ SECTIONS = {"DeepSpeedFP16Config": "fp16", "DeepSpeedBF16Config": "bf16", "DeepS
             "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
             "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
 LOSS_SCALING = ("loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                "initial_scale_power")  # dynamic loss scaling's knobs: the kit runs a static scale
+                "initial_scale_power")  # dynamic loss scaling's knobs: one this release refuses is dropped and said
 
 
 def _refused_keys(e: Exception) -> list[tuple[str, str, str]]:
@@ -233,17 +253,21 @@ def run_case(case: dict) -> dict:
             judging.release(engine)
             raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
     dev = c.device()
-    optimizer_scale = own_loss_scale(getattr(engine, "optimizer", None))
-    held, state = {}, {"skipped": 0}  # held: BF16_Optimizer's own fp32 accumulator on this rank, going into the step
+    held, scales = {}, {}  # held: BF16_Optimizer's own fp32 accumulator on this rank, going into the step
 
     def take(s, batches):
+        overflow = s == case.get("overflow_step")
         if engine is None:
+            if overflow:  # the control skips the step a loss scaler skips: nothing is applied
+                scales[s] = (1.0, 1.0, True)
+                return None, None
             return loop.step(batches, loss_fn), None
         held.clear()
+        scale, skipped = own_loss_scale(engine.optimizer), int(getattr(engine, "skipped_steps", 0) or 0)
         _step(engine, case["fix"] if case.get("fix") == "fix:B3" else case["loop"],
-              [(c.to_device(x, dev, dtype), y.to(dev)) for x, y in batches], loss_fn,
-              before_step=lambda: held.update(buffer=bf16_accumulator(engine, engine.module)))
-        state["skipped"] = int(getattr(engine, "skipped_steps", 0) or 0)
+              [(c.to_device(x, dev, dtype), y.to(dev)) for x, y in batches], overflowing(loss_fn) if overflow and
+              r == 0 else loss_fn, before_step=lambda: held.update(buffer=bf16_accumulator(engine, engine.module)))
+        scales[s] = (scale, own_loss_scale(engine.optimizer), int(getattr(engine, "skipped_steps", 0) or 0) > skipped)
         # a leak is per rank: every rank's accumulator (a collective), attributed on rank 0
         return c.engine_norm(engine), (c.all_gather_flat(held["buffer"]) if held.get("buffer") is not None else None)
 
@@ -256,20 +280,26 @@ def run_case(case: dict) -> dict:
                                       for q, b in enumerate(buffers)]
             judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
 
+    def hypotheses(ws, ns, prev):  # the step just taken: the scale its losses got, the one it was unscaled by
+        before, after, _ = scales[max(scales)] if scales else (1.0, 1.0, False)
+        return hypothesis_weights(ws, ns, previous=prev, loss_scale=after, scale_change=before / after)
+
+    def facts(s):  # an fp16 step's loss scale and how it moved; skipped: the scaler found an overflow (applies nothing)
+        before, after, skip = scales.get(s, (1.0, 1.0, False))
+        return {**({"loss_scale": before, "loss_scale_after": after} if before != 1.0 or after != 1.0 else {}),
+                **({"skipped": True} if skip else {})}
+
     reader = c.read_tp_weights if tp > 1 else (lambda m, d: c.read_weights(m, engine.optimizer, d))
     read = loop.read if engine is None else lambda: reader(engine.module, case.get("judge_dtype", case["dtype"]))
     out = judging.judge_steps(steps, read, take, seed=SEED, ga=n, micro_batch=MICRO_BATCH, hidden=HIDDEN, depth=DEPTH,
                         dtype=case.get("judge_dtype", case["dtype"]), clip=clip, loss_scale=scale, extra=accumulators,
-                        hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns, previous=prev,
-                                                                           loss_scale=optimizer_scale), shape=shape,
+                        hypotheses=hypotheses, facts=facts, shape=shape,
                         masters_dtype=case.get("masters_dtype", "fp32"), data_rank=r // tp, replicas=w // tp)
     engine_ga = n if engine is None else engine.gradient_accumulation_steps()
     optimizer = "torch.optim.SGD" if engine is None else type(engine.optimizer).__name__
     if engine is not None:
         with judging.phase("release"):
             judging.release(engine)
-    if state["skipped"]:
-        raise RuntimeError("a step was skipped (fp16 overflow): nothing was applied, nothing can be judged")
     return {**out, "optimizer": optimizer, "engine_ga": engine_ga, **({"replicas": w // tp} if tp > 1 else {}),
             "config_stripped": stripped if engine is not None else []} if r == 0 else {}
 

@@ -17,6 +17,7 @@ import torch.nn as nn
 from gradkit import shapes
 from gradkit.judge import naming, oracle
 from gradkit.judge import parts as kparts
+from gradkit.judge.tolerances import ROUNDING
 from gradkit.launch import worker
 from gradkit.probes.ranks import common as c
 
@@ -125,7 +126,7 @@ def plain_read(model: nn.Module) -> dict:
 def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch: int, hidden: int, depth: int = 2,
                 dtype: str = "fp32", clip: float = 0.0, loss_scale: float = 1.0, hypotheses=None, extra=None,
                 shape=None, masters_dtype: str = "fp32", data_rank: int | None = None,
-                replicas: int | None = None) -> dict:
+                replicas: int | None = None, facts=None) -> dict:
     """``steps`` optimizer steps on fresh micro-batches, **each** judged against the reference built from that
     step's own starting weights. A collective: every rank calls it.
 
@@ -141,7 +142,10 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     and data (``gradkit.shapes.shape.Shape``; the MLP by default). ``masters_dtype``: the masters' own precision
     (bf16 under ``bf16_master_weights_and_grads``): a step read from them is known to within their rounding too.
     ``data_rank`` / ``replicas``: this rank's data-parallel index and how many there are (under tensor parallelism
-    the ranks of one group feed the same micro-batches); the rank and the world size by default.
+    the ranks of one group feed the same micro-batches); the rank and the world size by default. ``facts(step)`` ->
+    what the engine says of the step just taken, kept with its judgement (an fp16 loss scale); ``"skipped": True``
+    there is a step the engine skipped by design (an fp16 overflow): it applies nothing, is said as skipped, is not
+    the worst step, and the trajectory's reference skips it too.
     """
     shape = shape or _mlp()
     r, w = c.rank(), replicas or c.world_size()
@@ -170,6 +174,10 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
                 judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
                                                 logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra,
                                                 masters_dtype))
+                said = facts(s) if facts else {}
+                if said.get("skipped") and float(effective.abs().max()) != 0.0:  # said skipped, yet the weights moved
+                    said = {**said, "skipped": False, "moved_while_skipped": float(effective.norm())}
+                judged_steps[-1].update(said)
             prev = basis[:k]
         except Exception as e:  # noqa: BLE001 - raised below, once every rank is past its collectives
             if r != 0:
@@ -179,9 +187,11 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
         return {}
     if failed is not None:
         raise failed
-    worst = max(range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
+    applied = [q for q, j in enumerate(judged_steps) if not j.get("skipped")]
+    worst = max(applied or range(len(judged_steps)), key=lambda q: oracle.severity({**judged_steps[q], "dtype": dtype}))
     with phase("trajectory"):
-        path = trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale, replicas, shape)
+        path = trajectory(first, last, seed, ga, micro_batch, hidden, depth, taken, clip, loss_scale, replicas, shape,
+                          skipped={q for q, j in enumerate(judged_steps) if j.get("skipped")})
     return {**judged_steps[worst], "steps": judged_steps, "worst_step": worst, "trajectory": path}
 
 
@@ -197,26 +207,35 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
     elif masters_dtype != "fp32":  # low-precision masters: the step read from them is known to within their rounding
         judged["read_floor"] = c.rounding_floor(after["masters"], masters_dtype, target.norm().item())
     if hypotheses is not None:
+        # the step is read as the difference of two rounded weight vectors: known to within their rounding, which a
+        # hypothesis of a step far smaller than the weights' own (B9's 1 / loss scale) may sit below
+        floor = (after["masters" if agree else "module"].abs() * ROUNDING[masters_dtype if agree else dtype]
+                 / 2).norm().item()
         judged["hypotheses"] = naming.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
-                                              clip=clip)
+                                              clip=clip, floor=floor)
     if extra is not None:
         extra(judged, s, gathered, basis[:w * ga], weights, reference)
     return judged
 
 
 def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, depth: int, steps: int, clip: float,
-               loss_scale: float, replicas: int | None = None, shape=None) -> dict:
+               loss_scale: float, replicas: int | None = None, shape=None, skipped=()) -> dict:
     """The weights after every step against the reference's own ``steps`` steps from the same start (fp32, one
     process): how far the run drifted in all, errors of every step compounded. ``replicas``: the data-parallel
-    ranks whose micro-batches make a step (every rank by default)."""
+    ranks whose micro-batches make a step (every rank by default); ``skipped``: the steps the engine skipped by
+    design, which the reference skips too."""
     shape = shape or _mlp()
     ref = first.clone()
     for s in range(steps):
+        if s in skipped:
+            continue
         every = [b for rr in range(replicas or c.world_size())
                  for b in shape.micro_batches(seed, rr, ga, micro_batch, hidden, s)]
         model = skeleton(shape, seed, hidden, depth, ref)
         _, _, reference = reference_at(model, every, shape, loss_scale, (seed, ga, micro_batch, hidden, s, replicas))
         ref = ref - oracle.clipped(reference, clip)
+    if len(skipped) >= steps:  # every step skipped by design: no path to compare
+        return {"steps": steps, "skipped": len(skipped)}
     return {"steps": steps, **oracle.compare(first - last, first - ref)}
 
 
