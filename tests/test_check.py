@@ -214,8 +214,20 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", ds=OFFLOAD, ga=2, model="conditional"), ["B7"]),  # B5 needs a micro-step between first and last
     (_ds("engine", ds=OFFLOAD, ga=3, model="conditional"), ["B5", "B7"]),
     (_ds("manual", ds=OFFLOAD, model="conditional"), ["B3", "B7"]),
-    (_ds("manual", ds=OFFLOAD), ["B3", "B7"]),                  # ZeRO-1/2's manual loop shows B7 on any model
-    (_ds("manual", ds=OFFLOAD, stage=1), ["B3", "B7"]),
+    (_ds("manual", ds=OFFLOAD, model="conditional", version="0.19.8"), ["B3", "B7", "B11"]),
+    (_ds("manual", ds=OFFLOAD, version="0.19.8"), ["B3", "B11"]),  # ZeRO-1/2's manual loop shows B11 on any model
+    (_ds("manual", ds=OFFLOAD, stage=1, version="0.19.0"), ["B3", "B11"]),
+    (_ds("manual", ds=OFFLOAD), ["B3"]),                        # 0.18.6, before #7981: the loop keeps the last only
+    (_ds("engine", version="0.18.2"), ["B12"]),                  # ZeRO-2 keeps only the boundary micro-batch
+    (_ds("boundary", version="0.17.6", ga=2), ["B12"]),
+    (_ds("engine", version="0.17.5"), []),
+    (_ds("engine", version="0.18.2", ga=1), []),                  # nothing to accumulate
+    (_ds("engine", version="0.18.2", stage=1), []),               # ZeRO-1 reduces at the boundary only
+    (_ds("engine", ds=OFFLOAD, version="0.18.2"), ["B5"]),        # offload accumulates on the CPU
+    (_ds("engine", ds={"zero_optimization": {"contiguous_gradients": False}}, version="0.19.7"), ["B8"]),
+    (_ds("engine", ds={"zero_optimization": {"contiguous_gradients": False}}, version="0.19.8"), []),  # fixed there
+    (_ds("engine", ds={"fp16": {"enabled": True}}), ["B10"]),   # a dynamic fp16 loss scale
+    (_ds("engine", ds={"fp16": {"enabled": True, "loss_scale": 128}}), []),  # a static one
     (_ds("unmanaged", ds=OFFLOAD), ["B3"]),                     # ... not the unmanaged one (measured exact)
     (_ds("manual", ds=OFFLOAD, stage=3), []),                   # ... nor ZeRO-3's (measured exact on the MLP)
     (_ds("manual", ds=OFFLOAD, stage=3, model="conditional"), ["B6", "B7"]),

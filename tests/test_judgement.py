@@ -306,6 +306,36 @@ def test_a_step_unscaled_by_a_grown_loss_scale_is_named_b10_and_a_tiny_step_is_n
     assert naming.step_name(within) == ds_ranks.UNSCALED
 
 
+def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_and_b8_per_partition():
+    """B11: this step's micro-batches but each rank's first, plus the update the previous step applied; B8: each
+    rank's partition of the flat vector (split as ZeRO-1/2 split it) the sum of that rank's own micro-batches / N.
+    Neither is a weighting of the basis; each is named, and the bugs only where their configuration is."""
+    w, n = 2, 4
+    basis = _basis(2 * w * n)  # this step's micro-batches, then the previous step's
+    update = torch.linspace(-1, 1, basis.shape[1], dtype=torch.float64)
+    hyp = {**ds_ranks.hypothesis_weights(w, n, previous=True), **ds_ranks.stepwise_hypotheses(w, n, update, 2)}
+    carried = torch.tensor([0.0 if i % n == 0 else 1 / 8 for i in range(8)], dtype=torch.float64) @ basis[:8] + update
+    assert naming.step_name(naming.explain(carried, basis, hyp, "fp32")) == ds_ranks.CARRIED
+    size, part = basis.shape[1], -(-basis.shape[1] // 4) * 2
+    own = torch.cat([basis[:n, :part].sum(0) / n, basis[n:2 * n, part:].sum(0) / n])
+    assert own.shape[0] == size and naming.step_name(naming.explain(own, basis, hyp, "fp32")) == ds_ranks.OWN_PARTITION
+    assert ds_ranks.CARRIED not in ds_ranks.stepwise_hypotheses(w, n, None, 2)  # the first step has no previous one
+    assert ds_ranks.OWN_PARTITION not in ds_ranks.stepwise_hypotheses(w, n, None, 3)  # ZeRO-3 partitions otherwise
+    manual = {"config": {"loop": "manual", "ds_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu"}}}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2, "ga": n,
+        "optimizer": "DeepSpeedZeroOptimizer", "matches": ds_ranks.CARRIED}
+    assert check.explain(manual)[0] == "B11"
+    assert check.explain({**manual, "versions": {"deepspeed": "0.18.6"}})[0] is None  # before #7981 the loop is B3's
+    engine = {**manual, "config": {"loop": "engine", "ds_config": {"zero_optimization": {"stage": 2}}},
+              "matches": "last micro-batch / N"}
+    assert check.explain({**engine, "versions": {"deepspeed": "0.18.2"}})[0] == "B12"
+    assert check.explain({**engine, "versions": {"deepspeed": "0.18.3"}})[0] is None
+    b8 = {**engine, "config": {"loop": "engine", "ds_config": {"zero_optimization": {
+        "stage": 1, "contiguous_gradients": False}}}, "matches": ds_ranks.OWN_PARTITION}
+    assert check.explain({**b8, "versions": {"deepspeed": "0.19.7"}})[0] == "B8"
+    assert check.explain({**b8, "versions": {"deepspeed": "0.19.8"}})[0] is None  # fixed there
+
+
 def test_an_optimizers_own_loss_scale_is_read_from_its_property_or_its_older_attributes():
     from types import SimpleNamespace as NS
 

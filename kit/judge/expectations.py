@@ -52,7 +52,7 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   and ``_offload_grad_partition_at_boundary``). A part the boundary micro-batch misses loses its window's
   gradient and keeps its last one. Affected on every release from 0.14.4 (its start is older); its step changes
   with B5's start and fix (0.15.2: the old gradient no longer applied again; 0.19.0: applied again), both found by
-  gradkit bisect. In ZeRO-1/2's manual loop every backward is a boundary, so any model shows it there.
+  gradkit bisect. (ZeRO-1/2's manual loop with offload on any model is B11, another buffer.)
 - B8 (DeepSpeed's CPU accelerator, ZeRO-1/2 with ``contiguous_gradients: false``: no all-reduce at all): found by the
   kit's sweep on 0.18.6 as an unknown group, its end found by ``gradkit bisect`` (0.19.7 affected, 0.19.8 exact;
   measured affected on every release from 0.14.4 that runs here: its start is older) and its change read in the two releases' sources
@@ -74,6 +74,18 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   is in DeepSpeed's first public import (2020-02-03, v0.1.0) and unchanged in every release up to 0.19.8; its
   comment on deepspeedai/DeepSpeed#8588 (open) reproduces it for ``FP16_Optimizer`` only. Found by ``gradkit check``
   judging DeepSpeed's own dynamic scaler with a short window; the Trainer's watch sees it on the user's job.
+- B11 (ZeRO-1/2 + ``offload_optimizer`` CPU, config GA 1 and several ``backward()`` per ``step()``): every backward
+  is a boundary, and ``copy_grads_in_partition`` calls ``async_accumulate_grad_in_cpu_via_gpu`` only where
+  ``micro_step_id > 0 or not boundary`` (deepspeedai/DeepSpeed#7981, 0.19.0), so the CPU accumulator
+  ``accumulated_grads_in_cpu`` is never reset at micro-step 0 and nothing in ``step()`` resets it: each step loses its
+  first micro-batch and applies the previous step's update again (hence every earlier one). Before 0.19.0 the CPU
+  accumulation was gated on ``gradient_accumulation_steps > 1`` and the loop kept only its last micro-batch (B3's
+  step). Found by gradkit check (0.19.8; named B7 until 2026-11-27); no upstream report found.
+- B12 (ZeRO-2 without offload, GA > 1, any precision): ``independent_gradient_partition_epilogue`` tests
+  ``averaged_gradients`` where #7509 (0.17.6) fills ``all_grad_tensors``, so each micro-batch replaces the last and
+  only the boundary micro-batch reaches the step (an fp16 overflow in an earlier one is never seen);
+  deepspeedai/DeepSpeed#7665 tests the right dict, 0.18.3. Reported upstream as deepspeedai/DeepSpeed#7718; the kit met
+  it on B10's bisect (0.17.6 - 0.18.2 every step off).
 
 The paths without DeepSpeed (notebook 07) are pinned case by case (``Known.rules``): their cases are correct paths,
 loop bugs the oracle must see, and documented behaviours.
@@ -324,10 +336,44 @@ KNOWN = {k.bug: k for k in (
                     "grows applies old / new of the update (1/2)", naming.SCALE_GREW,
                     "no release fixes it: a static loss scale (\"fp16\": {\"loss_scale\": 1024} or another power "
                     "of 2), or bf16; with a dynamic scale, one step in loss_scale_window is applied at half size")),
+    Known("B11", "deepspeed", "found by gradkit (no upstream report as of 2026-11-27)", affected_from="0.19.0",
+          fixed_in=None, last_affected=None, newest_pinned="0.19.8", introduced_in="0.19.0",
+          prs=("deepspeedai/DeepSpeed#7967 (B5's fix: the CPU copy on every micro-step, 0.19.0)",
+               "deepspeedai/DeepSpeed#7981 (the gate micro_step_id > 0 or not boundary, 0.19.0)"),
+          notes=("ZeRO-1/2 with offload_optimizer cpu, config GA 1 and several backward() per step() (your own loop)",
+                 "every backward is a boundary, so the CPU accumulator (accumulated_grads_in_cpu) is never reset at "
+                 "micro-step 0, and nothing in step() resets it: each step loses its first micro-batch and applies "
+                 "the previous step's update again (so every earlier one)",
+                 "before 0.19.0 the same loop keeps only the last micro-batch (the gradient_accumulation_steps > 1 "
+                 "gate of the CPU accumulation; B3's step)"),
+          explains=("ZeRO-1/2 with offload_optimizer cpu and several backward() per step() at config GA 1: every backward "
+                    "is a boundary, so the CPU gradient accumulator is never reset (#7981's gate skips micro-step 0): "
+                    "each step loses its first micro-batch and applies the previous step's update again",
+                    naming.CARRIED,
+                    "call engine.set_gradient_accumulation_boundary(i == N - 1) before each backward (or put N in "
+                    "gradient_accumulation_steps; from 0.19.4 \"managed_gradient_accumulation\": false); no release "
+                    "fixes it")),
+    Known("B12", "deepspeed", "deepspeedai/DeepSpeed#7718", affected_from="0.17.6", fixed_in="0.18.3",
+          last_affected=None, newest_pinned="0.19.8", introduced_in="0.17.6",
+          prs=("deepspeedai/DeepSpeed#7509 (the regression, 0.17.6)", "deepspeedai/DeepSpeed#7665 (the fix, 0.18.3)"),
+          notes=("ZeRO-2 without optimizer offload, GA > 1, any precision: only the boundary micro-batch reaches the "
+                 "step (ZeRO-1, ZeRO-3 and offload are not hit)",
+                 "independent_gradient_partition_epilogue tests averaged_gradients where it now fills all_grad_tensors, "
+                 "so every micro-batch replaces the last; an fp16 overflow in an earlier micro-batch is never seen",
+                 "found on the kit's B10 bisect (0.17.6 - 0.18.2 every step off); upstream: #7718, huggingface/trl#4540"),
+          explains=("ZeRO-2's independent_gradient_partition_epilogue tests averaged_gradients where it fills "
+                    "all_grad_tensors (#7509), so each micro-batch replaces the previous one: only the boundary "
+                    "micro-batch reaches the step", "last micro-batch / N",
+                    "upgrade to DeepSpeed >= 0.18.3 (or, on 0.17.6 - 0.18.2, ZeRO-1, ZeRO-3 or optimizer offload)")),
     Known("B8", "deepspeed", "deepspeedai/DeepSpeed#8382", affected_from=None, fixed_in="0.19.8", last_affected=None,
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#8382",),
           notes=("DeepSpeed's CPU accelerator only; ZeRO-1/2 with contiguous_gradients false",
-                 "found by gradkit's sweep (0.18.6), its fix release by gradkit bisect (notebook 08)")),
+                 "found by gradkit's sweep (0.18.6), its fix release by gradkit bisect (notebook 08)"),
+          explains=("on DeepSpeed's CPU accelerator, ZeRO-1/2 with contiguous_gradients false never all-reduce: "
+                    "split_half_float_double matches no CPU tensor's type, so each rank steps its partition with the "
+                    "sum of its own micro-batches", naming.OWN_PARTITION,
+                    "upgrade to DeepSpeed >= 0.19.8, or set \"contiguous_gradients\": true (a GPU run is not "
+                    "affected)")),
 )}
 
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently

@@ -16,6 +16,10 @@ from gradkit.judge.tolerances import TOLERANCES
 # changed between the backward that scaled the loss and the unscale (B10: ``_update_scale`` runs first)
 UNSCALED = "global mean / loss scale"
 SCALE_GREW = "global mean x old / new loss scale"
+# a CPU gradient accumulator never reset (B11): this step's micro-batches but the first, and the last update again
+CARRIED = "first micro-batch lost, the previous update applied again"
+# no all-reduce at all (B8): each rank's partition stepped with the sum of that rank's own micro-batches
+OWN_PARTITION = "each rank's partition: its own micro-batches, summed"
 
 
 def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0,
@@ -23,7 +27,8 @@ def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip
     """Which hypothesis is the effective gradient? Compare it with ``sum_k w_k * basis_k`` for each candidate.
 
     ``candidates`` maps a name ("global mean", "last micro-batch / N", ...) to its weights over
-    the basis (a candidate shorter than the basis weighs the rest 0). Returns ``{"candidates": {name:
+    the basis (a candidate shorter than the basis weighs the rest 0), or to a function of the basis that returns the
+    step it predicts (a step no single weighting gives: B8's, per partition; B11's, with the previous update). Returns ``{"candidates": {name:
     compare(...)}, "best": name, "best_matches": bool, "ambiguous": [names]}``: the candidate with the smallest
     relative error, whether it is within the dtype's tolerance, and -- where two or more candidates match (they
     predict the same step, e.g. at N = 2) -- every matching name: the measurement cannot tell them apart, so no
@@ -38,6 +43,9 @@ def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip
     b = torch.as_tensor(basis, dtype=torch.float64)
     vectors = {}
     for name, w in candidates.items():
+        if callable(w):  # a step that is no one weighting of the basis (per partition, or with an earlier update)
+            vectors[name] = clipped(torch.as_tensor(w(b), dtype=torch.float64), clip)
+            continue
         w = torch.as_tensor(w, dtype=torch.float64)
         if len(w) < len(b):
             w = torch.cat([w, torch.zeros(len(b) - len(w), dtype=torch.float64)])

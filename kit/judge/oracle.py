@@ -282,7 +282,8 @@ def verdict(measured: dict | None, control: dict | None) -> tuple[str, str]:
     m, sigs = measured["metrics"], signals(measured)
     numbers = f"ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}, rel. error {m['rel_l2']:.2e}"
     applied = len([s for s in steps if not s.get("skipped")])
-    where = f" at step {measured.get('worst_step', 0) + 1} (the worst of {applied} applied)" if applied > 1 else ""
+    where = (f" at step {measured.get('worst_step', 0) + 1} (the worst of {applied}{' applied' if skipped else ''})"
+             if applied > 1 else "")
     skipped = f"; {skipped}" if skipped else ""
     if all(s["ok"] for s in sigs):
         return NOT_AFFECTED, (f"effective gradient matches the fp32 reference on every signal{where} ({numbers}; "

@@ -140,13 +140,28 @@ PINS: dict[str, tuple[Pin, ...]] = {
             "was j + W)", "0.17.0", "0.17.1", "B10", "gradkit bisect --known B10 --keep",
             "DeepSpeedZeroOptimizer.step and DynamicLossScaler.update_scale's stable interval "
             "(deepspeedai/DeepSpeed#6976)"),
-        Pin("the step changes: every step keeps only the boundary micro-batch, at half (ratio 0.22 - 0.49; the first "
-            "micro-batch's overflow is never seen, so nothing is skipped)", "0.17.5", "0.17.6", "B10",
-            "gradkit bisect --known B10 --keep", "DeepSpeedZeroOptimizer.get_flat_partition / "
-            "independent_gradient_partition_epilogue / step"),
-        Pin("the step changes: back to the growth step alone at half", "0.18.2", "0.18.3", "B10",
-            "gradkit bisect --known B10 --keep", "DeepSpeedZeroOptimizer.backward / backward_prologue moved into the "
-            "engine (deepspeedai/DeepSpeed#7665), backward_epilogue, create_gradient_handling_hooks"),
+        Pin("the step changes: B12 joins it, every step keeps only the boundary micro-batch (ratio 0.40 - 0.49, "
+            "half that where the scale grows; the first micro-batch's overflow is never seen, so nothing is skipped)",
+            "0.17.5", "0.17.6", "B10", "gradkit bisect --known B10 --keep",
+            "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue (deepspeedai/DeepSpeed#7509: B12)"),
+        Pin("the step changes: B12 fixed, the growth step alone at half again", "0.18.2", "0.18.3", "B10",
+            "gradkit bisect --known B10 --keep", "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue "
+            "tests all_grad_tensors (deepspeedai/DeepSpeed#7665: B12's fix)"),
+    ),
+    "B11": (
+        Pin("introduced: each step loses its first micro-batch and applies the previous update again (before it the "
+            "loop kept only the last micro-batch, B3's step)", "0.18.6", "0.19.0", "B11",
+            "gradkit bisect --known B11 --keep", "DeepSpeedZeroOptimizer.copy_grads_in_partition's gate micro_step_id > "
+            "0 or not boundary (deepspeedai/DeepSpeed#7981) and async_accumulate_grad_in_cpu_via_gpu "
+            "(deepspeedai/DeepSpeed#7967)", between=NOT_RUN_18),
+    ),
+    "B12": (
+        Pin("introduced: only the boundary micro-batch reaches the step (ratio 0.40 - 0.49)", "0.17.5", "0.17.6", "B12",
+            "gradkit bisect --known B12 --keep", "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue tests "
+            "averaged_gradients where it fills all_grad_tensors (deepspeedai/DeepSpeed#7509)"),
+        Pin("fixed", "0.18.2", "0.18.3", "B12", "gradkit bisect --known B12 --keep",
+            "DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue tests all_grad_tensors "
+            "(deepspeedai/DeepSpeed#7665)"),
     ),
     "B8": (
         Pin("fixed", "0.19.7", "0.19.8", "B8", "gradkit bisect --known B8 --keep",

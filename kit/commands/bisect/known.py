@@ -66,6 +66,10 @@ RECIPES = {r.name: r for r in (
         "enabled": True, "loss_scale": 256}}),  # static: B10's growth steps are B10's recipe
     Recipe("B10", "B10", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "fp16": {
         "enabled": True, "loss_scale": 0, "initial_scale_power": 16}, "zero_optimization": {"stage": 2}}),
+    Recipe("B11", "B11", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}, loop="manual"),
+    Recipe("B12", "B12", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4,
+                                                         "zero_optimization": {"stage": 2}}),
     Recipe("ACC", "ACC", "accelerate", "0.27.0", "accelerate before 0.27 is not installed here (sync_each_batch "
            "arrives in 0.28.0)", probe="ACC", case="sync_each_batch",
            plan={"world_sizes": (2,), "ga_values": (4,), "cases": ("control", "sync_each_batch")}),

@@ -74,12 +74,19 @@ def candidates(rec: dict) -> list[str]:
         out.append("B5")
     if stage == 3 and uneven and expected_here("B6", versions):
         out.append("B6")
-    # B7 shows where the boundary micro-batch misses a part: on a model some micro-batches do not reach, or in ZeRO-1/2's
-    # manual loop on any model, where every backward() is a boundary and the CPU buffer keeps each step's gradient for
-    # the next (measured on the MLP, 0.19.8: the previous step's micro-batches applied again; ZeRO-3's manual loop exact)
-    if offload and (stage in (1, 2, 3) and uneven or stage in (1, 2) and loop == "manual") \
-            and expected_here("B7", versions):
+    # B7 shows where the boundary micro-batch misses a part: on a model some micro-batches do not reach
+    if offload and stage in (1, 2, 3) and uneven and expected_here("B7", versions):
         out.append("B7")
+    # B11: ZeRO-1/2's manual loop with offload, where every backward() is a boundary and the CPU accumulator is never
+    # reset (0.19.8, the MLP: the first micro-batch lost, the previous step's update again; ZeRO-3's manual loop exact)
+    if offload and stage in (1, 2) and loop == "manual" and expected_here("B11", versions):
+        out.append("B11")
+    if stage == 2 and not offload and rec["ga"] > 1 and loop in ("engine", "boundary") \
+            and expected_here("B12", versions):
+        out.append("B12")
+    if stage in (1, 2) and zero.get("contiguous_gradients") is False and rec.get("device", "cpu") == "cpu" \
+            and expected_here("B8", versions):
+        out.append("B8")
     return [b for b in out if b not in ruled_out(rec)]
 
 

@@ -13,6 +13,8 @@ from gradkit.probes import ds_config
 SEPARATING_GA = 4  # from N = 3 on, every named hypothesis predicts its own step (at N = 2 "last / N" is "all but the first")
 
 
+FIX_CASE = {"B11": "fix:B3"}  # a bug whose fix is another's re-run: B11's, like B3's, marks the boundary
+
 def separate(cfg, summary: dict, run) -> list[dict]:
     """Where an affected loop's step ties between named hypotheses (e.g. at N = 2), run that loop again at a GA
     that separates them (``run(resolved config, loops) -> records``) and name the bug only from that run; the
@@ -73,7 +75,8 @@ def summarise(recs: list[dict]) -> dict:
         if r["verdict"] == oracle.AFFECTED:
             row["explained_by"], row["explanation"] = explain(r)
             fix = next((f for f in recs if f["role"] == "fix" and f["config"]["loop"] == r["config"]["loop"]
-                        and f["config"]["fix"] == f"fix:{row['explained_by']}"), None)
+                        and f["config"]["fix"] == FIX_CASE.get(row["explained_by"], f"fix:{row['explained_by']}")),
+                       None)
             if row["explained_by"]:
                 fm = (fix or {}).get("metrics") or {}
                 row["fix"] = {"what": expectations.KNOWN[row["explained_by"]].explains[2],

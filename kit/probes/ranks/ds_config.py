@@ -23,6 +23,7 @@ LOOP_FAULT_KEY = "gradkit_fault_loop"
 
 UNSCALED = naming.UNSCALED  # B9: the optimizer unscales a loss the engine did not scale
 SCALE_GREW = naming.SCALE_GREW  # B10: the scale grew between the backward and the unscale
+CARRIED, OWN_PARTITION = naming.CARRIED, naming.OWN_PARTITION  # B11, B8: see ``stepwise_hypotheses``
 
 
 def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, loss_scale: float = 1.0,
@@ -46,6 +47,28 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, los
         out[UNSCALED] = [1.0 / (k * loss_scale)] * k
     if scale_change != 1.0:
         out[SCALE_GREW] = [scale_change / k] * k
+    return out
+
+
+def stepwise_hypotheses(w: int, n: int, update, stage) -> dict:
+    """The named steps no single weighting of the basis gives, each a function of it (``naming.explain``):
+    ``CARRIED`` (B11: this step's micro-batches but each rank's first, plus ``update``, the update the previous step
+    applied; from the second step) and, at ZeRO-1/2, ``OWN_PARTITION`` (B8: no all-reduce; rank r's partition of the
+    flat parameters, split as ZeRO-1/2 split it, is the sum of rank r's own micro-batches, each divided by N)."""
+    k, out = w * n, {}
+    if update is not None:
+        lost_first = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
+        out[CARRIED] = lambda b: b.new_tensor(lost_first) @ b[:k] + update
+    if stage in (1, 2) and w > 1:
+        def own(b):
+            size = b.shape[1]
+            part = -(-size // (2 * w)) * 2  # the flat group padded to a multiple of 2 W, split evenly
+            v = b.new_zeros(size)
+            for r in range(w):
+                lo, hi = r * part, min((r + 1) * part, size)
+                v[lo:hi] = b[r * n:(r + 1) * n, lo:hi].sum(0) / n
+            return v
+        out[OWN_PARTITION] = own
     return out
 
 
@@ -280,9 +303,12 @@ def run_case(case: dict) -> dict:
                                       for q, b in enumerate(buffers)]
             judged["rank_spread"]["fp32 accumulators"] = oracle.spread(buffers)
 
-    def hypotheses(ws, ns, prev):  # the step just taken: the scale its losses got, the one it was unscaled by
+    def hypotheses(ws, ns, prev, update):  # the step just taken: the scale its losses got, the one it unscaled by
         before, after, _ = scales[max(scales)] if scales else (1.0, 1.0, False)
-        return hypothesis_weights(ws, ns, previous=prev, loss_scale=after, scale_change=before / after)
+        out = hypothesis_weights(ws, ns, previous=prev, loss_scale=after, scale_change=before / after)
+        if engine is not None:
+            out.update(stepwise_hypotheses(ws, ns, update, case.get("zero_stage")))
+        return out
 
     def facts(s):  # an fp16 step's loss scale and how it moved; skipped: the scaler found an overflow (applies nothing)
         before, after, skip = scales.get(s, (1.0, 1.0, False))

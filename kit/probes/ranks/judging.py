@@ -135,7 +135,8 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     this rank's micro-batches of that step. Each step is read from the fp32 masters where they agree with the
     module's weights, else from the module's weights (known to within their rounding: ``read_floor``); its basis
     holds the previous step's micro-batch gradients too (expected weight 0), so a gradient applied again is fitted.
-    ``hypotheses(W, N, previous)`` -> ``{name: weights}`` explains each step (``naming.explain``); ``extra(judged,
+    ``hypotheses(W, N, previous, previous_update)`` -> ``{name: weights or a function of the basis}`` explains each
+    step (``naming.explain``; ``previous_update``: the update the previous step applied, None on the first); ``extra(judged,
     step, gathered, basis, weights, reference)`` adds a probe's own measurements (rank 0). Rank 0 returns the worst
     step's measurement with ``steps`` (every step's), ``worst_step`` and ``trajectory`` (the weights after every
     step against the reference's own steps from the same start); the other ranks ``{}``. ``shape``: the model
@@ -151,6 +152,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
     r, w = c.rank(), replicas or c.world_size()
     k, own = w * ga, r if data_rank is None else data_rank
     judged_steps, prev, first, last, failed, taken = [], None, None, None, None, 0
+    previous_update = None  # the update the previous step applied (rank 0): a hypothesis may apply it again
     after = None
     for s in range(steps):
         with phase("read weights"):
@@ -173,12 +175,12 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
             with phase("judge"):
                 judged_steps.append(_judge_step(judged, s, effective, basis, weights, reference, before, after, agree,
                                                 logged, gathered, prev, dtype, clip, w, ga, hypotheses, extra,
-                                                masters_dtype))
+                                                masters_dtype, previous_update))
                 said = facts(s) if facts else {}
                 if said.get("skipped") and float(effective.abs().max()) != 0.0:  # said skipped, yet the weights moved
                     said = {**said, "skipped": False, "moved_while_skipped": float(effective.norm())}
                 judged_steps[-1].update(said)
-            prev = basis[:k]
+            prev, previous_update = basis[:k], unclipped_update(effective, logged, clip)
         except Exception as e:  # noqa: BLE001 - raised below, once every rank is past its collectives
             if r != 0:
                 raise
@@ -196,7 +198,7 @@ def judge_steps(steps: int, read, take_step, *, seed: int, ga: int, micro_batch:
 
 
 def _judge_step(judged, s, effective, basis, weights, reference, before, after, agree, logged, gathered, prev,
-                dtype, clip, w, ga, hypotheses, extra, masters_dtype="fp32") -> dict:
+                dtype, clip, w, ga, hypotheses, extra, masters_dtype="fp32", previous_update=None) -> dict:
     """Rank 0's judgement of one step of ``judge_steps`` (its notes, read floor, hypotheses, extra measurements)."""
     target = reference * judged.get("clip_coef", 1.0)
     judged.update(step=s, logged_norm=logged, reference_norm=reference.norm().item(),
@@ -211,11 +213,21 @@ def _judge_step(judged, s, effective, basis, weights, reference, before, after, 
         # hypothesis of a step far smaller than the weights' own (B9's 1 / loss scale) may sit below
         floor = (after["masters" if agree else "module"].abs() * ROUNDING[masters_dtype if agree else dtype]
                  / 2).norm().item()
-        judged["hypotheses"] = naming.explain(effective, basis, hypotheses(w, ga, prev is not None), dtype, target,
-                                              clip=clip, floor=floor)
+        judged["hypotheses"] = naming.explain(effective, basis, hypotheses(w, ga, prev is not None, previous_update),
+                                              dtype, target, clip=clip, floor=floor)
     if extra is not None:
         extra(judged, s, gathered, basis[:w * ga], weights, reference)
     return judged
+
+
+def unclipped_update(effective: torch.Tensor, logged: float | None, clip: float) -> torch.Tensor:
+    """A step's update before the engine's clip: where it clipped (its logged norm above the clip), the applied update
+    scaled back up to that norm (a carried gradient is carried unclipped, B11's)."""
+    out = effective.to(torch.float64)
+    norm = out.norm().item()
+    if clip and logged and logged > clip and norm > 0:
+        out = out * (logged / norm)
+    return out
 
 
 def trajectory(first, last, seed: int, ga: int, micro_batch: int, hidden: int, depth: int, steps: int, clip: float,

@@ -92,7 +92,7 @@ def run_case(case: dict) -> dict:
         return c.engine_norm(engine), None
 
     out = judging.judge_steps(case.get("steps", judging.STEPS), read, take, seed=seed, ga=n, micro_batch=mb, hidden=hidden,
-                        dtype=case["dtype"], hypotheses=lambda ws, ns, prev: hypothesis_weights(ws, ns))
+                        dtype=case["dtype"], hypotheses=lambda ws, ns, prev, _update: hypothesis_weights(ws, ns))
     out.update(optimizer=type(engine.optimizer).__name__, knows_unmanaged=knows_unmanaged,
                engine_ga=engine.gradient_accumulation_steps())
     with judging.phase("release"):
