@@ -9,6 +9,7 @@ from gradkit import config, launch
 from gradkit.commands import check
 from gradkit.judge import expectations, oracle, parts
 from gradkit.probes import ds_config
+from gradkit.probes.ranks import ds_config as ds_ranks
 from gradkit.stacks import versions
 
 pytestmark = pytest.mark.usefixtures("warm_module")  # one import per stack for the module's runs
@@ -110,6 +111,36 @@ def test_fp16_with_a_dynamic_loss_scale_is_judged_with_deepspeeds_own_scaler_its
     assert row["explained_by"] == "B10" and row["worst_step"] == 4 and row["cosine"] > 0.9999, row
     assert row["fix"]["verdict"] == oracle.NOT_AFFECTED and row["fix"]["ratio"] == pytest.approx(1.0, abs=1e-3)
     assert "step 2 (loss scale 65536 kept: hysteresis) skipped by the fp16 loss scaler on an overflow" in text
+
+
+@pytest.mark.world
+def test_deepspeed_refuses_this_config_is_said_only_after_it_refused_the_config_as_written(tmp_path, capsys):
+    """A refusal in deepspeed.initialize is handed back to DeepSpeed as the user wrote the config ("auto" and the
+    batch sizes resolved, the optimizer the kit's): prescale_gradients with ZeRO-2's reduce-scatter is refused there
+    too, in DeepSpeed's own words; a refusal of the kit's own change (a test key makes the config the kit runs
+    invalid) is said as the kit's, never blamed on DeepSpeed."""
+    base = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+    for cfg, words in (({**base, "prescale_gradients": True, "zero_optimization": {"stage": 2, "reduce_scatter": True}},
+                        "refuses this config itself, as written (a run of it on this release stops there too): "
+                        "AssertionError: pre-scale gradients is not yet supported"),
+                       ({**base, "zero_optimization": {"stage": 2}, ds_ranks.REFUSE_FAULT_KEY: 1},
+                        "refuses this config as the kit runs it, in deepspeed.initialize (the config as written "
+                        "passes it: the kit's change is to blame): ValidationError")):
+        code = check.main([_write(tmp_path, cfg), "--loop", "engine"])
+        text = capsys.readouterr().out
+        assert code == 3 and words in text, text
+
+
+def test_the_config_as_written_resolves_only_auto_the_batch_sizes_and_the_optimizer():
+    user = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 8, "train_batch_size": 1024,
+            "optimizer": {"type": "AdamW"}, "wandb": {"enabled": True}, "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 5e8},
+            "fp16": {"enabled": "auto", "loss_scale_window": 1000}}
+    written = ds_config.resolve(user, world_size=2, trainer_dtype="fp16").as_written
+    assert "optimizer" not in written and "wandb" not in written and written["train_batch_size"] == 4 * 8 * 2
+    assert written["gradient_clipping"] == 1.0 and isinstance(written["zero_optimization"]["reduce_bucket_size"], int)
+    assert written["zero_optimization"]["stage3_prefetch_bucket_size"] == 5e8  # as written: the kit's run shrinks it
+    assert written["fp16"] == {"enabled": True, "loss_scale_window": 1000}  # the kit's run takes a window of 2
 
 
 def test_auto_values_resolve_as_the_trainer_does():

@@ -34,7 +34,7 @@ from gradkit.judge import naming, oracle, records, tolerances
 from gradkit.probes import ds_features, runner
 from gradkit.probes.ds_resolve import Resolved, dynamic_scale, load, resolve  # noqa: F401 - read and resolved here too
 from gradkit.probes.probe import Probe
-from gradkit.probes.ranks.ds_config import MASTERS_STEP, OVERFLOW, UNMANAGED_SINCE
+from gradkit.probes.ranks.ds_config import MASTERS_STEP, OVERFLOW, REFUSED_AS_RUN, REFUSED_AS_WRITTEN, UNMANAGED_SINCE
 from gradkit.stacks import versions
 from gradkit.stacks.versions import version_key
 
@@ -110,6 +110,8 @@ def with_ga(cfg: Resolved, n: int, why: str) -> Resolved:
     out.update(gradient_accumulation_steps=n, train_batch_size=mb * n * w)
     out.notes, out.refused = list(cfg.notes) + [f"gradient_accumulation_steps {cfg['gradient_accumulation_steps']} "
                                                 f"-> {n} ({why})"], cfg.refused
+    if cfg.as_written is not None:
+        out.as_written = {**cfg.as_written, "gradient_accumulation_steps": n, "train_batch_size": mb * n * w}
     return out
 
 
@@ -175,6 +177,8 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
                         "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
                         "masters_dtype": masters_dtype(cfg),
                         "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix),
+                        **({"ds_written": getattr(cfg, "as_written", None)} if fix is None and
+                           getattr(cfg, "as_written", None) else {}),
                         **(overflow if fix != "fix:B10" else {}), **on})
     return out, notes
 
@@ -276,10 +280,15 @@ def run(cfg: Resolved, loops=LOOPS, world_size: int = 2, stack: dict | None = No
                                                                        "rest here" if zpp else ""))
         elif r["verdict"] == oracle.CANNOT_RUN and r.get("failed_in") == "initialize":
             v = (r.get("versions") or {}).get("deepspeed", ds)
-            own = str(r.get("error")).startswith(("ValidationError", "DeepSpeedConfigError"))  # its config parser's
-            r["reason"] = (f"DeepSpeed {v} refuses this config itself (a run of it on this release stops there "
-                           f"too): {r['error']}" if own else
-                           f"DeepSpeed {v} refuses this config as the kit runs it, in deepspeed.initialize: {r['error']}")
+            error = str(r.get("error"))
+            if error.startswith(f"{REFUSED_AS_WRITTEN}: "):  # the ranks handed DeepSpeed the config as written too
+                r["reason"] = (f"DeepSpeed {v} refuses this config itself, as written (a run of it on this release "
+                               f"stops there too): {error.split(': ', 1)[1]}")
+            else:
+                passed = error.startswith(f"{REFUSED_AS_RUN}: ")
+                r["reason"] = (f"DeepSpeed {v} refuses this config as the kit runs it, in deepspeed.initialize"
+                               + (" (the config as written passes it: the kit's change is to blame)" if passed else "")
+                               + f": {error.split(': ', 1)[1] if passed else error}")
     return recs
 
 

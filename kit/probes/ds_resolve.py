@@ -34,6 +34,9 @@ class Resolved(dict):
     notes: list
     refused: str | None = None
     model: object = None  # what ``gradkit.commands.check`` runs it on (a shape's name, or an architecture's keys)
+    # the user's config as written, only what any run here needs resolved (``as_written``): where DeepSpeed refuses
+    # the config the kit runs, the ranks hand it this one, and only its refusal is DeepSpeed's refusal of the config
+    as_written: dict | None = None
 
 
 WINDOW = 2  # the loss_scale_window a dynamic fp16 scale is judged with: an increase every 2 overflow-free steps
@@ -190,6 +193,31 @@ def resolve(user: dict, world_size: int = 2, ga: int = 4, trainer_dtype: str = "
     out = Resolved(cfg)
     out.notes = notes
     out.refused = refused
+    out.as_written = as_written(user, cfg)
+    return out
+
+
+def as_written(user: dict, resolved: dict) -> dict:
+    """``user`` as written, with only what any run here must change: every "auto" takes its resolved value (dropped
+    where the resolved config has none), the batch sizes are the ones resolved for this world (micro-batch x GA x
+    ranks), and the optimizer, scheduler and monitors go (the kit's SGD steps; no monitor touches a gradient)."""
+    def fill(mine, theirs):
+        if not isinstance(mine, dict):
+            return mine
+        out = {}
+        for key, value in mine.items():
+            there = theirs.get(key) if isinstance(theirs, dict) else None
+            if _auto(value):
+                if there is not None and not _auto(there):
+                    out[key] = there
+            else:
+                out[key] = fill(value, there)
+        return out
+
+    out = fill({k: v for k, v in user.items() if k not in DROPPED}, resolved)
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "zero_allow_untested_optimizer"):
+        out[key] = resolved[key]
     return out
 
 

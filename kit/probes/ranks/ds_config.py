@@ -244,6 +244,35 @@ def initialize_leniently(deepspeed, model, ds: dict):
     raise RuntimeError(f"DeepSpeed kept refusing the config after dropping {stripped}")
 
 
+class RefusedAsWritten(RuntimeError):
+    """DeepSpeed refused the user's config as written too (its own sentence follows)."""
+
+
+class RefusedAsRun(RuntimeError):
+    """DeepSpeed refused the config the kit runs, and accepted the user's as written."""
+
+
+REFUSED_AS_WRITTEN, REFUSED_AS_RUN = RefusedAsWritten.__name__, RefusedAsRun.__name__  # a result's error starts so
+REFUSE_FAULT_KEY = "gradkit_fault_refuse"  # tests: the config the kit runs is one DeepSpeed refuses
+
+
+def ask_as_written(deepspeed, case: dict, model, error: Exception) -> Exception:
+    """After ``deepspeed.initialize`` refused the config the kit runs: the same call on the user's config as written
+    (``ds_written``: only "auto", the batch sizes for this world and the optimizer resolved). Its refusal is
+    DeepSpeed's (``REFUSED_AS_WRITTEN`` and DeepSpeed's own sentence); where it passes, the kit's change is to blame
+    (``REFUSED_AS_RUN``). Without a config as written (a fix's re-run): ``error`` as it was."""
+    written = case.get("ds_written")
+    if not written:
+        return error
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config={
+            k: v for k, v in written.items() if not k.startswith("gradkit_fault")})
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's own refusal of the user's config
+        return RefusedAsWritten(f"{type(e).__name__}: {str(e)[:400]}")
+    judging.release(engine)
+    return RefusedAsRun(f"{type(error).__name__}: {str(error)[:400]}")
+
+
 def run_case(case: dict) -> dict:
     import deepspeed
 
@@ -269,9 +298,14 @@ def run_case(case: dict) -> dict:
         model = model.to(dtype)
         if case["dtype"] == "fp16" and c.device().type == "cpu":
             allow_fp16_on_cpu()
-        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY)}
+        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY, REFUSE_FAULT_KEY)}
+        if cfg.get(REFUSE_FAULT_KEY):  # tests: the kit's own change makes DeepSpeed refuse what the user wrote
+            ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 7}
         with judging.phase("initialize"):
-            engine, stripped = initialize_leniently(deepspeed, model, ds)
+            try:
+                engine, stripped = initialize_leniently(deepspeed, model, ds)
+            except Exception as e:  # noqa: BLE001 - whose refusal it is decides the sentence (ask_as_written)
+                raise ask_as_written(deepspeed, case, shape.build(SEED, HIDDEN, DEPTH).to(dtype), e) from e
         if case["loop"] == "unmanaged" and not hasattr(engine, "managed_gradient_accumulation"):
             judging.release(engine)
             raise RuntimeError(f"this DeepSpeed has no managed_gradient_accumulation (added in {UNMANAGED_SINCE})")
