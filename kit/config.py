@@ -18,7 +18,7 @@ MAX_GA = 64
 # CPU ranks of the kit's tiny models mostly wait on each other in collectives,
 # so two ranks per core still finish in seconds; beyond that gloo timeouts
 # become likely on a loaded machine.
-RANKS_PER_CORE = 2
+RANKS_PER_CORE = 4  # ranks of a CPU world per core: 8 on 2 cores (a run of 8 GPUs checked at its own size)
 # a release number as package indexes write them (PEP 440's common forms): 0.18.9, 1.2, 0.19.0rc1, 0.19.8+cpu
 VERSION_RE = re.compile(r"\d+\.\d+(\.\d+)?((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[a-z0-9.]+)?")
 INSTALLED = "installed"  # the version string that means "whatever the base environment has"

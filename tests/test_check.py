@@ -143,6 +143,39 @@ def test_the_config_as_written_resolves_only_auto_the_batch_sizes_and_the_optimi
     assert written["fp16"] == {"enabled": True, "loss_scale_window": 1000}  # the kit's run takes a window of 2
 
 
+def test_the_check_runs_the_runs_own_world_size_up_to_what_the_machine_runs_and_says_what_differs():
+    from types import SimpleNamespace as NS
+
+    from gradkit.commands.check import one
+
+    limit = config.max_world_size("cpu")
+    args = NS(world_size=None, device="cpu")
+    assert one.world_of(NS(world_size=4), args) == (4, "world size 4: your run's")
+    w, why = one.world_of(NS(world_size=limit * 2), args)
+    assert w == limit and f"world size {limit * 2} (your run) -> {limit}: this machine runs at most {limit}" in why
+    assert "B4's leaked share, 1 / W) is measured at W = " in why
+    w, why = one.world_of(NS(world_size=None), args)
+    assert w == 2 and "does not say how many ranks" in why
+    assert one.world_of(NS(world_size=4), NS(world_size=3, device="cpu")) == (
+        3, "world size 4 (your run) -> 3 (--world-size)")
+
+
+@pytest.mark.world
+def test_a_launch_line_of_four_ranks_is_checked_on_four_and_b4_leaks_on_each(tmp_path, capsys):
+    """B4 leaks each rank's own boundary micro-batch (1 / W of the step): the run's four ranks, read from its torchrun
+    line, are the check's; each of the four ranks' accumulators is read and named."""
+    ds = _write(tmp_path, B4_CONFIG)
+    code = check.main(["--command", f"torchrun --nproc_per_node 4 train.py --deepspeed {ds} --bf16 "
+                                    "--gradient_accumulation_steps 4", "--deepspeed", "0.18.6", "--json",
+                       str(tmp_path / "out.json")])
+    text = capsys.readouterr().out
+    assert code == 1 and "as run: world size 4: your run's" in text, text
+    doc = json.loads((tmp_path / "out.json").read_text())
+    (rec,) = [r for r in doc["records"] if r["case"] == "boundary"]
+    assert rec["world_size"] == 4 and len(rec["steps"][0]["rank_buffers"]) == 4
+    assert doc["summary"]["loops"][0]["explained_by"] == "B4"
+
+
 def test_auto_values_resolve_as_the_trainer_does():
     cfg = ds_config.resolve({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                              "train_batch_size": "auto", "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",

@@ -183,7 +183,7 @@ def _rec(case, role, verdict, ga=4, bug="ACC", ratio=1.0, **kw):
     return {"bug": bug, "case": case, "role": role, "verdict": verdict, "ga": ga, "reason": f"{case}: why",
             "metrics": {"norm_ratio": ratio, "cosine": 0.5, "rel_l2": 0.1}, "attribution": {"misplaced_weight": 0.25},
             "config": {"model": "mlp", **kw.pop("config", {})}, "versions": {"torch": "2.13.0", "accelerate": "0.30.1"},
-            **kw}
+            "world_size": 2, **kw}
 
 
 def _path_recs():

@@ -237,15 +237,15 @@ def test_a_training_configs_own_ga_precision_and_notes_are_what_runs(repo):
     assert cfg.notes[0].startswith("llamafactory: ") and any(n.startswith("train_micro_batch_size_per_gpu auto -> 4")
                                                              for n in cfg.notes)
     assert not any(n.startswith(("gradient_accumulation_steps auto", "bf16.enabled \"auto\"")) for n in cfg.notes)
-    assert not any(n.startswith("world size") for n in cfg.notes)  # the file names none
+    assert cfg.notes[-1].startswith("world size 2: your config does not say how many ranks")  # the file names none
     (cfg8,) = one.prepare(run, _args("x.json", "--ga", "8"), "mlp", []).values()
     assert cfg8["gradient_accumulation_steps"] == 8
     assert list(one.prepare(run, _args("x.json", "--precision", "fp32"), "mlp", [])) == ["fp32"]
     run.world_size = 8
     (cfg,) = one.prepare(run, _args(), "mlp", []).values()
-    assert cfg.notes[-1].startswith("world size 8 (your run) -> 2 (--world-size")
-    run.world_size = 2
-    assert not any(n.startswith("world size") for n in next(iter(one.prepare(run, _args(), "mlp", []).values())).notes)
+    assert cfg.notes[-1] == "world size 8: your run's" and cfg.world_size == 8 and cfg["train_batch_size"] == 4 * 2 * 8
+    (cfg,) = one.prepare(run, _args("x.json", "--world-size", "2"), "mlp", []).values()
+    assert cfg.notes[-1] == "world size 8 (your run) -> 2 (--world-size)" and cfg.world_size == 2
 
 
 def test_an_open_precision_of_a_framework_is_said_with_its_own_rule_and_a_precision_not_here_is_skipped(

@@ -104,8 +104,8 @@ DEFAULT_GA = 4
 
 
 def settle(a) -> None:
-    """``gradkit check``'s parsed flags as a path check reads them: one config file or none, ``--ga`` 4 unless given
-    (a DeepSpeed check keeps its list of configs)."""
+    """``gradkit check``'s parsed flags as a path check reads them: one config file or none, ``--ga`` 4 and
+    ``--world-size`` 2 unless given (a DeepSpeed check keeps its list of configs and finds its world per run)."""
     if a.path == "deepspeed":
         return
     if isinstance(a.config, list):
@@ -114,6 +114,8 @@ def settle(a) -> None:
         a.config = a.config[0] if a.config else None
     if a.ga is None:
         a.ga = DEFAULT_GA
+    if a.world_size is None:  # a path's settings are flags: its world is --world-size, 2 unless given
+        a.world_size = 2
 
 
 def _refuse_foreign_flags(a) -> None:
@@ -237,7 +239,8 @@ def report(recs: list[dict], summary: dict, a, notes: list[str]) -> str:
     v = next((r.get("versions") for r in recs if r.get("versions")), {}) or {}
     lines = [f"gradkit check --path {a.path}: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "accelerate", "transformers")
                                                            if k in v)
-             + f"; {a.world_size} ranks ({a.device}), {recs[0].get('config', {}).get('model') or 'Llama (tiny)'}"]
+             + f"; {recs[0].get('world_size') or a.world_size} ranks ({a.device}), "
+             f"{recs[0].get('config', {}).get('model') or 'Llama (tiny)'}"]
     lines += [f"  as run: {n}" for n in notes]
     lines.append(f"  {'case':<18} {'GA':>3} {'verdict':<13} {'ratio':>7} {'cosine':>8} {'misplaced':>9}  setting")
     for row in summary["loops"]:

@@ -37,6 +37,7 @@ class Resolved(dict):
     # the user's config as written, only what any run here needs resolved (``as_written``): where DeepSpeed refuses
     # the config the kit runs, the ranks hand it this one, and only its refusal is DeepSpeed's refusal of the config
     as_written: dict | None = None
+    world_size: int | None = None  # the ranks ``gradkit.commands.check`` runs it on (the run's own, where known)
 
 
 WINDOW = 2  # the loss_scale_window a dynamic fp16 scale is judged with: an increase every 2 overflow-free steps

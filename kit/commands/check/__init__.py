@@ -44,7 +44,8 @@ def parser():
                         "TRL JSON or YAML, `accelerate config` YAML, a launch line in a .sh file), or a folder of "
                         "them; several are checked as one set (with --path accelerate: an `accelerate config` YAML)")
     p.add_argument("--command", default=None, help="the launch command line of your run, as one string")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--world-size", type=int, default=None, help="the ranks to run (default: your run's own, where its "
+                   "training config or launch line gives it, up to what this machine runs; else 2)")
     p.add_argument("--loop", default=None, help=f"all, or a comma list of {', '.join(ds_config.LOOPS)} (default: the "
                    "loops your framework runs; a bare DeepSpeed config: engine,boundary)")
     p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="a DeepSpeed release, or a comma list of them (a "
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
     model, model_notes = model_of(a.model, a.adapter)
     run = frameworks.read_command_line(shlex.split(a.command)) if a.command else task.read(files[0])
     if run.path != "deepspeed":  # the Trainer on DDP, Accelerate, FSDP: their path check, the run's values as flags
+        a.world_size = a.world_size or 2
         paths.path_args(run, a)  # refused here, before any launch
         result = paths.check(run, a)
     else:

@@ -35,6 +35,27 @@ def _ga_of(run, a) -> tuple[int, bool]:
     return a.ga, False
 
 
+def world_of(run, a) -> tuple[int, str]:
+    """The ranks to check ``run`` with, and the line that says why: ``--world-size``; else the run's own (its training
+    config or launch line), up to what this machine runs, where a bug's size depends on it (B4 leaks 1 / W of the
+    boundary micro-batch, B3's and B12's steps keep 1 / (W N) of each); else 2, the smallest world a bug between
+    ranks shows in."""
+    limit = kconfig.max_world_size(a.device)
+    if a.world_size:
+        return a.world_size, (f"world size {run.world_size} (your run) -> {a.world_size} (--world-size)"
+                              if run.world_size and run.world_size != a.world_size else
+                              f"world size {a.world_size} (--world-size)")
+    if not run.world_size:
+        return 2, ("world size 2: your config does not say how many ranks your run has (the launcher does): 2 is the "
+                   "smallest world a bug between ranks shows in; --world-size sets yours")
+    if run.world_size <= limit:
+        return run.world_size, f"world size {run.world_size}: your run's"
+    return limit, (f"world size {run.world_size} (your run) -> {limit}: this machine runs at most {limit} ranks on "
+                   f"{a.device}; every bug the kit knows shows at {limit}, and one whose size depends on the world (B4's "
+                   f"leaked share, 1 / W) is measured at W = {limit}, not {run.world_size} (--device cuda on "
+                   f"{run.world_size} GPUs runs yours)")
+
+
 def prepare(run, a, model, model_notes: list) -> dict:
     """``{precision: resolved config}`` for one training run (``gradkit.frameworks.TrainingRun``): every precision it
     could run in (``--precision`` where given), resolved with the run's GA, micro-batch and clipping; an unknown
@@ -59,14 +80,13 @@ def prepare(run, a, model, model_notes: list) -> dict:
         if plan.not_here(dtype, a.device):  # said by ``check``, never resolved
             todo[dtype] = None
             continue
-        cfg = ds_config.resolve(user, a.world_size, ga, dtype, micro_batch=run.micro_batch,
+        w, w_note = world_of(run, a)
+        cfg = ds_config.resolve(user, w, ga, dtype, micro_batch=run.micro_batch,
                                 max_grad_norm=run.max_grad_norm, ga_from_run=ga_from_run)
         said = [f"{run.framework}: {n}" for n in run.notes] if run.framework != "deepspeed" else []
         own = [n for n in cfg.notes if not (said and FILLED_BY_FRAMEWORK.match(n))]  # said once, by the framework
-        cfg.notes = said + own + model_notes  # a bare config's own resolutions are resolve's lines
-        if run.world_size and run.world_size != a.world_size:
-            cfg.notes.append(f"world size {run.world_size} (your run) -> {a.world_size} (--world-size: every bug the "
-                             "kit knows shows from 2 ranks on)")
+        cfg.notes = said + own + model_notes + [w_note]  # a bare config's own resolutions are resolve's lines
+        cfg.world_size = w
         ds_config.plan(cfg, plan.loops_of(a.loop, run.loops), steps=a.steps, model=model)
         cfg.model = model  # the model it runs on (a tiny Llama for AutoTP)
         todo[ds_config.dtype_of(cfg)] = cfg  # named by what runs (a config that enables bf16 itself is bf16)
@@ -99,14 +119,16 @@ def check(run, todo: dict, a, model, say=print) -> dict:
         try:
             on = getattr(cfg, "model", model)
 
+            w = cfg.world_size
+
             def go(c, ls):
-                return ds_config.run(c, ls, a.world_size, stack, a.device, a.timeout, steps=a.steps, model=on)
+                return ds_config.run(c, ls, w, stack, a.device, a.timeout, steps=a.steps, model=on)
 
             recs = go(cfg, loops)
             summary = summarise(recs)
             recs += separate(cfg, summary, go)
             text.append(report(recs, summary, run.source if len(todo) == 1 else f"{run.source} [{dtype}]",
-                               a.world_size, a.device))
+                               w, a.device))
         except Exception as e:  # noqa: BLE001 - the kit's own failure is never a verdict on the user's config
             traceback.print_exc()
             text.append(f"internal error while checking {dtype}: {type(e).__name__}: {e} (nothing was measured: exit 3)")
