@@ -112,8 +112,8 @@ def test_a_scaled_loss_is_judged_against_the_reference_of_the_same_scale():
 def test_hypotheses_and_extra_measurements_see_the_world_and_the_step_they_judge():
     seen = []
 
-    def hypotheses(w, n, previous):
-        seen.append((w, n, previous))
+    def hypotheses(w, n, previous, update=None):
+        seen.append((w, n, previous, update is None))  # the previous step's applied update, from the second step
         return {"exact": [1 / n] * n + ([0.0] * n if previous else []),
                 "sum": [1.0] * n + ([0.0] * n if previous else [])}
 
@@ -121,7 +121,7 @@ def test_hypotheses_and_extra_measurements_see_the_world_and_the_step_they_judge
         judged["extra"] = {"step": step, "gathered": gathered, "rows": len(basis), "weights": weights.tolist()}
 
     out = loop(ga=2, steps=2, div=1, hypotheses=hypotheses, extra=extra)
-    assert seen == [(1, 2, False), (1, 2, True)]
+    assert seen == [(1, 2, False, True), (1, 2, True, False)]
     assert [s["extra"] for s in out["steps"]] == [{"step": s, "gathered": {"step": s}, "rows": 2, "weights": [0.5, 0.5]}
                                                  for s in (0, 1)]
     assert all(s["hypotheses"]["best"] == "sum" for s in out["steps"]), out["steps"][0]["hypotheses"]
@@ -162,7 +162,7 @@ def test_a_judgement_that_raises_is_raised_after_every_step_is_taken():
     model = shapes.get("mlp").build(SEED, HIDDEN, DEPTH)
     with pytest.raises(ValueError, match="reference|zero|nothing"):  # nothing moved: a zero effective gradient is fine,
         judging.judge_steps(3, lambda: judging.plain_read(model), take, seed=SEED, ga=1, micro_batch=MB, hidden=HIDDEN,
-                      hypotheses=lambda w, n, p: (_ for _ in ()).throw(ValueError("nothing to explain")))
+                      hypotheses=lambda w, n, p, u: (_ for _ in ()).throw(ValueError("nothing to explain")))
     assert taken == [0, 1, 2]  # every rank takes every step's collectives, whatever rank 0's judgement did
 
 
@@ -630,7 +630,7 @@ def test_a_cases_other_time_is_kept_to_a_tenth_of_a_millisecond(monkeypatch):
 def test_hypotheses_of_a_clipped_step_are_judged_against_the_clipped_reference():
     free = loop(ga=2, steps=1)
 
-    def hypotheses(w, n, previous):
+    def hypotheses(w, n, previous, update=None):
         return {"exact": [1 / n] * n}
 
     out = loop(ga=2, steps=1, clip=0.5 * free["reference_norm"], hypotheses=hypotheses)

@@ -16,109 +16,10 @@ import json
 from pathlib import Path
 
 from gradkit import config as kconfig
-from gradkit.commands import repro
-from gradkit.commands.bisect import diff, search
+from gradkit.commands import fix, repro
+from gradkit.commands.issue import bisect_command, bisect_section, render, title
 from gradkit.commands.sweep.grouping import when_text
 from gradkit.judge import oracle, records
-
-LOOPS = {
-    "engine": "DeepSpeed's own loop: `engine.backward(loss)` and `engine.step()` after every micro-batch, "
-              "`gradient_accumulation_steps` = N in the config",
-    "boundary": "`engine.set_gradient_accumulation_boundary(i == N - 1)` before each of N `backward()` calls, one "
-                "`step()` (as Accelerate drives DeepSpeed)",
-    "manual": "config `gradient_accumulation_steps` = 1, N `engine.backward(loss / N)` calls, then one `engine.step()`",
-    "unmanaged": "`\"managed_gradient_accumulation\": false`, N `backward()` calls, one `step()`",
-}
-
-
-def title(rec: dict) -> str:
-    cfg = rec.get("resolved_config") or rec["config"].get("ds_config") or {}
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    ds = (rec.get("versions") or {}).get("deepspeed", "?")
-    m = rec.get("metrics") or {}
-    what = rec.get("matches") if rec.get("matches") not in (None, "none") else "not the mean of the micro-batches"
-    return (f"[DeepSpeed {ds}] ZeRO-{stage} {rec['config'].get('dtype')}, GA {rec['ga']}, {rec['config'].get('loop')} "
-            f"loop: the applied gradient is {what} (norm ratio {m.get('norm_ratio', float('nan')):.3f}, "
-            f"cosine {m.get('cosine', float('nan')):.4f})")
-
-
-def steps_table(rec: dict) -> str:
-    lines = ["| step | norm ratio | cosine | rel. error | misplaced weight | the step is |", "|---|---|---|---|---|---|"]
-    for s in rec.get("steps") or [rec]:
-        m, a = s["metrics"], s["attribution"]
-        lines.append(f"| {s.get('step', 0) + 1} | {m['norm_ratio']:.4f} | {m['cosine']:.5f} | {m['rel_l2']:.2e} | "
-                     f"{a['misplaced_weight']:.4f} | {s.get('shape') or s.get('matches') or '-'} |")
-    return "\n".join(lines)
-
-
-def bisect_section(doc: dict | None, command: str) -> list[str]:
-    if not doc:
-        return ["Not bisected yet; to find the releases:", "", f"    {command}", ""]
-    out = [f"`gradkit bisect` over {len(doc['order'])} releases ({doc['order'][0]} .. {doc['order'][-1]}, from "
-           f"{doc.get('releases_from', '?')}; every {doc['stride']}th first, then a binary search, each change "
-           "confirmed by a second run on both sides):", "", search.table(doc), ""]
-    if not doc["changes"]:
-        out.append("No change among the releases that ran.")
-    for ch in doc["changes"]:
-        out += [f"- **{search.describe(ch)}**"]
-        if ch.get("diff"):
-            out += ["", "```diff", diff.diff_text(ch["diff"]), "```", ""]
-    if doc["skipped"]:
-        out.append("Skipped (cannot run on this torch / machine, never counted as good): "
-                   + "; ".join(f"{s['release']} ({(s.get('reason') or s['verdict'])[:120]})" for s in doc["skipped"]))
-    return out + [""]
-
-
-def bisect_command(config, rec: dict) -> str:
-    """The ``gradkit bisect`` command that finds this record's releases (its config file, loop and model)."""
-    case = rec["config"]
-    model = case.get("model")
-    return (f"gradkit bisect {config} --loop {case.get('loop')}" + (f" --model {model}" if model and model != "mlp" else "")
-            + f" --steps {case.get('steps', 1)}")
-
-
-def render(rec: dict, script: str, repro_source: str, repro_output: str, repro_exit: int | None, when: str | None,
-           bisect_doc: dict | None, bisect_cmd: str) -> str:
-    """The report's Markdown for one affected record; ``bisect_cmd`` is said where no bisect was run yet."""
-    v = rec.get("versions") or {}
-    case = rec["config"]
-    cfg = rec.get("resolved_config") or case.get("ds_config") or {}
-    loop = case.get("loop")
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    expected = (f"each of the {rec['world_size'] * rec['ga']} micro-batches (W = {rec['world_size']} ranks x N = "
-                f"{rec['ga']}) with weight 1 / {rec['world_size'] * rec['ga']} of the step: the gradient of the mean "
-                "loss over the global batch, as plain fp32 PyTorch computes it in one process")
-    lines = [f"# {title(rec)}", "",
-             "## Environment", "",
-             f"- torch {v.get('torch', '?')}, DeepSpeed {v.get('deepspeed', '?')}"
-             + (f", transformers {v['transformers']}" if v.get("transformers") else ""),
-             f"- world size {rec['world_size']} ({rec.get('device', 'cpu')}"
-             + (", gloo, `DS_ACCELERATOR=cpu`)" if rec.get("device", "cpu") == "cpu" else ", nccl)"),
-             f"- model: {case.get('model') or 'mlp'} (the kit's toy model; the script below builds it)", "",
-             "## The smallest config that shows it", ""]
-    if when:
-        lines += [f"Among the configurations swept, the affected ones are exactly: {when}.", ""]
-    lines += ["```json", json.dumps(case.get("ds_config") or cfg, indent=1, sort_keys=True), "```", "",
-              f"Loop: **{loop}**: {LOOPS.get(loop, loop)}.", "",
-              "## What happens", "",
-              f"With SGD at lr = 1 (no momentum, no weight decay) the applied update is the gradient. Each step should "
-              f"be {expected}. What ZeRO-{stage} applied, step by step (fitted weights: least squares of the applied "
-              "step on each micro-batch's own gradient, as multiples of the right weight):", "",
-              steps_table(rec), "",
-              f"Verdict: **{rec['verdict']}**: {rec.get('reason', '')}", "",
-              "## Since when", ""]
-    lines += bisect_section(bisect_doc, bisect_cmd)
-    lines += ["## Reproduction", "",
-              "Standalone: plain DeepSpeed and torch, no other import. Run it with "
-              f"`torchrun --standalone --nproc_per_node={rec['world_size']} {script}`"
-              + (" (on CPU with `DS_ACCELERATOR=cpu`)" if rec.get("device", "cpu") == "cpu" else "")
-              + "; it prints one JSON line (per step: ratio, cosine, relative error, fitted weights) and exits 1 "
-              "when a step is off.", "",
-              "```python", repro_source.rstrip(), "```", "",
-              f"What it printed when the kit ran it (exit status {repro_exit}):", "",
-              "```", (repro_output or "(nothing)").strip()[-4000:], "```", ""]
-    return "\n".join(lines)
-
 
 def from_check(path: Path, loop: str | None, out: Path, bisect_doc: dict | None, world_size: int | None = None) -> Path:
     """The report of a ``gradkit check --json`` result's affected loop: its reproduction written and run here."""
@@ -219,18 +120,29 @@ def from_watch(path: Path, out: Path | None, bisect_doc: dict | None) -> Path:
 
 def parser():
     p = kconfig.Parser(prog="gradkit report", description=__doc__.split("\n\n")[0])
-    p.add_argument("source", help="a gradkit check --json file, a sweep's output folder (with --group), or the "
-                                  "watch's output folder / watch.jsonl")
+    p.add_argument("source", nargs="?", help="a gradkit check --json file, a sweep's output folder (with --group), "
+                                             "or the watch's output folder / watch.jsonl")
+    p.add_argument("--known", help="instead of a source: a known bug with no fix upstream (" + ", ".join(fix.FIXES)
+                   + "), written up with the kit's patch, verified on the release and on it patched (docs/reports/)")
+    p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="with --known: the release the patch is verified on "
+                                                                  "(default: the installed one)")
+    p.add_argument("--sweep", default=fix.SWEEP, help="with --known: the sweep spec run on both sides (fp16 added), "
+                                                      "or none")
     p.add_argument("--group", help="with a sweep folder: the unknown group, by its reproduction script's name")
     p.add_argument("--loop", help="with a check result: the affected loop to report (default: the first)")
     p.add_argument("--bisect", help="a gradkit bisect --json file: the release range and the code that changed")
     p.add_argument("--out", help="where report.md goes (default: report.md beside a check result; "
-                                 "report_<group>.md in a sweep folder)")
+                                 "report_<group>.md in a sweep folder; with --known, the folder docs/reports/<BUG>)")
     return p
 
 
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
+    if a.known:
+        return from_known(a)
+    if not a.source:
+        raise kconfig.ConfigError("gradkit report needs a source (a check --json file, a sweep folder, the watch's "
+                                  "records) or --known BUG")
     src = Path(a.source)
     if not src.exists():
         raise kconfig.ConfigError(f"{src}: no such file or folder")
@@ -255,6 +167,21 @@ def main(argv=None) -> int:
         path = from_check(src, a.loop, out or src.with_name("report.md"), bisect_doc)
     print(f"written to {path}")
     return 0
+
+
+def from_known(a) -> int:
+    """``--known``: the bug's report and its fix verified (``gradkit.commands.fix``); exit 0 where every judgement went
+    the way a fix must, 3 where one did not (the report says which)."""
+    bug = fix.parse_bug(a.known)
+    if bug not in fix.FIXES:
+        raise kconfig.ConfigError(f"--known {a.known}: the kit holds a verified fix for {', '.join(fix.FIXES)} only")
+    sweep = None if a.sweep == "none" else a.sweep
+    if sweep and not kconfig.repo_path(sweep).exists():
+        raise kconfig.ConfigError(f"--sweep {a.sweep}: no such spec")
+    out = Path(a.out) if a.out else fix.default_out(bug)
+    doc = fix.verify(bug, fix.known_release(a.deepspeed), out, sweep and str(kconfig.repo_path(sweep)))
+    print(f"written to {out / 'report.md'}: the fix is {'verified' if doc['verified'] else 'NOT verified'}")
+    return 0 if doc["verified"] else 3
 
 
 if __name__ == "__main__":

@@ -187,9 +187,12 @@ def reproduced(rc: int, output: str, shape: dict | None = None, tol: float = 0.1
     return False
 
 
-def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "cpu", timeout_s: float = 300):
-    """Run the script as a user would (torchrun, W ranks); ``(exit status, output)``. 1 means reproduced."""
-    rc, stdout, stderr = scripts.torchrun(path, world_size=world_size, stack=stack, device=device, timeout_s=timeout_s)
+def verify(path, world_size: int = 2, stack: dict | None = None, device: str = "cpu", timeout_s: float = 300,
+           env: dict | None = None):
+    """Run the script as a user would (torchrun, W ranks, ``env`` added); ``(exit status, output)``. 1 means
+    reproduced."""
+    rc, stdout, stderr = scripts.torchrun(path, world_size=world_size, stack=stack, device=device, timeout_s=timeout_s,
+                                          env=env)
     if rc == 124:
         return 124, f"timed out after {timeout_s:g} s: {stdout[-2000:]!r}"
     text = "\n".join(line for line in (stdout + stderr).splitlines()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gradkit import config as kconfig
+from gradkit.stacks import patched
 
 PACKAGES = ("deepspeed", "transformers", "accelerate")
 # Libraries a transformers release pins and checks at import time; an overlay of an older transformers
@@ -116,11 +117,33 @@ def ensure_overlay(package: str, version: str) -> Path:
     kconfig.check_version(version)
     target = overlay_root() / f"{package}-{version}"
     lock = overlay_root() / f".{package}-{version}.lock"
+    release, patch = patched.split(version, package)
+    if patch:  # one of the kit's patches on a release: that release's package, patched, in a folder of its own
+        return ensure_patched(package, version, release, target, lock)
     try:
         return ensure_folder(target, [f"{package}=={version}"], lock)
     except UnknownVersion:
         lock.unlink(missing_ok=True)  # nothing left behind
         raise
+
+
+def ensure_patched(package: str, version: str, release: str, target: Path, lock: Path) -> Path:
+    """``target`` holding ``release`` with the kit's patch of ``version`` applied (``gradkit.stacks.patched``), built
+    once under ``lock``, its manifest written and checked as an installed overlay's."""
+    if (target / ".complete").exists() and not overlay_damage(target):
+        return target
+    base = (Path(importlib.util.find_spec(module_name(package)).submodule_search_locations[0]).parent
+            if release == installed_version(package) else ensure_overlay(package, release))
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if (target / ".complete").exists() and not overlay_damage(target):
+            return target
+        tmp = patched.build(package, version, base, target)
+        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        (target / ".complete").write_text(f"{release} + {patched.patch_file(package, version.partition('+')[2])}")
+    return target
 
 
 def ensure_folder(target: Path, requirements: list[str], lock: Path) -> Path:
@@ -188,7 +211,8 @@ class Stack:
     @property
     def extensions_key(self) -> str:
         """The folder of this stack's JIT-built ops in the kit's cache: per DeepSpeed release and build environment."""
-        return f"deepspeed-{self.versions.get('deepspeed', 'absent')}-{build_environment()}"
+        release = patched.split(self.versions.get("deepspeed", "absent"))[0]  # a kit patch touches no op's source
+        return f"deepspeed-{release}-{build_environment()}"
 
 
 def build_environment() -> str:

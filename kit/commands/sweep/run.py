@@ -11,7 +11,7 @@ from pathlib import Path
 from gradkit import config as kconfig
 from gradkit import launch, shapes
 from gradkit.commands import check, repro
-from gradkit.commands import report as upstream
+from gradkit.commands import issue as upstream
 from gradkit.commands.sweep.grouping import describe, groups, separate, when_text
 from gradkit.commands.sweep.spec import all_axes, point_case, points, release_of, spec_key, user_config
 from gradkit.judge import oracle, records

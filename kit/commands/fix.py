@@ -1,0 +1,196 @@
+"""``gradkit report --known BUG``: a known bug with no fix upstream, written up for its maintainers with a fix the kit
+has verified (``docs/reports/<BUG>/``).
+
+    gradkit report --known B10                        # the installed release, its default sweep: minutes
+    gradkit report --known B10 --sweep none           # without the sweep (said so in the report)
+
+The patch (``kit/stacks/patches/<package>/<name>.diff``) is applied to the release in an overlay of its own
+(``gradkit.stacks.patched``: ``0.19.8+b10``), and the same judgements run on both sides:
+
+1. the standalone reproduction (``<name>_repro.py``, plain DeepSpeed and torch, CPU or GPU), as a user runs it
+   (torchrun, 2 ranks), once per ZeRO stage it names: exit 1 on the release, 0 with the patch;
+2. the bug's recipe (``gradkit.commands.bisect.known``), judged by the kit's oracle: affected on the release,
+   not-affected with the patch;
+3. the sweep (the default spec, fp16 added; its records in ``runs/reports/<BUG>/sweep``): no point not-affected on
+   the release is affected with the patch.
+
+The report holds what happens in the code's own lines (read from the release), the reproduction and what it
+printed on both sides, the patch, the verification table and the command that wrote it; ``verified`` is true only
+where every judgement went the way a fix must.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradkit import config as kconfig
+from gradkit.commands import repro
+from gradkit.commands.bisect import known as recipes
+from gradkit.commands.sweep import run as sweep_run
+from gradkit.commands.sweep import spec as sweep_spec
+from gradkit.judge import expectations, oracle
+from gradkit.launch import scripts
+from gradkit.stacks import patched, versions
+
+SWEEP = "scripts/sweeps/default.yaml"
+
+
+@dataclass(frozen=True)
+class Fix:
+    bug: str
+    patch: str  # kit/stacks/patches/deepspeed/<patch>.diff, and <patch>_repro.py beside it
+    title: str
+    stages: tuple  # the ZeRO stages the reproduction runs at (its STAGE)
+    lines: tuple  # (file, the code lines that make the bug, each as it reads in the release)
+
+
+FIXES = {f.bug: f for f in (
+    Fix("B10", "b10", "fp16 with a dynamic loss scale: the step on which the scale grows applies half the update "
+                      "(ZeRO-1/2/3)", (2, 3),
+        (("deepspeed/runtime/zero/stage_1_and_2.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
+                                                      "self.unscale_and_clip_grads([single_grad_partition]",
+                                                      "combined_scale = self.loss_scale")),
+         ("deepspeed/runtime/zero/stage3.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
+                                               "self._global_grad_norm = scaled_global_grad_norm / self.loss_scale",
+                                               "combined_scale = self.loss_scale")))),
+)}
+
+
+def code_lines(root: Path, fix: Fix) -> list[str]:
+    """Each line of ``fix.lines`` as the release writes it, with its file and line number, in file order."""
+    out = []
+    for rel, wanted in fix.lines:
+        text = (root / rel).read_text().splitlines()
+        hits = sorted((i + 1, line.strip()) for i, line in enumerate(text) for w in wanted if w in line)
+        out += [f"{rel}:{n}: {line}" for n, line in dict(hits).items()]
+    return out
+
+
+def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_size: int = 2,
+           timeout_s: float = 600, progress: bool = True) -> dict:
+    """Every judgement of the fix, on ``release`` and on it patched; the report written into ``out``."""
+    if bug not in FIXES:
+        raise kconfig.ConfigError(f"--known {bug}: the kit holds a verified fix for {', '.join(FIXES)} only")
+    fix = FIXES[bug]
+    with_patch = f"{release}+{fix.patch}"
+    stacks = {release: {"deepspeed": release}, with_patch: {"deepspeed": with_patch}}
+    script = patched.patch_file("deepspeed", fix.patch).with_name(f"{fix.patch}_repro.py")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(script, out / "repro.py")
+    shutil.copy(patched.patch_file("deepspeed", fix.patch), out / "fix.diff")
+    runs = {}
+    for name, stack in stacks.items():
+        for stage in fix.stages:
+            runs[(name, stage)] = run_script(out / "repro.py", world_size, stack, stage, timeout_s)
+    recipe = recipes.RECIPES[bug]
+    measured = {name: recipes.measure(recipe, world_size, timeout_s=timeout_s)(name) for name in stacks}
+    swept = sweep_both(sweep, stacks, kconfig.repo_path(f"runs/reports/{bug}"), progress) if sweep else None
+    doc = {"bug": bug, "release": release, "patched": with_patch, "reproduction": {
+        f"{n} ZeRO-{s}": {"exit": rc, "output": text} for (n, s), (rc, text) in runs.items()}, "recipe": measured,
+        "sweep": swept}
+    doc["verified"] = (all(runs[(release, s)][0] == 1 and runs[(with_patch, s)][0] == 0 for s in fix.stages)
+                       and measured[release]["verdict"] == oracle.AFFECTED
+                       and measured[with_patch]["verdict"] == oracle.NOT_AFFECTED
+                       and (swept is None or not swept["broken"]))
+    root = Path(versions.resolve_stack({"deepspeed": release}).roots["deepspeed"])
+    (out / "report.md").write_text(report(fix, doc, code_lines(root, fix), sweep, script.read_text()))
+    (out / "verification.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return doc
+
+
+def run_script(path: Path, world_size: int, stack: dict, stage: int, timeout_s: float) -> tuple[int, str]:
+    """The reproduction as a user runs it (torchrun, ``STAGE``): its exit status and what it printed of its steps and
+    its verdict (everything it printed where it printed no verdict: a crash)."""
+    rc, stdout, stderr = scripts.torchrun(path, world_size=world_size, stack=stack, timeout_s=timeout_s,
+                                          env={"STAGE": str(stage)})
+    said = [line for line in stdout.splitlines() if line.startswith(("step ", "REPRODUCED", "not reproduced"))]
+    return rc, "\n".join(said) if any(not line.startswith("step ") for line in said) else repro.unjudged(stdout + stderr)
+
+
+def sweep_both(spec_path: str, stacks: dict, out: Path, progress: bool) -> dict:
+    """The sweep's points on both sides: ``broken`` lists every point not-affected on the release and affected with
+    the patch (a fix must leave none), ``fixed`` every point the other way."""
+    spec = with_fp16(sweep_spec.load_spec(spec_path))
+    spec["stacks"] = list(stacks.values())
+    recs = sweep_run.run(spec, out / "sweep", progress=progress)
+    by = {}
+    for r in recs:
+        by.setdefault(json.dumps(r["point"], sort_keys=True), {})[
+            (r.get("versions") or {}).get("deepspeed") or r.get("version")] = r["verdict"]
+    names = list(stacks)
+    pairs = [(p, v.get(names[0]), v.get(names[1])) for p, v in by.items()]
+    return {"spec": spec_path, "points": len(pairs),
+            "broken": [p for p, a, b in pairs if a == oracle.NOT_AFFECTED and b == oracle.AFFECTED],
+            "fixed": [p for p, a, b in pairs if a == oracle.AFFECTED and b == oracle.NOT_AFFECTED],
+            "affected": {n: sum(1 for _, *vs in pairs if vs[i] == oracle.AFFECTED) for i, n in enumerate(names)},
+            "not_run": {n: sum(1 for _, *vs in pairs if vs[i] not in (oracle.AFFECTED, oracle.NOT_AFFECTED))
+                        for i, n in enumerate(names)}}
+
+
+def with_fp16(spec: dict) -> dict:
+    """``spec`` with fp16 among its precisions (a patch of fp16 code is judged where it runs), a bf16 accumulator
+    under an fp16 model left out as under an fp32 one."""
+    dtypes = spec["axes"].get("dtype")
+    if dtypes and "fp16" not in dtypes:
+        spec["axes"]["dtype"] = [*dtypes, "fp16"]
+        spec["skip"] = [*(spec.get("skip") or []), {"dtype": "fp16", "data_types.grad_accum_dtype": "bf16"}]
+    return sweep_spec.check_spec(spec)
+
+
+def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str) -> str:
+    k = expectations.KNOWN[fix.bug]
+    release, with_patch = doc["release"], doc["patched"]
+    rec = doc["recipe"]
+    rows = ["| judgement | " + f"DeepSpeed {release} | {with_patch} (the patch) |", "|---|---|---|"]
+    for stage in fix.stages:
+        rows.append(f"| `repro.py`, ZeRO-{stage}: exit status | "
+                    + " | ".join(str(doc["reproduction"][f"{n} ZeRO-{stage}"]["exit"]) for n in (release, with_patch))
+                    + " |")
+    rows.append("| the kit's oracle on the bug's recipe (`gradkit bisect --known " + fix.bug + "`'s config) | "
+                + " | ".join(f"{rec[n]['verdict']}" + (f" ({rec[n]['step']})" if rec[n].get("step") else "")
+                             for n in (release, with_patch)) + " |")
+    s = doc["sweep"]
+    if s:
+        rows.append(f"| the sweep (`{s['spec']}` with fp16 added, {s['points']} points): affected | "
+                    + " | ".join(str(s["affected"].get(n, 0)) for n in (release, with_patch)) + " |")
+    said = [f"# [DeepSpeed {release}] {fix.title}", "",
+            f"<sub>written by `gradkit report --known {fix.bug} --deepspeed {release}"
+            + ("" if sweep == SWEEP else f" --sweep {sweep or 'none'}")
+            + f"` on {datetime.date.today()}; the fix is **{'verified' if doc['verified'] else 'NOT verified'}** "
+            "(every judgement below)</sub>", "",
+            "## What happens", "", k.explains[0] + ".", "", "In the release's own lines:", "", "```",
+            *lines, "```", "", *[f"- {n}" for n in k.notes], "",
+            "## Reproduction", "", "`repro.py` (plain DeepSpeed and torch; CPU or GPU):", "", "```python",
+            script.rstrip(), "```", "",
+            f"What it printed on DeepSpeed {release}:", "", "```",
+            doc["reproduction"][f"{release} ZeRO-{fix.stages[0]}"]["output"].strip(), "```", "",
+            "## The fix", "", "`fix.diff` (the gradient is unscaled by the scale it was multiplied by in backward):",
+            "", "```diff", patched.patch_file("deepspeed", fix.patch).read_text().rstrip(), "```", "",
+            "## Verification", "", f"The same judgements on {release} and on it with the patch applied (an overlay "
+            f"of its own, `{with_patch}`):", "", *rows, ""]
+    if s:
+        said += [f"Points not-affected on {release} and affected with the patch: "
+                 + (", ".join(s["broken"]) if s["broken"] else "none") + f"; the other way: {len(s['fixed'])}.", ""]
+    else:
+        said += ["The sweep was not run for this report (`--sweep none`).", ""]
+    said += [f"Upstream: {k.report}."]
+    return "\n".join(said) + "\n"
+
+
+def default_out(bug: str) -> Path:
+    return kconfig.repo_path(f"docs/reports/{bug}")
+
+
+def known_release(value: str) -> str:
+    return versions.installed_version("deepspeed") if value in (None, kconfig.INSTALLED) else value
+
+
+def parse_bug(value: str) -> str:
+    bug = value.upper()
+    if not re.fullmatch(r"B\d+", bug):
+        raise kconfig.ConfigError(f"--known {value}: a known bug's name (one of {', '.join(FIXES)})")
+    return bug
