@@ -179,7 +179,7 @@ def from_known(a) -> int:
     if sweep and not kconfig.repo_path(sweep).exists():
         raise kconfig.ConfigError(f"--sweep {a.sweep}: no such spec")
     out = Path(a.out) if a.out else fix.default_out(bug)
-    doc = fix.verify(bug, fix.known_release(a.deepspeed), out, sweep and str(kconfig.repo_path(sweep)))
+    doc = fix.verify(bug, fix.known_release(a.deepspeed), out, sweep)
     print(f"written to {out / 'report.md'}: the fix is {'verified' if doc['verified'] else 'NOT verified'}")
     return 0 if doc["verified"] else 3
 
