@@ -114,6 +114,18 @@ def test_fp16_with_a_dynamic_loss_scale_is_judged_with_deepspeeds_own_scaler_its
 
 
 @pytest.mark.world
+def test_b9s_step_of_one_65536th_is_named_within_the_rounding_of_the_masters_it_is_read_from(tmp_path, capsys):
+    """ZeRO-0 fp16, its dynamic scale at 2^16, no clip: FP16_UnfusedOptimizer divides every update by the scale (B9),
+    a step about 1e-6 of the weights, which the difference of two fp32 master vectors holds to within their rounding
+    (cosine 0.9995): named B9 all the same, the scale as it moved each step."""
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "fp16": {"enabled": True},
+           "zero_optimization": {"stage": 0}}
+    assert check.main([_write(tmp_path, cfg), "--loop", "engine", "--json", str(tmp_path / "out.json")]) == 1
+    (row,) = json.loads((tmp_path / "out.json").read_text())["summary"]["loops"]
+    assert row["explained_by"] == "B9" and row["ratio"] < 1e-4, (row, capsys.readouterr().out)
+
+
+@pytest.mark.world
 def test_deepspeed_refuses_this_config_is_said_only_after_it_refused_the_config_as_written(tmp_path, capsys):
     """A refusal in deepspeed.initialize is handed back to DeepSpeed as the user wrote the config ("auto" and the
     batch sizes resolved, the optimizer the kit's): prescale_gradients with ZeRO-2's reduce-scatter is refused there
