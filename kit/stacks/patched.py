@@ -8,6 +8,7 @@ of a known bug (``gradkit report --known``) is judged on it by the same oracle a
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -43,8 +44,13 @@ def build(package: str, version: str, base_root: Path, target: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     module = package.replace("-", "_")
     shutil.copytree(base_root / module, tmp / module, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(tmp), "-i", str(patch_file(package, name))],
-                         capture_output=True, text=True)
+    diff = str(patch_file(package, name))
+    if shutil.which("patch"):
+        out = subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(tmp), "-i", diff], capture_output=True,
+                             text=True)
+    else:  # git's own applier where GNU patch is absent; kept from finding a repository above the folder
+        out = subprocess.run(["git", "apply", "-p1", diff], cwd=tmp, capture_output=True, text=True,
+                             env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp.parent)})
     if out.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise kconfig.ConfigError(f"the patch {name} does not apply to {package} {release}: "
