@@ -158,6 +158,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
                      "anything behind")
     stage, clip = cfg["zero_optimization"]["stage"], cfg.get("gradient_clipping", 0.0)
     on = model_keys(model)
+    written = getattr(cfg, "as_written", None)  # a plain dict (the tests') has none
     coarser = judge_note(cfg)
     if coarser:
         notes.append(coarser)
@@ -177,8 +178,7 @@ def plan(cfg: Resolved, loops=LOOPS, deepspeed_version: str | None = None, steps
                         "loop": loop, "fix": fix, "ga": n, "dtype": dtype, "judge_dtype": judge_dtype(cfg),
                         "masters_dtype": masters_dtype(cfg),
                         "zero_stage": stage, "steps": steps, "clip": clip, "ds_config": case_config(cfg, loop, fix),
-                        **({"ds_written": getattr(cfg, "as_written", None)} if fix is None and
-                           getattr(cfg, "as_written", None) else {}),
+                        **({"ds_written": written} if fix is None and written else {}),
                         **(overflow if fix != "fix:B10" else {}), **on})
     return out, notes
 

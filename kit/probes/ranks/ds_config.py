@@ -254,6 +254,7 @@ class RefusedAsRun(RuntimeError):
 
 REFUSED_AS_WRITTEN, REFUSED_AS_RUN = RefusedAsWritten.__name__, RefusedAsRun.__name__  # a result's error starts so
 REFUSE_FAULT_KEY = "gradkit_fault_refuse"  # tests: the config the kit runs is one DeepSpeed refuses
+FAULT_KEYS = (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY, REFUSE_FAULT_KEY)  # the kit's own: never DeepSpeed's
 
 
 def ask_as_written(deepspeed, case: dict, model, error: Exception) -> Exception:
@@ -266,7 +267,7 @@ def ask_as_written(deepspeed, case: dict, model, error: Exception) -> Exception:
         return error
     try:
         engine, *_ = deepspeed.initialize(model=model, optimizer=c.sgd(model), config={
-            k: v for k, v in written.items() if not k.startswith("gradkit_fault")})
+            k: v for k, v in written.items() if k not in FAULT_KEYS})
     except Exception as e:  # noqa: BLE001 - DeepSpeed's own refusal of the user's config
         return RefusedAsWritten(f"{type(e).__name__}: {str(e)[:400]}")
     judging.release(engine)
@@ -298,7 +299,7 @@ def run_case(case: dict) -> dict:
         model = model.to(dtype)
         if case["dtype"] == "fp16" and c.device().type == "cpu":
             allow_fp16_on_cpu()
-        ds = {k: v for k, v in cfg.items() if k not in (FAULT_KEY, STALE_FAULT_KEY, LOOP_FAULT_KEY, REFUSE_FAULT_KEY)}
+        ds = {k: v for k, v in cfg.items() if k not in FAULT_KEYS}
         if cfg.get(REFUSE_FAULT_KEY):  # tests: the kit's own change makes DeepSpeed refuse what the user wrote
             ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "stage": 7}
         with judging.phase("initialize"):
