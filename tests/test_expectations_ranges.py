@@ -73,14 +73,15 @@ def test_a_known_bug_reads_its_pins_as_a_property_and_is_frozen():
 def test_the_short_rows_say_each_bugs_own_start_and_end_and_how_many_changes_lie_between():
     rows = {r.split(" | ")[0].strip("| "): r for r in ex.ranges_short().splitlines()[2:]}
     assert list(rows) == list(ex.KNOWN)
-    assert rows["B5"] == "| B5 | deepspeed | 0.15.2 (0.15.1 without it) | 0.19.0 (0.18.6 with it) | - |"
-    assert rows["B3"] == "| B3 | deepspeed | 0.18.3 (0.17.5 without it) | no release fixes it | - |"
-    assert rows["B6"] == f"| B6 | deepspeed | {pins.START_SHORT['B6']} | no release fixes it | - |"
-    assert rows["B2"] == "| B2 | deepspeed | 0.16.0 (0.15.4 without it) | 0.19.3 (0.19.2 with it) | 1 |"
+    assert rows["B5"] == "| B5 | deepspeed | 0.15.2 (0.15.1 without it) | 0.19.0 (0.18.6 with it) | - | - |"
+    assert rows["B3"] == "| B3 | deepspeed | 0.18.3 (0.17.5 without it) | no release fixes it | - | - |"
+    assert rows["B6"] == (f"| B6 | deepspeed | {pins.START_SHORT['B6']} | no release fixes it | - | "
+                          "[B6](docs/reports/B6/report.md) |")  # docs/reports/B6: the kit's fix, verified
+    assert rows["B2"] == "| B2 | deepspeed | 0.16.0 (0.15.4 without it) | 0.19.3 (0.19.2 with it) | 1 | - |"
     # B1: seven pins, the start and the fix among them: five changes of the step between
-    assert rows["B1"] == "| B1 | transformers | 4.46.2 (4.46.1 without it) | 5.10.1 (5.9.0 with it) | 5 |"
+    assert rows["B1"] == "| B1 | transformers | 4.46.2 (4.46.1 without it) | 5.10.1 (5.9.0 with it) | 5 | - |"
     hft_own = [p for p in pins.PINS["HFT"] if p.series == "HFT"]
-    assert rows["HFT"].endswith(f"| {len(hft_own) - 1} |")  # its own fix left out, the other recipes' not counted
+    assert rows["HFT"].endswith(f"| {len(hft_own) - 1} | - |")  # its own fix left out, the other recipes' not counted
 
 
 def test_the_table_rows_say_each_bugs_whole_range_and_the_commands_that_found_it():
@@ -182,9 +183,10 @@ def test_the_short_and_the_long_table_of_a_synthetic_table(table, monkeypatch):
     bx, by = _known(fixed_in="2.0.0"), dataclasses.replace(_known(), bug="BY", package="other")
     monkeypatch.setattr(ex, "KNOWN", {"BX": bx, "BY": by})
     assert ex.ranges_short().splitlines() == [
-        "| bug | package | starts | ends | other changes of the step |", "|---|---|---|---|---|",
-        "| BX | pkg | 1.2.0 (1.1.0 without it) | 2.0.0 (1.9.0 with it) | 2 |",
-        "| BY | other | not pinned | no release fixes it | - |"]
+        "| bug | package | starts | ends | other changes of the step | a fix, verified by the kit |",
+        "|---|---|---|---|---|---|",
+        "| BX | pkg | 1.2.0 (1.1.0 without it) | 2.0.0 (1.9.0 with it) | 2 | - |",
+        "| BY | other | not pinned | no release fixes it | - | - |"]
     assert ex.ranges_table().splitlines() == [
         "| bug | package | range (each boundary: the last release before, the first after, both measured) | found by |",
         "|---|---|---|---|",

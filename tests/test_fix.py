@@ -43,16 +43,52 @@ def test_the_b10_fix_is_verified_end_to_end_on_the_installed_release_and_on_it_p
     assert "step 3: loss scale 256 -> 512, applied / gradient 0.50" in runs[f"{release} ZeRO-2"]["output"]
     assert doc["recipe"][release]["verdict"] == oracle.AFFECTED and doc["recipe"][release]["explained_by"] == "B10"
     assert doc["recipe"][f"{release}+b10"]["verdict"] == oracle.NOT_AFFECTED
+    # the regression test, in DeepSpeed's tests/unit style: fails at every stage on the release, passes patched
+    assert doc["test"][release]["exit"] == 1 and doc["test"][release]["output"].count("FAILED b10_test.py") == 3
+    assert doc["test"][f"{release}+b10"]["exit"] == 0 and "3 passed" in doc["test"][f"{release}+b10"]["output"]
     text = (tmp_path / "report.md").read_text()
     assert "the fix is **verified**" in text and "```diff" in text and (tmp_path / "fix.diff").exists()
+    assert (tmp_path / "test_b10.py").exists() and "| `test_b10.py` (pytest, 2 ranks): exit status | 1 | 0 |" in text
 
 
 def test_a_fix_whose_judgement_goes_the_wrong_way_is_not_called_verified(tmp_path, monkeypatch):
     """The patched release still reproducing (a planted outcome) leaves the fix unverified: exit 3, said."""
     monkeypatch.setitem(fix.FIXES, "B10", dataclasses.replace(fix.FIXES["B10"], stages=(2,)))
     monkeypatch.setattr(fix, "run_script", lambda path, w, stack, stage, t: (1, "REPRODUCED: 2 of 6 steps off"))
+    monkeypatch.setattr(fix, "run_test", lambda path, stack, t: (1, "FAILED b10_test.py::TestUnscaleWhenScaleGrows"))
     good = {"verdict": oracle.AFFECTED, "step": "x"}
     monkeypatch.setattr(fix.recipes, "measure", lambda recipe, w, timeout_s: (lambda release: dict(good)))
     assert report.main(["--known", "B10", "--sweep", "none", "--out", str(tmp_path)]) == 3
     assert "the fix is **NOT verified**" in (tmp_path / "report.md").read_text()
     assert not json.loads((tmp_path / "verification.json").read_text())["verified"]
+
+
+def test_a_regression_test_is_failed_only_where_pytest_failed_one_and_a_crash_is_said_as_such(monkeypatch, tmp_path):
+    """torchrun's status is 1 for any rank's failure: a failed assertion is 1, a test that never ran (a collection
+    error, a crash) is kept apart (3) with what it printed."""
+    said = {"failed": (1, "FAILED b10_test.py::T::test[1] - AssertionError\n1 failed, 2 passed in 3.1s\n", ""),
+            "error": (1, "ERROR b10_test.py - ModuleNotFoundError: No module named 'unit'\n1 error in 0.2s\n", ""),
+            "crash": (1, "", "Traceback (most recent call last):\nRuntimeError: gloo\n"),
+            "passed": (0, "PASSED b10_test.py::T::test[1]\n3 passed in 9.0s\n", "")}
+    got = {}
+    for what in said:
+        monkeypatch.setattr(fix.scripts, "torchrun", lambda *a, what=what, **k: said[what])
+        got[what] = fix.run_test(tmp_path / "t.py", {}, 60)
+    assert {w: rc for w, (rc, _) in got.items()} == {"failed": 1, "error": 3, "crash": 3, "passed": 0}, got
+    assert "RuntimeError: gloo" in got["crash"][1] and got["failed"][1].startswith("FAILED b10_test.py::T::test[1]")
+
+
+def test_the_ranges_table_links_a_fix_only_where_its_report_says_verified(tmp_path, monkeypatch):
+    """The README's ranges name the kit's fix of a bug from its report's verification, never from the patch alone."""
+    from gradkit.stacks import fixes
+
+    monkeypatch.setattr(fixes.kconfig, "repo_path", lambda p: tmp_path / p)
+    assert fixes.verified_report("B10") is None  # no report written
+    (tmp_path / "docs/reports/B10").mkdir(parents=True)
+    (tmp_path / "docs/reports/B10/verification.json").write_text(json.dumps({"verified": False}))
+    assert fixes.verified_report("B10") is None
+    (tmp_path / "docs/reports/B10/verification.json").write_text(json.dumps({"verified": True}))
+    assert fixes.verified_report("B10") == "docs/reports/B10/report.md"
+    (tmp_path / "docs/reports/B3").mkdir(parents=True)  # a report of a bug the kit holds no fix for is not linked
+    (tmp_path / "docs/reports/B3/verification.json").write_text(json.dumps({"verified": True}))
+    assert fixes.verified_report("B3") is None

@@ -266,7 +266,8 @@ def test_the_pinned_ranges_are_written_into_each_pages_ranges_block_and_the_repo
     for name, make in refresh.RANGES_PAGES.items():  # the repository's pages say what kit/judge/pins.py says now
         assert make() in (repo / name).read_text(), f"{name}: run scripts/refresh_table --ranges-only"
     short = {r.split(" | ")[0].strip("| "): r for r in expectations.ranges_short().splitlines()[2:]}
-    assert short["B5"] == "| B5 | deepspeed | 0.15.2 (0.15.1 without it) | 0.19.0 (0.18.6 with it) | - |"
-    assert short["B6"] == "| B6 | deepspeed | before 0.14.4, the oldest that runs here | no release fixes it | - |"
+    assert short["B5"] == "| B5 | deepspeed | 0.15.2 (0.15.1 without it) | 0.19.0 (0.18.6 with it) | - | - |"
+    assert short["B6"] == ("| B6 | deepspeed | before 0.14.4, the oldest that runs here | no release fixes it | - | "
+                           "[B6](docs/reports/B6/report.md) |")  # the report gradkit report --known B6 verified
     assert set(pins.START_SHORT) == set(pins.START_HIDDEN)  # each hidden start said in a few words too
     assert short["B1"].endswith("| 4.46.2 (4.46.1 without it) | 5.10.1 (5.9.0 with it) | 5 |")

@@ -20,11 +20,11 @@ where every judgement went the way a fix must.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from gradkit import config as kconfig
@@ -35,29 +35,12 @@ from gradkit.commands.sweep import spec as sweep_spec
 from gradkit.judge import expectations, oracle
 from gradkit.launch import scripts
 from gradkit.stacks import patched, versions
+from gradkit.stacks.fixes import FIXES, Fix
 
 SWEEP = "scripts/sweeps/default.yaml"
 
 
-@dataclass(frozen=True)
-class Fix:
-    bug: str
-    patch: str  # kit/stacks/patches/deepspeed/<patch>.diff, and <patch>_repro.py beside it
-    title: str
-    stages: tuple  # the ZeRO stages the reproduction runs at (its STAGE)
-    lines: tuple  # (file, the code lines that make the bug, each as it reads in the release)
-
-
-FIXES = {f.bug: f for f in (
-    Fix("B10", "b10", "fp16 with a dynamic loss scale: the step on which the scale grows applies half the update "
-                      "(ZeRO-1/2/3)", (2, 3),
-        (("deepspeed/runtime/zero/stage_1_and_2.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
-                                                      "self.unscale_and_clip_grads([single_grad_partition]",
-                                                      "combined_scale = self.loss_scale")),
-         ("deepspeed/runtime/zero/stage3.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
-                                               "self._global_grad_norm = scaled_global_grad_norm / self.loss_scale",
-                                               "combined_scale = self.loss_scale")))),
-)}
+HARNESS = patched.PATCHES / "harness" / "run_unit_test.py"  # runs a test written for DeepSpeed's tests/unit
 
 
 def code_lines(root: Path, fix: Fix) -> list[str]:
@@ -71,33 +54,39 @@ def code_lines(root: Path, fix: Fix) -> list[str]:
 
 
 def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_size: int = 2,
-           timeout_s: float = 600, progress: bool = True) -> dict:
-    """Every judgement of the fix, on ``release`` and on it patched; the report written into ``out``."""
+           timeout_s: float = 600, progress: bool = True, stages: tuple | None = None) -> dict:
+    """Every judgement of the fix, on ``release`` and on it patched; the report written into ``out``. ``stages``:
+    the reproduction at these ZeRO stages only (all the fix names where None)."""
     if bug not in FIXES:
         raise kconfig.ConfigError(f"--known {bug}: the kit holds a verified fix for {', '.join(FIXES)} only")
-    fix = FIXES[bug]
+    fix = FIXES[bug] if stages is None else dataclasses.replace(FIXES[bug], stages=tuple(stages))
     with_patch = f"{release}+{fix.patch}"
     stacks = {release: {"deepspeed": release}, with_patch: {"deepspeed": with_patch}}
     script = patched.patch_file("deepspeed", fix.patch).with_name(f"{fix.patch}_repro.py")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(script, out / "repro.py")
     shutil.copy(patched.patch_file("deepspeed", fix.patch), out / "fix.diff")
-    runs = {}
+    test = script.with_name(f"{fix.patch}_test.py")
+    shutil.copy(test, out / f"test_{fix.patch}.py")
+    runs, tests = {}, {}
     for name, stack in stacks.items():
         for stage in fix.stages:
             runs[(name, stage)] = run_script(out / "repro.py", world_size, stack, stage, timeout_s)
+        tests[name] = run_test(test, stack, timeout_s)
     recipe = recipes.RECIPES[bug]
     measured = {name: recipes.measure(recipe, world_size, timeout_s=timeout_s)(name) for name in stacks}
     swept = sweep_both(sweep, stacks, kconfig.repo_path(f"runs/reports/{bug}"), progress) if sweep else None
-    doc = {"bug": bug, "release": release, "patched": with_patch, "reproduction": {
+    doc = {"bug": bug, "release": release, "patched": with_patch, "patch": fix.patch, "stages": list(fix.stages),
+           "reproduction": {
         f"{n} ZeRO-{s}": {"exit": rc, "output": text} for (n, s), (rc, text) in runs.items()}, "recipe": measured,
-        "sweep": swept}
+        "test": {n: {"exit": rc, "output": text} for n, (rc, text) in tests.items()}, "sweep": swept}
     doc["verified"] = (all(runs[(release, s)][0] == 1 and runs[(with_patch, s)][0] == 0 for s in fix.stages)
+                       and tests[release][0] == 1 and tests[with_patch][0] == 0
                        and measured[release]["verdict"] == oracle.AFFECTED
                        and measured[with_patch]["verdict"] == oracle.NOT_AFFECTED
                        and (swept is None or not swept["broken"]))
     root = Path(versions.resolve_stack({"deepspeed": release}).roots["deepspeed"])
-    (out / "report.md").write_text(report(fix, doc, code_lines(root, fix), sweep, script.read_text()))
+    (out / "report.md").write_text(report(fix, doc, code_lines(root, fix), sweep, script.read_text(), test.read_text()))
     (out / "verification.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return doc
 
@@ -109,6 +98,21 @@ def run_script(path: Path, world_size: int, stack: dict, stage: int, timeout_s: 
                                           env={"STAGE": str(stage)})
     said = [line for line in stdout.splitlines() if line.startswith(("step ", "REPRODUCED", "not reproduced"))]
     return rc, "\n".join(said) if any(not line.startswith("step ") for line in said) else repro.unjudged(stdout + stderr)
+
+
+def run_test(path: Path, stack: dict, timeout_s: float) -> tuple[int, str]:
+    """The regression test under pytest in a world of its class's size (2), every rank running it: 1 where a test
+    failed (and none errored), 0 where all passed, else the world's own status (a crash, a collection error: it did
+    not judge); with pytest's lines of outcome (everything it printed where it printed none)."""
+    rc, stdout, stderr = scripts.torchrun(HARNESS, [path.resolve()], world_size=2, stack=stack, timeout_s=timeout_s)
+    said = [line.strip("= ") for line in stdout.splitlines()
+            if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED "))
+            or re.match(r"^=*\s*\d+ (passed|failed)", line)]
+    if rc and any(x.startswith("FAILED ") for x in said) and not any(x.startswith("ERROR ") for x in said):
+        rc = 1
+    elif rc == 1:
+        rc = 3  # torchrun's 1 for a rank that never judged: kept apart from a failed test
+    return rc, "\n".join(said) if said else repro.unjudged(stdout + stderr)
 
 
 def sweep_both(spec_path: str, stacks: dict, out: Path, progress: bool) -> dict:
@@ -141,22 +145,30 @@ def with_fp16(spec: dict) -> dict:
     return sweep_spec.check_spec(spec)
 
 
-def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str) -> str:
-    k = expectations.KNOWN[fix.bug]
-    release, with_patch = doc["release"], doc["patched"]
-    rec = doc["recipe"]
+def table(doc: dict) -> list[str]:
+    """The verification's rows (markdown): each judgement on the release and on it patched."""
+    release, with_patch, rec = doc["release"], doc["patched"], doc["recipe"]
     rows = ["| judgement | " + f"DeepSpeed {release} | {with_patch} (the patch) |", "|---|---|---|"]
-    for stage in fix.stages:
+    for stage in doc["stages"]:
         rows.append(f"| `repro.py`, ZeRO-{stage}: exit status | "
                     + " | ".join(str(doc["reproduction"][f"{n} ZeRO-{stage}"]["exit"]) for n in (release, with_patch))
                     + " |")
-    rows.append("| the kit's oracle on the bug's recipe (`gradkit bisect --known " + fix.bug + "`'s config) | "
+    rows.append(f"| `test_{doc['patch']}.py` (pytest, 2 ranks): exit status | "
+                + " | ".join(str(doc["test"][n]["exit"]) for n in (release, with_patch)) + " |")
+    rows.append("| the kit's oracle on the bug's recipe (`gradkit bisect --known " + doc["bug"] + "`'s config) | "
                 + " | ".join(f"{rec[n]['verdict']}" + (f" ({rec[n]['step']})" if rec[n].get("step") else "")
                              for n in (release, with_patch)) + " |")
     s = doc["sweep"]
     if s:
-        rows.append(f"| the sweep (`{s['spec']}` with fp16 added, {s['points']} points): affected | "
+        rows.append(f"| the sweep (`{s['spec']}`, fp16 among its precisions, {s['points']} points): affected | "
                     + " | ".join(str(s["affected"].get(n, 0)) for n in (release, with_patch)) + " |")
+    return rows
+
+
+def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str, test: str) -> str:
+    k = expectations.KNOWN[fix.bug]
+    release, with_patch, s = doc["release"], doc["patched"], doc["sweep"]
+    rows = table(doc)
     said = [f"# [DeepSpeed {release}] {fix.title}", "",
             f"<sub>written by `gradkit report --known {fix.bug} --deepspeed {release}"
             + ("" if sweep == SWEEP else f" --sweep {sweep or 'none'}")
@@ -168,8 +180,12 @@ def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str
             script.rstrip(), "```", "",
             f"What it printed on DeepSpeed {release}:", "", "```",
             doc["reproduction"][f"{release} ZeRO-{fix.stages[0]}"]["output"].strip(), "```", "",
-            "## The fix", "", "`fix.diff` (the gradient is unscaled by the scale it was multiplied by in backward):",
+            "## The fix", "", f"`fix.diff` ({fix.fixes}):",
             "", "```diff", patched.patch_file("deepspeed", fix.patch).read_text().rstrip(), "```", "",
+            "## Regression test", "", f"`test_{fix.patch}.py`, in the style of DeepSpeed's `tests/unit` (it needs "
+            "`unit.common.DistributedTest`; the kit runs it with pytest in a torchrun world of 2 ranks):", "",
+            "```python", test.rstrip(), "```", "", *[f"On {n}:" + "\n\n```\n" + doc["test"][n]["output"].strip()
+                                                     + "\n```\n" for n in (release, with_patch)],
             "## Verification", "", f"The same judgements on {release} and on it with the patch applied (an overlay "
             f"of its own, `{with_patch}`):", "", *rows, ""]
     if s:

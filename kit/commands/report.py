@@ -126,8 +126,9 @@ def parser():
                    + "), written up with the kit's patch, verified on the release and on it patched (docs/reports/)")
     p.add_argument("--deepspeed", default=kconfig.INSTALLED, help="with --known: the release the patch is verified on "
                                                                   "(default: the installed one)")
-    p.add_argument("--sweep", default=fix.SWEEP, help="with --known: the sweep spec run on both sides (fp16 added), "
-                                                      "or none")
+    p.add_argument("--sweep", default=fix.SWEEP, help="with --known: the sweep spec run on both sides (fp16 added "
+                                                      "where it has a dtype axis without it), or none")
+    p.add_argument("--no-progress", action="store_true", help="with --known: no progress bar for the sweep")
     p.add_argument("--group", help="with a sweep folder: the unknown group, by its reproduction script's name")
     p.add_argument("--loop", help="with a check result: the affected loop to report (default: the first)")
     p.add_argument("--bisect", help="a gradkit bisect --json file: the release range and the code that changed")
@@ -179,7 +180,7 @@ def from_known(a) -> int:
     if sweep and not kconfig.repo_path(sweep).exists():
         raise kconfig.ConfigError(f"--sweep {a.sweep}: no such spec")
     out = Path(a.out) if a.out else fix.default_out(bug)
-    doc = fix.verify(bug, fix.known_release(a.deepspeed), out, sweep)
+    doc = fix.verify(bug, fix.known_release(a.deepspeed), out, sweep, progress=not a.no_progress)
     print(f"written to {out / 'report.md'}: the fix is {'verified' if doc['verified'] else 'NOT verified'}")
     return 0 if doc["verified"] else 3
 

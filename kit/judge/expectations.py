@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from gradkit.judge import oracle, pins
 from gradkit.judge.bugs import KNOWN, UNMANAGED_SINCE, Known  # noqa: F401 - the table is read through this module too
+from gradkit.stacks import fixes
 from gradkit.stacks.versions import version_key
 
 AFFECTED, NOT_AFFECTED = oracle.AFFECTED, oracle.NOT_AFFECTED
@@ -90,8 +91,10 @@ def mismatches(bug: str, recs: list[dict], verdict_key: str = "verdict", **where
 
 def ranges_short() -> str:
     """Every known bug's range in one short row (the README's ``RANGES`` block): where it starts, where it ends, how
-    many other changes of its step lie between (each in ``ranges_table``)."""
-    rows = ["| bug | package | starts | ends | other changes of the step |", "|---|---|---|---|---|"]
+    many other changes of its step lie between (each in ``ranges_table``), and the kit's verified fix where no release
+    has one (``gradkit report --known``: ``docs/reports/<bug>/``)."""
+    rows = ["| bug | package | starts | ends | other changes of the step | a fix, verified by the kit |",
+            "|---|---|---|---|---|---|"]
     for k in KNOWN.values():
         mine = [p for p in k.pins if p.series == k.bug]
         first = next((p for p in mine if p.what.startswith("introduced")), None)
@@ -99,7 +102,9 @@ def ranges_short() -> str:
         start = f"{first.after} ({first.before} without it)" if first else pins.START_SHORT.get(k.bug, "not pinned")
         end = f"{last.after} ({last.before} with it)" if last else "no release fixes it"
         others = len([p for p in mine if p not in (first, last)])
-        rows.append(f"| {k.bug} | {k.package} | {start} | {end} | {others or '-'} |")
+        report = fixes.verified_report(k.bug)
+        rows.append(f"| {k.bug} | {k.package} | {start} | {end} | {others or '-'} | "
+                    + (f"[{report.split('/')[-2]}]({report})" if report else "-") + " |")
     return "\n".join(rows)
 
 

@@ -12,19 +12,26 @@ exact where the two are neighbours on the index). A boundary bisect finds that t
 - B2: the pipeline probe itself (2 stages, GA 4): every stage sums until 0.18.2, the earlier stage is divided by
   GA twice from 0.18.3, fixed in 0.19.3 -- a change of shape, then a fix;
 - B8: ZeRO-1 fp32 with ``contiguous_gradients: false`` on the CPU accelerator (fixed in 0.19.8): the group the sweep
-  marked unknown, whose end notebook 08 finds.
+  marked unknown, whose end notebook 08 finds;
+- B12: ZeRO-2 fp32, GA 4, DeepSpeed's own loop: only the boundary micro-batch from 0.17.6 (#7509), fixed in 0.18.3;
+- B11: ZeRO-2 + ``offload_optimizer`` cpu, 4 manual ``backward()`` per step: from 0.19.0 the first micro-batch is lost
+  and the previous update applied again (0.18.7 - 0.18.9 cannot run here: skipped);
+- B10: fp16 with a dynamic loss scale, ZeRO-2: half a step where the scale grows, in every release; from 0.17.1 the
+  scale grows one clean step later (a change of the step that keeps the verdict).
 """
 from __future__ import annotations
 
 from gradkit import config as kconfig
 from gradkit.commands.bisect import known, listing, result, search
+from gradkit.commands.sweep import spec as sweep_spec
 from gradkit.judge import expectations as ex
 from gradkit.judge import oracle
 from gradkit.judge.expectations import UNMANAGED_SINCE
 from gradkit.probes import ds_config
+from gradkit.stacks.fixes import FIXES
 from gradkit.stacks.versions import version_key
 
-BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8")  # the recipes (gradkit.commands.bisect.known) notebook 08 bisects
+BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8", "B12", "B11", "B10")  # the recipes (gradkit.commands.bisect.known) notebook 08 bisects
 
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
@@ -147,6 +154,15 @@ def check_notebook(p: dict) -> list:
             raise kconfig.ConfigError(f"{name} must list at least two releases, got {rels!r}")
         for v in rels:
             kconfig.check_version(v)
+    if p["FIX_BUG"] not in FIXES:
+        raise kconfig.ConfigError(f"FIX_BUG must be a bug the kit holds a fix for ({', '.join(FIXES)}), got "
+                                  f"{p['FIX_BUG']!r}")
+    stages = FIXES[p["FIX_BUG"]].stages
+    if not isinstance(p["FIX_STAGES"], list) or not p["FIX_STAGES"] or not set(p["FIX_STAGES"]) <= set(stages):
+        raise kconfig.ConfigError(f"FIX_STAGES must list some of the ZeRO stages {p['FIX_BUG']}'s reproduction runs "
+                                  f"at ({', '.join(map(str, stages))}), got {p['FIX_STAGES']!r}")
+    if p["FIX_SWEEP"] is not None:
+        sweep_spec.load_spec(p["FIX_SWEEP"])
     kconfig.check_positive_int("STRIDE", p["STRIDE"])
     kconfig.check_positive_int("STEPS", p["STEPS"])
     ds_config.resolve(p["STORY_CONFIG"], p["WORLD_SIZE"], p["STORY_CONFIG"].get("gradient_accumulation_steps", 4),

@@ -1,7 +1,7 @@
 """The figures of verdicts side by side, each cell coloured by its verdict: the verdict matrix (bug x DeepSpeed
 release, notebook 00 and the run-all summary), a grid of records by two keys (02, 03, 07), the sweep's heatmaps (06)
-a bisect's strip of releases (08) and a known bug's release history as a timeline (00, 01, 07, 08 and the refresh
-page). Each from records alone (no tensors, no re-runs).
+a bisect's strip of releases (08), a known bug's release history as a timeline (00, 01, 07, 08 and the refresh
+page) and a fix's steps on the release and patched (08). Each from records alone (no tensors, no re-runs).
 
 Every function returns the matplotlib Figure so a notebook shows it and a script can save it. This module imports
 matplotlib at its top (0.5 s): the rest of the kit imports it only inside the functions that draw (the overview's
@@ -13,6 +13,7 @@ import math
 
 import matplotlib.pyplot as plt
 from matplotlib import transforms
+from matplotlib.patches import Patch
 
 from gradkit import probes
 from gradkit.judge import records
@@ -219,5 +220,35 @@ def timeline(series: dict, pins=(), title: str = ""):
     axes[0][0].legend(handles=handles, fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def fix_steps(doc: dict, title: str = ""):
+    """A fix's verification (``gradkit.commands.fix.verify``): the norm ratio of each judged step of the bug's recipe,
+    on the release and on it patched (hatched), side by side, red where the step is off by more than 1 %; a skipped
+    step (fp16 overflow) is marked, not drawn."""
+    sides = [(doc["release"], doc["recipe"][doc["release"]]), (doc["patched"], doc["recipe"][doc["patched"]])]
+    n = max(len(r.get("ratios") or []) for _, r in sides)
+    fig, ax = plt.subplots(figsize=(min(SHOWN_WIDTH_IN, 2.5 + 0.9 * n), 3.0))
+    handles = [Patch(color=VERDICT_COLOURS["affected"], label="step off by > 1 %"),
+               Patch(color=VERDICT_COLOURS["not-affected"], label="step right")]
+    for k, (name, r) in enumerate(sides):
+        ratios = r.get("ratios") or []
+        xs = [i + (k - 0.5) * 0.38 for i in range(len(ratios))]
+        ax.bar(xs, [y or 0 for y in ratios], width=0.36, edgecolor="black", lw=0.5, hatch="" if k == 0 else "//",
+               color=[VERDICT_COLOURS["affected" if y and abs(y - 1) > 0.01 else "not-affected"] for y in ratios])
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="" if k == 0 else "//",
+                             label=f"{name}: {r['verdict']}"))
+        for x, y in zip(xs, ratios):
+            ax.text(x, (y or 0) + 0.03, "skip" if not y else f"{y:.2f}", ha="center", fontsize=SMALL)
+    ax.axhline(1.0, color="black", lw=0.8, ls=":")
+    ax.set_xticks(range(n))
+    ax.set_xticklabels([f"step {i + 1}" for i in range(n)], fontsize=SMALL)
+    ax.set_ylabel("applied / reference norm", fontsize=SMALL)
+    ax.set_ylim(0, max(1.25, *[(y or 0) + 0.2 for _, r in sides for y in r.get("ratios") or []]))
+    ax.legend(handles=handles, fontsize=SMALL, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
     fig.tight_layout()
     return fig

@@ -129,20 +129,28 @@ def ensure_overlay(package: str, version: str) -> Path:
 
 def ensure_patched(package: str, version: str, release: str, target: Path, lock: Path) -> Path:
     """``target`` holding ``release`` with the kit's patch of ``version`` applied (``gradkit.stacks.patched``), built
-    once under ``lock``, its manifest written and checked as an installed overlay's."""
-    if (target / ".complete").exists() and not overlay_damage(target):
+    once under ``lock``, its manifest written and checked as an installed overlay's; rebuilt where the patch changed
+    since (its digest is written in ``.complete``)."""
+    diff = patched.patch_file(package, version.partition("+")[2])
+    stamp = f"{release} + {diff.name} sha256 {hashlib.sha256(diff.read_bytes()).hexdigest()}"
+
+    def built() -> bool:
+        done = target / ".complete"
+        return done.exists() and done.read_text() == stamp and not overlay_damage(target)
+
+    if built():
         return target
     base = (Path(importlib.util.find_spec(module_name(package)).submodule_search_locations[0]).parent
             if release == installed_version(package) else ensure_overlay(package, release))
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        if (target / ".complete").exists() and not overlay_damage(target):
+        if built():
             return target
         tmp = patched.build(package, version, base, target)
         (tmp / MANIFEST).write_text(json.dumps(manifest(tmp)))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
-        (target / ".complete").write_text(f"{release} + {patched.patch_file(package, version.partition('+')[2])}")
+        (target / ".complete").write_text(stamp)
     return target
 
 

@@ -1,0 +1,74 @@
+"""The kit's fixes of known bugs, each a patch of a release with its proof beside it in
+``kit/stacks/patches/<package>/``: ``<patch>.diff`` (applied by ``gradkit.stacks.patched``), ``<patch>_repro.py``
+(a standalone reproduction: exit 1 where the bug shows) and ``<patch>_test.py`` (a regression test in DeepSpeed's
+``tests/unit`` style). ``gradkit report --known BUG`` (``gradkit.commands.fix``) verifies one on both sides. A new
+fix is those three files and one entry here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from gradkit import config as kconfig
+
+
+@dataclass(frozen=True)
+class Fix:
+    bug: str
+    patch: str  # kit/stacks/patches/deepspeed/<patch>.diff, and <patch>_repro.py beside it
+    title: str
+    stages: tuple  # the ZeRO stages the reproduction runs at (its STAGE)
+    lines: tuple  # (file, the code lines that make the bug, each as it reads in the release)
+    fixes: str  # what the patch does, in a sentence
+
+
+FIXES = {f.bug: f for f in (
+    Fix("B10", "b10", "fp16 with a dynamic loss scale: the step on which the scale grows applies half the update "
+                      "(ZeRO-1/2/3)", (2, 3),
+        (("deepspeed/runtime/zero/stage_1_and_2.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
+                                                      "self.unscale_and_clip_grads([single_grad_partition]",
+                                                      "combined_scale = self.loss_scale")),
+         ("deepspeed/runtime/zero/stage3.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
+                                               "self._global_grad_norm = scaled_global_grad_norm / self.loss_scale",
+                                               "combined_scale = self.loss_scale"))),
+        "the gradient is unscaled by the scale it was multiplied by in backward, the one before the update"),
+    Fix("B6", "b6", "ZeRO-3 never zeroes its reduced-gradient partitions: a parameter a step does not reach is stepped "
+                    "with its last gradient, one first reached after micro-batch 1 adds onto the previous window's",
+        (3,),
+        (("deepspeed/runtime/zero/stage3.py", ("self.grad_partitions_flat_buffer: Tensor = torch.zeros(",
+                                               "if param.requires_grad else torch.zeros_like(param.ds_tensor)",
+                                               "if self.micro_step_id == 0:  # don't accumulate",
+                                               "grad_buffer.add_(grad_partition.to(self.gradient_accumulation_dtype)",
+                                               "def _overflow_clean_up(self, prev_scale):",
+                                               "def _post_step(self, timer_names):")),),
+        "the reduced-gradient partitions are zeroed once the step has used them, and when an overflow skips it, so "
+        "every window starts from zero"),
+    Fix("B9", "b9", "fp16 at ZeRO-0 with a torch optimizer (FP16_UnfusedOptimizer): every update is 1 / loss_scale of "
+                    "the right one", (0,),
+        (("deepspeed/runtime/engine.py", ("# TODO: handle these scaling with direct calls to loss.backward()",
+                                          "loss = self.optimizer.scale_if_loss(loss)")),
+         ("deepspeed/runtime/fp16/unfused_optimizer.py", ("self.unscale_and_clip_grads(self._global_grad_norm)",
+                                                           "combined_scale = self.loss_scale_config.cur_scale",
+                                                           "param.grad.data.mul_(1. / combined_scale)"))),
+        "engine.backward scales the loss by the fp16 optimizer's loss scale, as its backward() did before #7665 and "
+        "where deepspeedai/DeepSpeed#8393 (open) adds its branch, so step() unscales a scaled gradient"),
+    Fix("B11", "b11", "offload_optimizer cpu, several backward() per step() at GA 1: a step loses its first micro-batch "
+                      "and applies the previous step's update again (ZeRO-1/2)", (1, 2),
+        (("deepspeed/runtime/zero/stage_1_and_2.py", (
+            "if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary():", "if self.micro_step_id > 0:",
+            "dest_tensor.copy_(src_tensor, non_blocking=True)")),),
+        "a boundary backward that skips the CPU gradient buffer records its parameters, a later backward of the same "
+        "step adds their gradient from the fp32 buffer, and the CPU buffer is added only once this step has written "
+        "it (both sets emptied in step())"),
+)}
+
+
+def verified_report(bug: str) -> str | None:
+    """The repository path of ``bug``'s report where ``gradkit report --known`` wrote one and found its fix verified
+    (``docs/reports/<bug>/verification.json``), else None."""
+    path = f"docs/reports/{bug}"
+    try:
+        doc = json.loads(kconfig.repo_path(f"{path}/verification.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return f"{path}/report.md" if bug in FIXES and doc.get("verified") else None
