@@ -111,6 +111,8 @@ def test_fp16_with_a_dynamic_loss_scale_is_judged_with_deepspeeds_own_scaler_its
     assert row["explained_by"] == "B10" and row["worst_step"] == 4 and row["cosine"] > 0.9999, row
     assert row["fix"]["verdict"] == oracle.NOT_AFFECTED and row["fix"]["ratio"] == pytest.approx(1.0, abs=1e-3)
     assert "step 2 (loss scale 65536 kept: hysteresis) skipped by the fp16 loss scaler on an overflow" in text
+    # where no release fixes it, the patch the kit verified (its report says verified: docs/reports/B10)
+    assert "a patch of DeepSpeed the kit verified (gradkit report --known B10): docs/reports/B10/report.md" in text
 
 
 @pytest.mark.world

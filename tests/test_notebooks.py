@@ -100,6 +100,33 @@ def test_overview_runs_the_probes_itself_when_given_no_results(repo, tmp_path, c
     assert "2 probes: B4 on installed, 2 ranks: 100%" in text  # the notebook's own bar reached its cases' end
 
 
+def test_the_new_bug_notebook_verifies_the_b10_fix_end_to_end_on_the_release_and_patched(quick_run):
+    """Notebook 08's section 7 (``gradkit.commands.fix.verify``, ZeRO-2, no sweep): the kit's patch applied to the
+    installed release in an overlay of its own; the reproduction exits 1 on the release and 0 patched, the regression
+    test fails at every stage on the release and passes patched, the recipe is affected and named B10 on the release
+    and not-affected patched; the report says so."""
+    from gradkit.stacks import versions
+
+    out = quick_run[1] / "08_fix_B10"
+    doc = json.loads((out / "verification.json").read_text())
+    release = versions.installed_version("deepspeed")
+    assert doc["verified"] and doc["patched"] == f"{release}+b10", doc
+    runs = doc["reproduction"]
+    assert runs[f"{release} ZeRO-2"]["exit"] == 1 and "REPRODUCED: 2 of 6 steps off" in runs[f"{release} ZeRO-2"]["output"]
+    assert "step 3: loss scale 256 -> 512, applied / gradient 0.50" in runs[f"{release} ZeRO-2"]["output"]
+    assert runs[f"{release}+b10 ZeRO-2"]["exit"] == 0 and f"(deepspeed {release}+b10)" in runs[f"{release}+b10 ZeRO-2"][
+        "output"]
+    assert doc["test"][release]["exit"] == 1 and doc["test"][release]["output"].count("FAILED b10_test.py") == 3
+    assert doc["test"][f"{release}+b10"]["exit"] == 0 and "3 passed" in doc["test"][f"{release}+b10"]["output"]
+    assert doc["recipe"][release]["verdict"] == "affected" and doc["recipe"][release]["explained_by"] == "B10"
+    assert doc["recipe"][f"{release}+b10"]["verdict"] == "not-affected"
+    text = (out / "report.md").read_text()
+    assert "the fix is **verified**" in text and "```diff" in text and (out / "fix.diff").exists()
+    assert (out / "test_b10.py").exists() and "| `test_b10.py` (pytest, 2 ranks): exit status | 1 | 0 |" in text
+    findings = json.loads((quick_run[1] / "08_new_bug.findings.json").read_text())
+    assert findings["fix"] == {"bug": "B10", "verified": True, release: "affected", f"{release}+b10": "not-affected"}
+
+
 def test_the_run_renders_a_site_to_read_without_running(quick_run):
     """OUT/site: an index with the verdict matrix embedded and a link to a page per notebook; every page has its
     figures embedded and a table of contents whose every link lands on a heading of that page."""

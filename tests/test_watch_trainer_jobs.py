@@ -73,6 +73,7 @@ def test_the_trainer_on_deepspeed_fp16_applies_half_the_step_where_its_loss_scal
     assert third["measured"]["metrics"]["norm_ratio"] == pytest.approx(0.5, abs=1e-3)
     assert third["measured"]["metrics"]["cosine"] > 0.9999  # the direction is right: only its size is halved
     assert third["known"].startswith("B10 (") and "static loss scale" in third["known"], third["known"]
+    assert third["known"].endswith("a patch the kit verified: docs/reports/B10/report.md"), third["known"]
 
 
 @pytest.mark.world

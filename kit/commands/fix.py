@@ -4,19 +4,22 @@ has verified (``docs/reports/<BUG>/``).
     gradkit report --known B10                        # the installed release, its default sweep: minutes
     gradkit report --known B10 --sweep none           # without the sweep (said so in the report)
 
-The patch (``kit/stacks/patches/<package>/<name>.diff``) is applied to the release in an overlay of its own
-(``gradkit.stacks.patched``: ``0.19.8+b10``), and the same judgements run on both sides:
+The fix (``gradkit.stacks.fixes``: a patch ``kit/stacks/patches/<package>/<name>.diff`` with its reproduction and
+regression test beside it) is applied to the release in an overlay of its own (``gradkit.stacks.patched``:
+``0.19.8+b10``), and the same judgements run on both sides:
 
 1. the standalone reproduction (``<name>_repro.py``, plain DeepSpeed and torch, CPU or GPU), as a user runs it
    (torchrun, 2 ranks), once per ZeRO stage it names: exit 1 on the release, 0 with the patch;
-2. the bug's recipe (``gradkit.commands.bisect.known``), judged by the kit's oracle: affected on the release,
+2. the regression test (``<name>_test.py``, written for DeepSpeed's ``tests/unit``), under pytest on every rank of
+   a torchrun world (``kit/stacks/patches/harness``): a failed test on the release, all passed with the patch;
+3. the bug's recipe (``gradkit.commands.bisect.known``), judged by the kit's oracle: affected on the release,
    not-affected with the patch;
-3. the sweep (the default spec, fp16 added; its records in ``runs/reports/<BUG>/sweep``): no point not-affected on
-   the release is affected with the patch.
+4. the sweep (the default spec, fp16 among its precisions; its records in ``runs/reports/<BUG>/sweep``, or beside a
+   report written elsewhere): no point not-affected on the release is affected with the patch.
 
 The report holds what happens in the code's own lines (read from the release), the reproduction and what it
-printed on both sides, the patch, the verification table and the command that wrote it; ``verified`` is true only
-where every judgement went the way a fix must.
+printed on both sides, the patch, the test, the verification table and the command that wrote it; ``verified`` is
+true only where every judgement went the way a fix must.
 """
 from __future__ import annotations
 
@@ -75,7 +78,9 @@ def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_s
         tests[name] = run_test(test, stack, timeout_s)
     recipe = recipes.RECIPES[bug]
     measured = {name: recipes.measure(recipe, world_size, timeout_s=timeout_s)(name) for name in stacks}
-    swept = sweep_both(sweep, stacks, kconfig.repo_path(f"runs/reports/{bug}"), progress) if sweep else None
+    # the report's records stay out of docs/ (runs/reports/<bug>/sweep); elsewhere beside the report
+    swept = sweep_both(sweep, stacks, kconfig.repo_path(f"runs/reports/{bug}") if out.resolve() == default_out(
+        bug).resolve() else out, progress) if sweep else None
     doc = {"bug": bug, "release": release, "patched": with_patch, "patch": fix.patch, "stages": list(fix.stages),
            "reproduction": {
         f"{n} ZeRO-{s}": {"exit": rc, "output": text} for (n, s), (rc, text) in runs.items()}, "recipe": measured,

@@ -49,9 +49,13 @@ FIXES = {f.bug: f for f in (
                                           "loss = self.optimizer.scale_if_loss(loss)")),
          ("deepspeed/runtime/fp16/unfused_optimizer.py", ("self.unscale_and_clip_grads(self._global_grad_norm)",
                                                            "combined_scale = self.loss_scale_config.cur_scale",
-                                                           "param.grad.data.mul_(1. / combined_scale)"))),
+                                                           "param.grad.data.mul_(1. / combined_scale)",
+                                                           "self._global_grad_norm = get_global_norm(norm_list=norm_groups)"
+                                                           ))),
         "engine.backward scales the loss by the fp16 optimizer's loss scale, as its backward() did before #7665 and "
-        "where deepspeedai/DeepSpeed#8393 (open) adds its branch, so step() unscales a scaled gradient"),
+        "where deepspeedai/DeepSpeed#8393 (open) adds its branch, so step() unscales a scaled gradient; and the "
+        "optimizer stashes the norm unscaled, as deepspeedai/DeepSpeed#8588 (open) does, else the logged norm is "
+        "x loss_scale again"),
     Fix("B11", "b11", "offload_optimizer cpu, several backward() per step() at GA 1: a step loses its first micro-batch "
                       "and applies the previous step's update again (ZeRO-1/2)", (1, 2),
         (("deepspeed/runtime/zero/stage_1_and_2.py", (
@@ -60,6 +64,16 @@ FIXES = {f.bug: f for f in (
         "a boundary backward that skips the CPU gradient buffer records its parameters, a later backward of the same "
         "step adds their gradient from the fp32 buffer, and the CPU buffer is added only once this step has written "
         "it (both sets emptied in step())"),
+    Fix("B7", "b7", "offload_optimizer cpu: a parameter the boundary micro-batch skips loses its window's gradient and "
+                    "steps a stale one (ZeRO-1/2)", (1, 2),
+        (("deepspeed/runtime/zero/stage_1_and_2.py", (
+            "self.single_partition_of_fp32_groups[i].grad = get_accelerator().pin_memory(",
+            "if self.micro_step_id > 0:", "if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary():",
+            "dest_tensor.copy_(src_tensor, non_blocking=True)",
+            "if self.get_param_id(param) not in self._offload_accumulated_param_ids:")),),
+        "the CPU accumulator is added only once this window wrote it, and at the boundary every parameter the boundary "
+        "micro-batch skipped gets its slice of the fp32 gradient from that accumulator, or zero where no micro-batch "
+        "reached it"),
 )}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from gradkit.commands.check import known as kknown
 from gradkit.judge import expectations, naming, oracle
+from gradkit.stacks import fixes
 
 CANDIDATES = {"trainer": ("B1", "HFT"), "accelerate": ("ACC",)}
 TIE = "several known bugs are expected here and the measurement does not tell them apart"
@@ -27,7 +28,9 @@ def named_step(rec: dict) -> str | None:
     for k in expectations.KNOWN.values():
         if k.explains and k.explains[1] in (naming.UNSCALED, naming.SCALE_GREW) and rec.get("matches") == \
                 k.explains[1] and kknown.expected_here(k.bug, versions):
-            return f"{k.bug} ({k.report}): {k.explains[0]}; fix: {k.explains[2]}"
+            patch = fixes.verified_report(k.bug)
+            return (f"{k.bug} ({k.report}): {k.explains[0]}; fix: {k.explains[2]}"
+                    + (f"; a patch the kit verified: {patch}" if patch else ""))
     return None
 
 

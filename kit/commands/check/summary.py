@@ -9,6 +9,7 @@ from gradkit.commands.check.known import OWN_LOOPS, explain, if_run
 from gradkit.judge import expectations, oracle, records
 from gradkit.judge import verdict as kverdict
 from gradkit.probes import ds_config
+from gradkit.stacks import fixes
 
 SEPARATING_GA = 4  # from N = 3 on, every named hypothesis predicts its own step (at N = 2 "last / N" is "all but the first")
 
@@ -82,7 +83,7 @@ def summarise(recs: list[dict]) -> dict:
                 row["fix"] = {"what": expectations.KNOWN[row["explained_by"]].explains[2],
                               "verdict": fix["verdict"] if fix else "not re-run here (the fix is another release: "
                                                                      "run this check with --deepspeed)",
-                              "ratio": fm.get("norm_ratio")}
+                              "ratio": fm.get("norm_ratio"), "patch": fixes.verified_report(row["explained_by"])}
         rows.append(row)
     worst = kverdict.worst([r["verdict"] for r in rows])
     measured = next((r for r in recs if r["role"] == "measured" and r.get("versions")), None)
@@ -129,6 +130,9 @@ def report(recs: list[dict], summary: dict, source: str, world_size: int, device
                 f = row["fix"]
                 lines.append(f"      fix: {f['what']}; re-run with the fix: {f['verdict']}"
                              + (f" (ratio {f['ratio']:.4f})" if f.get("ratio") else ""))
+                if f.get("patch"):
+                    lines.append(f"      a patch of DeepSpeed the kit verified (gradkit report --known "
+                                 f"{row['explained_by']}): {f['patch']}")
         elif row["verdict"] != oracle.NOT_AFFECTED:
             said = [r["reason"] for r in summary["loops"][:summary["loops"].index(row)]]
             lines.append("      the same" if row["reason"] in said else f"      {row['reason'][:600]}")
