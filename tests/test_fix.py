@@ -69,3 +69,19 @@ def test_the_ranges_table_links_a_fix_only_where_its_report_says_verified(tmp_pa
     (tmp_path / "docs/reports/B3").mkdir(parents=True)  # a report of a bug the kit holds no fix for is not linked
     (tmp_path / "docs/reports/B3/verification.json").write_text(json.dumps({"verified": True}))
     assert fixes.verified_report("B3") is None
+
+
+def test_a_sweep_never_reuses_a_record_measured_on_a_patch_since_edited(monkeypatch):
+    """A patched release's records name the patch by its digest: the sweep resumes from a record only where the
+    patch is the one it was measured on (an edited patch runs its points again; ``report --known`` after an edit)."""
+    from gradkit.commands.sweep import run as sweep_run
+    from gradkit.commands.sweep import spec as sweep_spec
+
+    stack = {"deepspeed": "0.19.8+b10"}
+    before = sweep_spec.release_of(stack)
+    assert before.startswith("0.19.8+b10 (b10.diff ") and sweep_spec.release_of({"deepspeed": "0.19.8"}) == "0.19.8"
+    spec = sweep_spec.check_spec({"axes": {"ga": [1]}, "stacks": [stack]})
+    rec = {"release": before, "stack": stack, "spec_key": sweep_spec.spec_key(spec), "id": "x", "verdict": "affected"}
+    assert sweep_run.current([rec], spec) == [rec]
+    monkeypatch.setattr(patched, "digest", lambda package, name: "0" * 64)  # the patch edited since
+    assert sweep_spec.release_of(stack) != before and sweep_run.current([rec], spec) == []

@@ -8,6 +8,7 @@ of a known bug (``gradkit report --known``) is judged on it by the same oracle a
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -22,6 +23,12 @@ VERSION_FILES = {"deepspeed": "deepspeed/git_version_info_installed.py"}  # wher
 
 def patch_file(package: str, name: str) -> Path:
     return PATCHES / package / f"{name}.diff"
+
+
+def digest(package: str, name: str) -> str:
+    """The patch's sha256: an overlay built from it, or a record measured on it, is the patch's as it is now only
+    where this matches."""
+    return hashlib.sha256(patch_file(package, name).read_bytes()).hexdigest()
 
 
 def split(version: str, package: str = "deepspeed") -> tuple[str, str | None]:

@@ -131,8 +131,8 @@ def ensure_patched(package: str, version: str, release: str, target: Path, lock:
     """``target`` holding ``release`` with the kit's patch of ``version`` applied (``gradkit.stacks.patched``), built
     once under ``lock``, its manifest written and checked as an installed overlay's; rebuilt where the patch changed
     since (its digest is written in ``.complete``)."""
-    diff = patched.patch_file(package, version.partition("+")[2])
-    stamp = f"{release} + {diff.name} sha256 {hashlib.sha256(diff.read_bytes()).hexdigest()}"
+    name = version.partition("+")[2]
+    stamp = f"{release} + {name}.diff sha256 {patched.digest(package, name)}"
 
     def built() -> bool:
         done = target / ".complete"

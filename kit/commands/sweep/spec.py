@@ -12,7 +12,7 @@ import json
 from gradkit import config as kconfig
 from gradkit import shapes
 from gradkit.probes import ds_config
-from gradkit.stacks import versions
+from gradkit.stacks import patched, versions
 
 SPECIAL_AXES = ("loop", "dtype", "ga", "model")
 
@@ -182,5 +182,8 @@ def spec_key(spec: dict) -> str:
 
 
 def release_of(stack: dict) -> str:
-    """The DeepSpeed release a stack resolves to (never "installed": an upgrade changes it)."""
-    return stack.get("deepspeed") or versions.installed_version("deepspeed")
+    """The DeepSpeed release a stack resolves to (never "installed": an upgrade changes it); a release with one of the
+    kit's patches names the patch as it is now (an edited patch runs everything again)."""
+    version = stack.get("deepspeed") or versions.installed_version("deepspeed")
+    patch = patched.split(version)[1]
+    return f"{version} ({patch}.diff {patched.digest('deepspeed', patch)[:12]})" if patch else version
