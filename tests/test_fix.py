@@ -46,12 +46,14 @@ def test_a_regression_test_is_failed_only_where_pytest_failed_one_and_a_crash_is
     said = {"failed": (1, "FAILED b10_test.py::T::test[1] - AssertionError\n1 failed, 2 passed in 3.1s\n", ""),
             "error": (1, "ERROR b10_test.py - ModuleNotFoundError: No module named 'unit'\n1 error in 0.2s\n", ""),
             "crash": (1, "", "Traceback (most recent call last):\nRuntimeError: gloo\n"),
-            "passed": (0, "PASSED b10_test.py::T::test[1]\n3 passed in 9.0s\n", "")}
+            "passed": (0, "PASSED b10_test.py::T::test[1]\n3 passed in 9.0s\n", ""),
+            "coloured": (1, "\x1b[31mFAILED\x1b[0m b10_test.py::\x1b[1mT::test[1]\x1b[0m\n", "")}
     got = {}
     for what in said:
         monkeypatch.setattr(fix.scripts, "torchrun", lambda *a, what=what, **k: said[what])
         got[what] = fix.run_test(tmp_path / "t.py", {}, 60)
-    assert {w: rc for w, (rc, _) in got.items()} == {"failed": 1, "error": 3, "crash": 3, "passed": 0}, got
+    assert {w: rc for w, (rc, _) in got.items()} == {"failed": 1, "error": 3, "crash": 3, "passed": 0,
+                                                          "coloured": 1}, got
     assert "RuntimeError: gloo" in got["crash"][1] and got["failed"][1].startswith("FAILED b10_test.py::T::test[1]")
 
 

@@ -110,6 +110,7 @@ def run_test(path: Path, stack: dict, timeout_s: float) -> tuple[int, str]:
     failed (and none errored), 0 where all passed, else the world's own status (a crash, a collection error: it did
     not judge); with pytest's lines of outcome (everything it printed where it printed none)."""
     rc, stdout, stderr = scripts.torchrun(HARNESS, [path.resolve()], world_size=2, stack=stack, timeout_s=timeout_s)
+    stdout = re.sub(r"\x1b\[[0-9;]*m", "", stdout)  # pytest's colours, where the caller's terminal asks for them
     said = [line.strip("= ") for line in stdout.splitlines()
             if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED "))
             or re.match(r"^=*\s*\d+ (passed|failed)", line)]

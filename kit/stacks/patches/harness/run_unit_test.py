@@ -9,12 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ``unit.common``: this folder's stand-in for DeepSpeed's
 rank = int(os.environ.get("RANK", "0"))
 os.chdir(Path(sys.argv[1]).resolve().parent)  # pytest names the test by its file alone
-args = [sys.argv[1], "-c", os.devnull, "-p", "no:cacheprovider", "--rootdir", str(Path(sys.argv[1]).parent),
+args = [sys.argv[1], "-c", os.devnull, "-p", "no:cacheprovider", "--color=no",
+        "--rootdir", str(Path(sys.argv[1]).parent),
         *(["-q", "--no-header", "-rA"] if rank == 0 else ["-qq", "--no-summary"])]
 if rank != 0:
     sys.stdout = open(os.devnull, "w")
-sys.exit(int(pytest.main(args)))
+rc = int(pytest.main(args))
+if dist.is_available() and dist.is_initialized():  # every rank done (rank 0's report printed) before any exits: a
+    status = torch.tensor([rc])                   # rank leaving first with 1 would have torchrun kill the others
+    dist.all_reduce(status, op=dist.ReduceOp.MAX)
+    rc = int(status.item())
+sys.exit(rc)
