@@ -68,6 +68,9 @@ def test_the_ranges_table_links_a_fix_only_where_its_report_says_verified(tmp_pa
     assert fixes.verified_report("B10") is None
     (tmp_path / "docs/reports/B10/verification.json").write_text(json.dumps({"verified": True}))
     assert fixes.verified_report("B10") == "docs/reports/B10/report.md"
+    for doc in ([{"verified": True}], "verified", {"verified": "no"}):  # the watch calls this: never a raise
+        (tmp_path / "docs/reports/B10/verification.json").write_text(json.dumps(doc))
+        assert fixes.verified_report("B10") is None
     (tmp_path / "docs/reports/B3").mkdir(parents=True)  # a report of a bug the kit holds no fix for is not linked
     (tmp_path / "docs/reports/B3/verification.json").write_text(json.dumps({"verified": True}))
     assert fixes.verified_report("B3") is None

@@ -118,6 +118,18 @@ def test_a_points_config_is_the_base_with_its_axes_set_as_a_user_would_write_it(
     assert spec["base"]["zero_optimization"] == {"reduce_bucket_size": 5}  # the spec itself is untouched
 
 
+def test_the_default_spec_runs_fp16_at_every_zero_stage_with_deepspeeds_own_accumulator():
+    """fp16 points leave ``grad_accum_dtype`` unset: with an fp32 accumulator DeepSpeed refuses fp16 at ZeRO-0, and
+    B9's path (FP16_UnfusedOptimizer) would never be swept; the other precisions keep their fp32 / bf16 one."""
+    spec = sweep_spec.load_spec("scripts/sweeps/default.yaml")
+    fp16 = [p for p in sweep_spec.points(spec) if p["dtype"] == "fp16"]
+    assert {p["zero_optimization.stage"] for p in fp16} == {0, 1, 2, 3}
+    assert {p["data_types.grad_accum_dtype"] for p in fp16} == {"default"}
+    assert "data_types" not in sweep_spec.user_config(spec, fp16[0])
+    assert not [p for p in sweep_spec.points(spec) if p["dtype"] != "fp16" and p["data_types.grad_accum_dtype"] ==
+                "default"]
+
+
 def test_a_points_case_is_its_measured_loop_named_by_its_id():
     spec = _spec(axes={"ga": [2], "loop": ["manual"]}, steps=2)
     case = sweep_spec.point_case(spec, {"ga": 2, "loop": "manual"})

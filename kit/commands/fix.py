@@ -14,7 +14,7 @@ regression test beside it) is applied to the release in an overlay of its own (`
    a torchrun world (``kit/stacks/patches/harness``): a failed test on the release, all passed with the patch;
 3. the bug's recipe (``gradkit.commands.bisect.known``), judged by the kit's oracle: affected on the release,
    not-affected with the patch;
-4. the sweep (the default spec, fp16 among its precisions; its records in ``runs/reports/<BUG>/sweep``, or beside a
+4. the sweep (the default spec, fp16 among its precisions; its records in ``runs/reports/sweep``, one store for every report, or beside a
    report written elsewhere): no point not-affected on the release is affected with the patch.
 
 The report holds what happens in the code's own lines (read from the release), the reproduction and what it
@@ -78,8 +78,9 @@ def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_s
         tests[name] = run_test(test, stack, timeout_s)
     recipe = recipes.RECIPES[bug]
     measured = {name: recipes.measure(recipe, world_size, timeout_s=timeout_s)(name) for name in stacks}
-    # the report's records stay out of docs/ (runs/reports/<bug>/sweep); elsewhere beside the report
-    swept = sweep_both(sweep, stacks, kconfig.repo_path(f"runs/reports/{bug}") if out.resolve() == default_out(
+    # the report's records stay out of docs/, in one store that every report shares (runs/reports/sweep: the
+    # release's own side runs once for all of them); elsewhere beside the report
+    swept = sweep_both(sweep, stacks, kconfig.repo_path("runs/reports") if out.resolve() == default_out(
         bug).resolve() else out, progress) if sweep else None
     doc = {"bug": bug, "release": release, "patched": with_patch, "patch": fix.patch, "stages": list(fix.stages),
            "reproduction": {

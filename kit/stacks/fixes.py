@@ -85,4 +85,5 @@ def verified_report(bug: str) -> str | None:
         doc = json.loads(kconfig.repo_path(f"{path}/verification.json").read_text())
     except (OSError, ValueError):
         return None
-    return f"{path}/report.md" if bug in FIXES and doc.get("verified") else None
+    # only ever the kit's own file, but the watch calls this: a file that is not an object is no verified report
+    return f"{path}/report.md" if bug in FIXES and isinstance(doc, dict) and doc.get("verified") is True else None
