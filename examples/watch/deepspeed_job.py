@@ -3,8 +3,9 @@
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/watch/deepspeed_job.py --stage 2 --loop manual
 
 ``--loop engine``: DeepSpeed's own loop (``backward`` and ``step`` every micro-batch, GA in the config);
-``--loop manual``: GA 1 in the config, GA ``backward`` calls, then one ``step`` (ZeRO-1/2 before 0.19.4+'s
-fix keep only the last micro-batch there: B3). AdamW and dropout, as a real job has them.
+``--loop manual``: GA 1 in the config, GA ``backward`` calls, then one ``step`` (ZeRO-1/2 from 0.18.3 keep only
+the last micro-batch there: B3; no release fixes it, 0.19.4 added the opt-out ``"managed_gradient_accumulation":
+false``). AdamW and dropout, as a real job has them.
 """
 import argparse
 import os
