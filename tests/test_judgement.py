@@ -306,6 +306,35 @@ def test_a_step_unscaled_by_a_grown_loss_scale_is_named_b10_and_a_tiny_step_is_n
     assert naming.step_name(within) == ds_ranks.UNSCALED
 
 
+def test_another_bugs_step_halved_by_a_grown_scale_is_named_by_that_bug_with_b10_beside_it():
+    """B10 on top of B3 (the manual loop's last micro-batch, then x old / new) or B5 (offload's first and last): each
+    named step exists grown where the scale moved, and the check names the bug that made the step, with B10 said
+    beside it; without B10 a candidate (a static scale), or without the other bug, the step is no known bug's."""
+    w, n = 2, 4
+    hyp = ds_ranks.hypothesis_weights(w, n, loss_scale=1024.0, scale_change=0.5)
+    assert not [h for h in ds_ranks.hypothesis_weights(w, n, loss_scale=1024.0) if h.endswith(naming.GROWN)]
+    last = "last micro-batch / N" + naming.GROWN
+    assert hyp[last] == [0.5 * x for x in hyp["last micro-batch / N"]] and naming.grown_base(last) == \
+        "last micro-batch / N" and naming.grown_base(naming.SCALE_GREW) is None and naming.grown_base(7) is None
+    basis = _basis(w * n)
+    for name in (last, "first and last micro-batch" + naming.GROWN):
+        h = naming.explain(torch.tensor(hyp[name], dtype=torch.float64) @ basis, basis, hyp, "fp16")
+        assert naming.step_name(h) == name
+    dynamic = {"fp16": {"enabled": True, "loss_scale": 0}}
+    rec = {"config": {"loop": "manual", "ds_config": dynamic}, "versions": {"deepspeed": "0.18.6"}, "zero_stage": 2,
+           "optimizer": "DeepSpeedZeroOptimizer", "ga": n, "matches": last}
+    bug, why = check.explain(rec)
+    assert bug == "B3" and "and B10 on this step" in why and why.startswith("B3 (allenai/open-instruct#1498)")
+    off = {"offload_optimizer": {"device": "cpu"}}
+    b5 = {**rec, "config": {"loop": "engine", "ds_config": {**dynamic, "zero_optimization": off}},
+          "matches": "first and last micro-batch" + naming.GROWN}
+    assert check.explain(b5)[0] == "B5"
+    static = {**rec, "config": {**rec["config"], "ds_config": {"fp16": {"enabled": True, "loss_scale": 1024}}}}
+    assert check.explain(static)[0] is None  # no growth on a static scale: B3's step would not be halved
+    assert check.explain({**rec, "config": {**rec["config"], "loop": "engine"}})[0] is None  # no B3 in this loop
+    assert check.explain({**rec, "matches": "mean / N" + naming.GROWN})[0] is None  # B3's candidates, not its step
+
+
 def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_and_b8_per_partition():
     """B11: this step's micro-batches but each rank's first, plus the update the previous step applied; B8: each
     rank's partition of the flat vector (split as ZeRO-1/2 split it) the sum of that rank's own micro-batches / N.

@@ -15,11 +15,29 @@ from gradkit.judge.tolerances import TOLERANCES
 # named steps of an fp16 loss scaler: the optimizer divides by a loss scale the loss never got (B9), and the scale
 # changed between the backward that scaled the loss and the unscale (B10: ``_update_scale`` runs first)
 UNSCALED = "global mean / loss scale"
-SCALE_GREW = "global mean x old / new loss scale"
+GROWN = " x old / new loss scale"  # a named step, then the scale's growth (B10) on top of it: B3's, halved
+SCALE_GREW = "global mean" + GROWN
 # a CPU gradient accumulator never reset (B11): this step's micro-batches but the first, and the last update again
 CARRIED = "first micro-batch lost, the previous update applied again"
 # no all-reduce at all (B8): each rank's partition stepped with the sum of that rank's own micro-batches
 OWN_PARTITION = "each rank's partition: its own micro-batches, summed"
+
+
+def grown(hypotheses: dict, scale_change: float) -> dict:
+    """Each named step of ``hypotheses`` (weights over the basis) as the scale's growth leaves it (B10 on a step
+    another bug already made: the weights times old / new), named ``<name> x old / new loss scale``; "global mean"'s
+    is ``SCALE_GREW``, B10 alone. None where the scale did not move."""
+    if scale_change == 1.0:
+        return {}
+    return {name + GROWN: [x * scale_change for x in w] for name, w in hypotheses.items()}
+
+
+def grown_base(name) -> str | None:
+    """The named step a grown one was before the scale's growth (``grown``), except B10's own (``SCALE_GREW``);
+    None for any other name."""
+    if isinstance(name, str) and name.endswith(GROWN) and name != SCALE_GREW:
+        return name[:-len(GROWN)]
+    return None
 
 
 def explain(effective, basis, candidates: dict, dtype: str, reference=None, clip: float = 0.0,

@@ -7,7 +7,7 @@ Every rule reads the bug table (``gradkit.judge.expectations``); nothing here la
 from __future__ import annotations
 
 from gradkit import shapes
-from gradkit.judge import expectations, oracle
+from gradkit.judge import expectations, naming, oracle
 from gradkit.probes.ds_resolve import dynamic_scale
 from gradkit.stacks.versions import version_key
 
@@ -102,6 +102,15 @@ def explain(rec: dict) -> tuple[str | None, str]:
         if matches == hypothesis or isinstance(hypothesis, tuple) and matches in hypothesis:
             k = expectations.KNOWN[bug]
             return bug, f"{bug} ({k.report}): {pattern}; the step is '{matches}'"
+    # another bug's step, then the scale's growth on top of it: named by that bug, the grower said beside it
+    base, hyp = naming.grown_base(matches), {b: expectations.KNOWN[b].explains[1] for b in found}
+    growers = [b for b in found if hyp[b] == naming.SCALE_GREW]
+    under = [b for b in found if base and b not in growers and (base == hyp[b] or isinstance(hyp[b], tuple)
+                                                                  and base in hyp[b])]
+    if growers and len(under) == 1:
+        k = expectations.KNOWN[under[0]]
+        return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {growers[0]} on this step (the loss scale "
+                          f"grew before the unscale: x old / new); the step is '{matches}'")
     if found:
         return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
                       f"'{matches}', not what {found[0]} leaves{said}")

@@ -33,7 +33,8 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, los
     ``loss_scale``: the optimizer's own loss scale when it unscaled (an fp16 optimizer's ``cur_scale``); above 1,
     the step it gives when it divides by a scale the loss never got (``UNSCALED``) is a hypothesis too.
     ``scale_change``: the scale the step's losses got over the one it was unscaled by; where it is not 1 (the
-    dynamic scaler moved in between), the step that leaves (``SCALE_GREW``) is one too."""
+    dynamic scaler moved in between), each named step as that leaves it is one too (``naming.grown``: the mean's,
+    ``SCALE_GREW``, is B10 alone; another's is B10 on top of that step's bug)."""
     k = w * n
     last = [1.0 / k if i % n == n - 1 else 0.0 for i in range(k)]
     own_boundary = [(1.0 / n if i // n == own else 0.0) if i % n == n - 1 else 1.0 / k for i in range(k)]
@@ -41,12 +42,11 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, los
     ends = [1.0 / k if i % n in (0, n - 1) else 0.0 for i in range(k)] if n > 2 else [0.0] * k  # n <= 2: the mean
     out = dict(zip(HYPOTHESES, ([1.0 / k] * k, last, [1.0 / w] * k, [1.0 / (k * n)] * k, own_boundary, first_lost,
                                 ends)))
+    out.update(naming.grown(out, scale_change))
     if previous:
         out[STALE] = [1.0 / k] * (2 * k)
     if loss_scale > 1.0:
         out[UNSCALED] = [1.0 / (k * loss_scale)] * k
-    if scale_change != 1.0:
-        out[SCALE_GREW] = [scale_change / k] * k
     return out
 
 
