@@ -366,8 +366,10 @@ def suite_bench(json_path: str, repeat: int = 1) -> int:
         wall = time.monotonic() - t0
         tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
         m = re.search(r"(\d+) passed.* in ([\d.]+)s", tail)
+        slowest = re.findall(r"^([\d.]+)s (call|setup|teardown) +(\S+)$", out.stdout, re.M)  # --durations
         runs.append({"suite_s": round(wall, 1), "exit": out.returncode, "summary": tail,
-                     "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None})
+                     "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None,
+                     "slowest": [{"s": float(t), "when": w, "test": name} for t, w, name in slowest]})
         print(f"run {i + 1} of {repeat}: bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode})",
               flush=True)
         if out.returncode:  # what failed, kept (a fresh clone has no runs/ folder yet)

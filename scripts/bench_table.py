@@ -87,7 +87,7 @@ PERF_ROWS = [
     ("bench_watch_scale.json", "stays_most", "left in use after a judged step, the most of any row", "≤ 0.01",
      "models"),
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
-     "≤ 360 s", "s"),
+     "≤ 720 s", "s"),  # CI's goal: about 12 min from a fresh clone
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
     ("bench_suite.json", "passed_runs", "the suite {repeat} times in a row (`--suite --repeat N`, in a fresh clone: "
      "the first run builds the venv, overlays and comm ops), each run's wall time: {walls} s", "every run", "runs"),

@@ -1,6 +1,7 @@
 """The sweep's logic without a world (``gradkit.commands.sweep``): the spec and its points, each point's config and id, resuming,
 the grouping of affected points, a tie separated by a sibling, the summary, notebook 06's assertions, the tables
 and main's flow with the worlds replaced by records. tests/test_sweep.py runs the same code on real 2-rank worlds."""
+import hashlib
 import json
 
 import pytest
@@ -157,10 +158,13 @@ def test_a_point_id_and_the_spec_key_change_with_what_the_verdict_depends_on_onl
 
 
 def test_a_stack_is_named_by_the_release_it_resolves_to():
-    from gradkit.stacks import versions
+    from gradkit.stacks import patched, versions
 
     assert sweep_spec.release_of({"deepspeed": "0.18.6"}) == "0.18.6"
     assert sweep_spec.release_of({}) == versions.installed_version("deepspeed")
+    # a patched release names its patch by the first 12 hex digits of the diff's sha256 (shown in the records)
+    digest = hashlib.sha256(patched.patch_file("deepspeed", "b10").read_bytes()).hexdigest()
+    assert sweep_spec.release_of({"deepspeed": "0.19.8+b10"}) == f"0.19.8+b10 (b10.diff {digest[:12]})"
 
 
 # ------------------------------------------------------------------------------------------- running
