@@ -10,6 +10,7 @@ from urllib.parse import unquote
 import nbformat
 import pytest
 
+from gradkit.commands import check
 from gradkit.judge import tolerances
 from gradkit.notebooks import readme_tables, site
 
@@ -300,3 +301,12 @@ def test_a_docs_page_named_as_a_notebook_page_is_refused(tmp_path):
     nbformat.write(nbformat.v4.new_notebook(), str(out / "judge.ipynb"))
     with pytest.raises(ValueError, match="share a name"):
         site.build(out)
+
+
+def test_the_check_page_names_every_flag_of_the_check_and_what_it_is_without_it():
+    """docs/check.md's flag table: a flag the parser has and the page does not name fails here."""
+    text = (REPO / "docs" / "check.md").read_text()
+    table = text[text.index("## Every flag, and what it is without it"):]
+    flags = [o for a in check.parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+    missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", table)]
+    assert len(flags) > 20 and not missing, f"docs/check.md's flag table lacks {missing}"
