@@ -486,6 +486,13 @@ def test_the_check_report_prints_the_run_each_loop_its_steps_and_what_explains_i
     assert lines[at["manual"] + 3].endswith("re-run with the fix: not re-run here (the fix is another release: run this "
                                             "check with --deepspeed)")
     assert lines[at["manual"] + 4] == "      finding (not an accumulation bug): the masters misreport"
+    skipped = _steps((1.0, None), (1.0, None), (1.0, None))
+    skipped[1].update(skipped=True, loss_scale=65536.0, loss_scale_after=65536.0)  # the second step: a skip
+    fp16 = [_ds("engine", verdict=oracle.NOT_AFFECTED, steps=skipped)]
+    said = check.report(fp16, check.summarise(fp16), "ds.json", 2, "cpu").splitlines()
+    assert "1.000 skip  1.000" in next(x for x in said if x.startswith("  engine"))
+    assert "      step 2 (loss scale 65536 kept: hysteresis) skipped by the fp16 loss scaler on an overflow: nothing " \
+           "applied, as designed (not judged)" in said
     assert lines[at["boundary"]].split()[:6] == ["boundary", "cannot-run", "-", "-", "-", "-"]
     assert lines[at["boundary"] + 1] == "      " + "q" * 600  # a long reason: its first 600 characters
     assert lines[-4:-2] == ["  control (plain torch.distributed, no DeepSpeed): not-affected",
