@@ -316,6 +316,11 @@ def test_another_bugs_step_halved_by_a_grown_scale_is_named_by_that_bug_with_b10
     last = "last micro-batch / N" + naming.GROWN
     assert hyp[last] == [0.5 * x for x in hyp["last micro-batch / N"]] and naming.grown_base(last) == \
         "last micro-batch / N" and naming.grown_base(naming.SCALE_GREW) is None and naming.grown_base(7) is None
+    one = ds_ranks.hypothesis_weights(w, 1, loss_scale=1024.0, scale_change=0.5)  # GA 1: the last is the mean
+    assert not {"last micro-batch / N", "mean / N", "sum of micro-batches"} & {naming.grown_base(h) for h in one}
+    b1 = _basis(w)
+    grew = naming.explain(torch.tensor(one[naming.SCALE_GREW], dtype=torch.float64) @ b1, b1, one, "fp16")
+    assert naming.step_name(grew) == naming.SCALE_GREW  # B10 alone at GA 1, not a tie with names of the same step
     basis = _basis(w * n)
     for name in (last, "first and last micro-batch" + naming.GROWN):
         h = naming.explain(torch.tensor(hyp[name], dtype=torch.float64) @ basis, basis, hyp, "fp16")

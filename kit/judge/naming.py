@@ -26,10 +26,14 @@ OWN_PARTITION = "each rank's partition: its own micro-batches, summed"
 def grown(hypotheses: dict, scale_change: float) -> dict:
     """Each named step of ``hypotheses`` (weights over the basis) as the scale's growth leaves it (B10 on a step
     another bug already made: the weights times old / new), named ``<name> x old / new loss scale``; "global mean"'s
-    is ``SCALE_GREW``, B10 alone. None where the scale did not move."""
+    is ``SCALE_GREW``, B10 alone. None where the scale did not move; none for a step that is the mean at this N (at
+    GA 1 "last micro-batch / N" is the mean: its growth is B10's own step, ``SCALE_GREW``, not a second name)."""
     if scale_change == 1.0:
         return {}
-    return {name + GROWN: [x * scale_change for x in w] for name, w in hypotheses.items()}
+    mean = hypotheses.get("global mean")
+    return {name + GROWN: [x * scale_change for x in w] for name, w in hypotheses.items()
+            if name == "global mean" or mean is None or len(w) != len(mean)
+            or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(w, mean))}
 
 
 def grown_base(name) -> str | None:
