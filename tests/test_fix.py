@@ -90,3 +90,22 @@ def test_a_sweep_never_reuses_a_record_measured_on_a_patch_since_edited(monkeypa
     assert sweep_run.current([rec], spec) == [rec]
     monkeypatch.setattr(patched, "digest", lambda package, name: "0" * 64)  # the patch edited since
     assert sweep_spec.release_of(stack) != before and sweep_run.current([rec], spec) == []
+
+
+def test_the_sweep_of_a_fix_counts_each_point_on_both_sides_and_says_where_another_bug_shows(monkeypatch, tmp_path):
+    """``sweep_both`` pairs each point's two records: broken (not-affected -> affected: a fix must leave none), fixed
+    (the other way) and renamed (affected on both sides, by another bug with the patch: B9's ZeRO-0 points patched
+    show B10). The worlds are replaced by records; tests/test_notebooks.py runs the real ones."""
+    side = {"0.19.8": {"deepspeed": "0.19.8"}, "0.19.8+b9": {"deepspeed": "0.19.8+b9"}}
+    rows = [({"ga": 1}, (oracle.AFFECTED, "B9"), (oracle.AFFECTED, "B10")),
+            ({"ga": 2}, (oracle.AFFECTED, "B9"), (oracle.NOT_AFFECTED, None)),
+            ({"ga": 4}, (oracle.NOT_AFFECTED, None), (oracle.AFFECTED, None)),
+            ({"ga": 8}, (oracle.AFFECTED, "B3"), (oracle.AFFECTED, "B3")),
+            ({"ga": 16}, (oracle.CANNOT_RUN, None), (oracle.AFFECTED, "B10"))]
+    recs = [{"point": p, "versions": {"deepspeed": name}, "verdict": v, "explained_by": why}
+            for p, *both in rows for name, (v, why) in zip(side, both)]
+    monkeypatch.setattr(fix.sweep_run, "run", lambda spec, out, progress: recs)
+    s = fix.sweep_both("scripts/sweeps/quick.yaml", side, tmp_path, False)
+    assert s["points"] == 5 and s["broken"] == ['{"ga": 4}'] and s["fixed"] == ['{"ga": 2}']
+    assert s["renamed"] == {"B9 -> B10": 1}  # ga 8: the same bug on both sides; ga 16: not affected on both
+    assert s["affected"] == {"0.19.8": 3, "0.19.8+b9": 4} and s["not_run"] == {"0.19.8": 1, "0.19.8+b9": 0}

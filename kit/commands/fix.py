@@ -23,6 +23,7 @@ true only where every judgement went the way a fix must.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import json
@@ -124,17 +125,21 @@ def run_test(path: Path, stack: dict, timeout_s: float) -> tuple[int, str]:
 
 def sweep_both(spec_path: str, stacks: dict, out: Path, progress: bool) -> dict:
     """The sweep's points on both sides: ``broken`` lists every point not-affected on the release and affected with
-    the patch (a fix must leave none), ``fixed`` every point the other way."""
+    the patch (a fix must leave none), ``fixed`` every point the other way, ``renamed`` the points affected on both
+    sides by another known bug (``{"B9 -> B10": n}``: the patch took its bug away and another one shows there)."""
     spec = with_fp16(sweep_spec.load_spec(spec_path))
     spec["stacks"] = list(stacks.values())
     recs = sweep_run.run(spec, out / "sweep", progress=progress)
-    by = {}
+    by, why = {}, {}
     for r in recs:
-        by.setdefault(json.dumps(r["point"], sort_keys=True), {})[
-            (r.get("versions") or {}).get("deepspeed") or r.get("version")] = r["verdict"]
+        side = (r.get("versions") or {}).get("deepspeed") or r.get("version")
+        by.setdefault(json.dumps(r["point"], sort_keys=True), {})[side] = r["verdict"]
+        why.setdefault(json.dumps(r["point"], sort_keys=True), {})[side] = r.get("explained_by") or "unknown"
     names = list(stacks)
     pairs = [(p, v.get(names[0]), v.get(names[1])) for p, v in by.items()]
-    return {"spec": spec_path, "points": len(pairs),
+    moved = collections.Counter(f"{why[p][names[0]]} -> {why[p][names[1]]}" for p, a, b in pairs
+                                if a == b == oracle.AFFECTED and why[p][names[0]] != why[p][names[1]])
+    return {"spec": spec_path, "points": len(pairs), "renamed": dict(sorted(moved.items())),
             "broken": [p for p, a, b in pairs if a == oracle.NOT_AFFECTED and b == oracle.AFFECTED],
             "fixed": [p for p, a, b in pairs if a == oracle.AFFECTED and b == oracle.NOT_AFFECTED],
             "affected": {n: sum(1 for _, *vs in pairs if vs[i] == oracle.AFFECTED) for i, n in enumerate(names)},
@@ -197,7 +202,10 @@ def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str
             f"of its own, `{with_patch}`):", "", *rows, ""]
     if s:
         said += [f"Points not-affected on {release} and affected with the patch: "
-                 + (", ".join(s["broken"]) if s["broken"] else "none") + f"; the other way: {len(s['fixed'])}.", ""]
+                 + (", ".join(s["broken"]) if s["broken"] else "none") + f"; the other way: {len(s['fixed'])}."
+                 + ("" if not s.get("renamed") else " Affected on both sides, by another bug with the patch (its "
+                    "bug gone, another one showing there): " + ", ".join(f"{n} ({k})" for k, n in s["renamed"].items())
+                    + "."), ""]
     else:
         said += ["The sweep was not run for this report (`--sweep none`).", ""]
     said += [f"Upstream: {k.report}."]
