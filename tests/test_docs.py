@@ -131,7 +131,8 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     the pinned ranges (scripts/refresh_table writes them there and on the bugs page)."""
     blocks = {"B1": readme_tables.PAGE, "B2": readme_tables.PAGE, "B3": readme_tables.PAGE, "B4": readme_tables.PAGE,
               "SWEEP": "docs/sweep.md", "PERF": "docs/speed.md", "MUTATION": "docs/tests.md",
-              "SUPPORT": "docs/watch.md", "SCALE": "docs/watch.md"}
+              "SUPPORT": "docs/watch.md", "SCALE": "docs/watch.md",
+              **{f"VERDICT_{v}": "docs/verdicts.md" for v in ("NOT_AFFECTED", "AFFECTED", "INCONCLUSIVE", "CANNOT_RUN")}}
     found = {}
     for page in [README, *DOCS]:
         for m in readme_tables.BLOCK.finditer(page.read_text()):
@@ -139,7 +140,7 @@ def test_every_generated_table_sits_on_its_page_with_the_command_that_writes_it_
     assert {k: [p for p, _ in v] for k, v in found.items()} == {**{k: [p] for k, p in blocks.items()},
                                                                 "RANGES": ["README.md", readme_tables.PAGE]}
     assert all("`scripts/refresh_table --ranges-only`" in body.splitlines()[0] for _, body in found["RANGES"])
-    for name in ("SWEEP", "PERF", "MUTATION", "SUPPORT", "SCALE"):
+    for name in ("SWEEP", "PERF", "MUTATION", "SUPPORT", "SCALE", *(k for k in blocks if k.startswith("VERDICT_"))):
         (page, body), = found[name]
         assert f"--readme {page}`" in body.splitlines()[0], (name, body.splitlines()[0])
     assert "python -m gradkit.notebooks.readme_tables" in found["B4"][0][1].splitlines()[0]
@@ -310,3 +311,16 @@ def test_the_check_page_names_every_flag_of_the_check_and_what_it_is_without_it(
     flags = [o for a in check.parser()._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
     missing = [f for f in flags if not re.search(rf"`{re.escape(f)}[` ]", table)]
     assert len(flags) > 20 and not missing, f"docs/check.md's flag table lacks {missing}"
+
+
+def test_the_verdicts_page_shows_each_verdict_from_the_config_its_section_names():
+    """docs/verdicts.md: each generated block is the check's output on its example, ending in the verdict and exit
+    status its section is about (scripts/verdicts.py refuses to write a block whose example gave another)."""
+    text = (REPO / "docs" / "verdicts.md").read_text()
+    found = {m.group(2): m.group(3) for m in readme_tables.BLOCK.finditer(text)}
+    for name, last in (("NOT_AFFECTED", "verdict: not-affected (exit 0)"), ("AFFECTED", "verdict: affected (exit 1)"),
+                       ("INCONCLUSIVE", "verdict: inconclusive (exit 3)"), ("CANNOT_RUN", "verdict: cannot-run (exit 3)")):
+        body = found[f"VERDICT_{name}"]
+        example = f"examples/verdicts/{name.lower()}.json"
+        assert f"$ gradkit check {example}\n" in body and (REPO / example).exists(), name
+        assert body.rstrip().removesuffix("```").rstrip().endswith(last), (name, body[-200:])

@@ -133,7 +133,7 @@ def b1(recs: list[dict]) -> str:
 PAGE = "docs/bugs.md"  # the page of the bugs' tables: "What the notebooks measured"
 TABLES = {"B1": ("01_trainer_loss_kwargs", b1), "B2": ("02_pipeline_ga", b2), "B3": ("03_zero_boundary", b3),
           "B4": ("04_bf16_leak", b4)}
-BLOCK = re.compile(r"(<!-- gradkit:table (B\d+|SWEEP|PERF|MUTATION|RANGES|SUPPORT|SCALE) -->\n)(.*?)(<!-- /gradkit:table -->)", re.S)
+BLOCK = re.compile(r"(<!-- gradkit:table (B\d+|SWEEP|PERF|MUTATION|RANGES|SUPPORT|SCALE|VERDICT_[A-Z_]+) -->\n)(.*?)(<!-- /gradkit:table -->)", re.S)
 
 
 def render(folder) -> dict[str, str]:
