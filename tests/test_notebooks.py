@@ -109,22 +109,23 @@ def test_the_new_bug_notebook_verifies_the_b10_fix_end_to_end_on_the_release_and
 
     out = quick_run[1] / "08_fix_B10"
     doc = json.loads((out / "verification.json").read_text())
-    release = versions.installed_version("deepspeed")
-    assert doc["verified"] and doc["patched"] == f"{release}+b10", doc
+    plain = versions.installed_version("deepspeed")
+    release, patched = f"{plain}+b9", f"{plain}+b9.b10"  # both sides carry B9's patch: B9 hides B10 at ZeRO-0
+    assert doc["verified"] and (doc["deepspeed"], doc["release"], doc["patched"]) == (plain, release, patched), doc
     runs = doc["reproduction"]
     assert runs[f"{release} ZeRO-2"]["exit"] == 1 and "REPRODUCED: 2 of 6 steps off" in runs[f"{release} ZeRO-2"]["output"]
     assert "step 3: loss scale 256 -> 512, applied / gradient 0.50" in runs[f"{release} ZeRO-2"]["output"]
-    assert runs[f"{release}+b10 ZeRO-2"]["exit"] == 0 and f"(deepspeed {release}+b10)" in runs[f"{release}+b10 ZeRO-2"][
-        "output"]
-    assert doc["test"][release]["exit"] == 1 and doc["test"][release]["output"].count("FAILED b10_test.py") == 3
-    assert doc["test"][f"{release}+b10"]["exit"] == 0 and "3 passed" in doc["test"][f"{release}+b10"]["output"]
+    assert runs[f"{patched} ZeRO-2"]["exit"] == 0 and f"(deepspeed {patched})" in runs[f"{patched} ZeRO-2"]["output"]
+    assert doc["test"][release]["exit"] == 1 and doc["test"][release]["output"].count("FAILED b10_test.py") == 4
+    assert doc["test"][patched]["exit"] == 0 and "4 passed" in doc["test"][patched]["output"]
     assert doc["recipe"][release]["verdict"] == "affected" and doc["recipe"][release]["explained_by"] == "B10"
-    assert doc["recipe"][f"{release}+b10"]["verdict"] == "not-affected"
+    assert doc["recipe"][patched]["verdict"] == "not-affected"
     text = (out / "report.md").read_text()
     assert "the fix is **verified**" in text and "```diff" in text and (out / "fix.diff").exists()
     assert (out / "test_b10.py").exists() and "| `test_b10.py` (pytest, 2 ranks): exit status | 1 | 0 |" in text
+    assert "Both sides carry the kit's `b9` patch" in text and f"--known B10 --deepspeed {plain}" in text
     findings = json.loads((quick_run[1] / "08_new_bug.findings.json").read_text())
-    assert findings["fix"] == {"bug": "B10", "verified": True, release: "affected", f"{release}+b10": "not-affected"}
+    assert findings["fix"] == {"bug": "B10", "verified": True, release: "affected", patched: "not-affected"}
 
 
 def test_the_run_renders_a_site_to_read_without_running(quick_run):

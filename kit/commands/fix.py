@@ -64,7 +64,9 @@ def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_s
     if bug not in FIXES:
         raise kconfig.ConfigError(f"--known {bug}: the kit holds a verified fix for {', '.join(FIXES)} only")
     fix = FIXES[bug] if stages is None else dataclasses.replace(FIXES[bug], stages=tuple(stages))
-    with_patch = f"{release}+{fix.patch}"
+    plain = release  # on top of another fix where another bug hides this one (B9 hides B10 at ZeRO-0)
+    release, with_patch = (f"{plain}+{fix.on}", f"{plain}+{fix.on}.{fix.patch}") if fix.on else \
+        (plain, f"{plain}+{fix.patch}")
     stacks = {release: {"deepspeed": release}, with_patch: {"deepspeed": with_patch}}
     script = patched.patch_file("deepspeed", fix.patch).with_name(f"{fix.patch}_repro.py")
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,8 @@ def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_s
     # release's own side runs once for all of them); elsewhere beside the report
     swept = sweep_both(sweep, stacks, kconfig.repo_path("runs/reports") if out.resolve() == default_out(
         bug).resolve() else out, progress) if sweep else None
-    doc = {"bug": bug, "release": release, "patched": with_patch, "patch": fix.patch, "stages": list(fix.stages),
+    doc = {"bug": bug, "deepspeed": plain, "release": release, "patched": with_patch, "patch": fix.patch,
+           "on": fix.on, "stages": list(fix.stages),
            "reproduction": {
         f"{n} ZeRO-{s}": {"exit": rc, "output": text} for (n, s), (rc, text) in runs.items()}, "recipe": measured,
         "test": {n: {"exit": rc, "output": text} for n, (rc, text) in tests.items()}, "sweep": swept}
@@ -92,7 +95,7 @@ def verify(bug: str, release: str, out: Path, sweep: str | None = SWEEP, world_s
                        and measured[release]["verdict"] == oracle.AFFECTED
                        and measured[with_patch]["verdict"] == oracle.NOT_AFFECTED
                        and (swept is None or not swept["broken"]))
-    root = Path(versions.resolve_stack({"deepspeed": release}).roots["deepspeed"])
+    root = Path(versions.resolve_stack({"deepspeed": plain}).roots["deepspeed"])
     (out / "report.md").write_text(report(fix, doc, code_lines(root, fix), sweep, script.read_text(), test.read_text()))
     (out / "verification.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     return doc
@@ -180,9 +183,10 @@ def table(doc: dict) -> list[str]:
 def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str, test: str) -> str:
     k = expectations.KNOWN[fix.bug]
     release, with_patch, s = doc["release"], doc["patched"], doc["sweep"]
+    plain = doc.get("deepspeed", release)
     rows = table(doc)
-    said = [f"# [DeepSpeed {release}] {fix.title}", "",
-            f"<sub>written by `gradkit report --known {fix.bug} --deepspeed {release}"
+    said = [f"# [DeepSpeed {plain}] {fix.title}", "",
+            f"<sub>written by `gradkit report --known {fix.bug} --deepspeed {plain}"
             + ("" if sweep == SWEEP else f" --sweep {sweep or 'none'}")
             + f"` on {datetime.date.today()}; the fix is **{'verified' if doc['verified'] else 'NOT verified'}** "
             "(every judgement below)</sub>", "",
@@ -199,7 +203,8 @@ def report(fix: Fix, doc: dict, lines: list[str], sweep: str | None, script: str
             "```python", test.rstrip(), "```", "", *[f"On {n}:" + "\n\n```\n" + doc["test"][n]["output"].strip()
                                                      + "\n```\n" for n in (release, with_patch)],
             "## Verification", "", f"The same judgements on {release} and on it with the patch applied (an overlay "
-            f"of its own, `{with_patch}`):", "", *rows, ""]
+            f"of its own, `{with_patch}`):", "", *([f"Both sides carry the kit's `{fix.on}` patch: {fix.on_why}.", ""]
+                                                   if fix.on else []), *rows, ""]
     if s:
         said += [f"Points not-affected on {release} and affected with the patch: "
                  + (", ".join(s["broken"]) if s["broken"] else "none") + f"; the other way: {len(s['fixed'])}."

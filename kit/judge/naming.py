@@ -30,9 +30,9 @@ def grown(hypotheses: dict, scale_change: float) -> dict:
     GA 1 "last micro-batch / N" is the mean: its growth is B10's own step, ``SCALE_GREW``, not a second name)."""
     if scale_change == 1.0:
         return {}
-    mean = hypotheses.get("global mean")
+    mean = hypotheses["global mean"]  # every hypothesis weighs the same basis (the mean's length)
     return {name + GROWN: [x * scale_change for x in w] for name, w in hypotheses.items()
-            if name == "global mean" or mean is None or len(w) != len(mean)
+            if name == "global mean"
             or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(w, mean))}
 
 

@@ -20,18 +20,26 @@ class Fix:
     stages: tuple  # the ZeRO stages the reproduction runs at (its STAGE)
     lines: tuple  # (file, the code lines that make the bug, each as it reads in the release)
     fixes: str  # what the patch does, in a sentence
+    on: str = ""  # another of the kit's patches both sides carry, where that bug hides this one at some stage
+    on_why: str = ""  # why, in a sentence
 
 
 FIXES = {f.bug: f for f in (
     Fix("B10", "b10", "fp16 with a dynamic loss scale: the step on which the scale grows applies half the update "
-                      "(ZeRO-1/2/3)", (2, 3),
+                      "(ZeRO-0/1/2/3)", (0, 2, 3),
         (("deepspeed/runtime/zero/stage_1_and_2.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
                                                       "self.unscale_and_clip_grads([single_grad_partition]",
                                                       "combined_scale = self.loss_scale")),
          ("deepspeed/runtime/zero/stage3.py", ("prev_scale = self.loss_scale", "self._update_scale(self.overflow)",
                                                "self._global_grad_norm = scaled_global_grad_norm / self.loss_scale",
-                                               "combined_scale = self.loss_scale"))),
-        "the gradient is unscaled by the scale it was multiplied by in backward, the one before the update"),
+                                               "combined_scale = self.loss_scale")),
+         ("deepspeed/runtime/fp16/unfused_optimizer.py", ("self._update_scale(False)",
+                                                          "combined_scale = self.loss_scale_config.cur_scale"))),
+        "the gradient is unscaled by the scale it was multiplied by in backward, the one before the update (ZeRO-1/2/3 "
+        "and FP16_UnfusedOptimizer, ZeRO-0 with a torch optimizer; FP16_Optimizer, which needs FusedAdam, has the same "
+        "order and is left to a GPU run)",
+        on="b9", on_why="from 0.18.3 ZeRO-0's fp16 step with a torch optimizer is 1 / loss scale of the right one (B9, "
+                        "deepspeedai/DeepSpeed#8393), which hides B10 there; B9's patch touches nothing ZeRO-1/2/3 run"),
     Fix("B6", "b6", "ZeRO-3 never zeroes its reduced-gradient partitions: a parameter a step does not reach is stepped "
                     "with its last gradient, one first reached after micro-batch 1 adds onto the previous window's",
         (3,),

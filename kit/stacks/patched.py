@@ -5,6 +5,9 @@ of a known bug (``gradkit report --known``) is judged on it by the same oracle a
 
     patched.split("0.19.8+b10")      # ("0.19.8", "b10"): a release and a patch the kit holds; ("0.19.8", None) else
     patched.build("deepspeed", "0.19.8+b10", base_root, target)   # the folder, patched, its version said
+
+Several patches, applied in the label's order, are one label joined by dots (``0.19.8+b9.b10``: B10's patch on top of
+B9's, where B9 hides B10).
 """
 from __future__ import annotations
 
@@ -26,16 +29,17 @@ def patch_file(package: str, name: str) -> Path:
 
 
 def digest(package: str, name: str) -> str:
-    """The patch's sha256: an overlay built from it, or a record measured on it, is the patch's as it is now only
-    where this matches."""
-    return hashlib.sha256(patch_file(package, name).read_bytes()).hexdigest()
+    """The patch's sha256 (of several, ``b9.b10``: of their diffs in that order): an overlay built from it, or a
+    record measured on it, is the patch's as it is now only where this matches."""
+    return hashlib.sha256(b"".join(patch_file(package, part).read_bytes() for part in name.split("."))).hexdigest()
 
 
 def split(version: str, package: str = "deepspeed") -> tuple[str, str | None]:
     """``(release, patch)`` of a version the kit may build: ``0.19.8+b10`` names the patch ``b10`` where the kit holds
-    ``patches/<package>/b10.diff`` (else the local label is the release's own: no patch)."""
+    ``patches/<package>/b10.diff``, ``0.19.8+b9.b10`` both (else the local label is the release's own: no patch)."""
     base, _, local = version.partition("+")
-    return (base, local) if local and patch_file(package, local).exists() else (version, None)
+    ok = local and all(part and patch_file(package, part).exists() for part in local.split("."))
+    return (base, local) if ok else (version, None)
 
 
 def build(package: str, version: str, base_root: Path, target: Path) -> Path:
@@ -51,17 +55,22 @@ def build(package: str, version: str, base_root: Path, target: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     module = package.replace("-", "_")
     shutil.copytree(base_root / module, tmp / module, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    diff = str(patch_file(package, name))
-    if shutil.which("patch"):
-        out = subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(tmp), "-i", diff], capture_output=True,
-                             text=True)
-    else:  # git's own applier where GNU patch is absent; kept from finding a repository above the folder
-        out = subprocess.run(["git", "apply", "-p1", diff], cwd=tmp, capture_output=True, text=True,
-                             env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp.parent)})
-    if out.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise kconfig.ConfigError(f"the patch {name} does not apply to {package} {release}: "
-                                  f"{(out.stdout + out.stderr).strip()[-600:]}")
+    for part in name.split("."):  # in the label's order
+        out = apply(tmp, patch_file(package, part))
+        if out.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise kconfig.ConfigError(f"the patch {part} does not apply to {package} {release}"
+                                      f"{'' if part == name else f' (with {name})'}: "
+                                      f"{(out.stdout + out.stderr).strip()[-600:]}")
     stamp = tmp / VERSION_FILES[package]
     stamp.write_text(re.sub(r"version='[^']*'", f"version='{version}'", stamp.read_text(), count=1))
     return tmp
+
+
+def apply(folder: Path, diff: Path) -> subprocess.CompletedProcess:
+    if shutil.which("patch"):
+        return subprocess.run(["patch", "-p1", "--batch", "--forward", "-d", str(folder), "-i", str(diff)],
+                              capture_output=True, text=True)
+    # git's own applier where GNU patch is absent; kept from finding a repository above the folder
+    return subprocess.run(["git", "apply", "-p1", str(diff)], cwd=folder, capture_output=True, text=True,
+                          env={**os.environ, "GIT_CEILING_DIRECTORIES": str(folder.parent)})
