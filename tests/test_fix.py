@@ -4,6 +4,7 @@ must reproduce and be affected, the patched one must not; a patch that does not 
 wrong way, is said and never called verified. The fix of B10 verified end to end on real worlds: notebook 08's
 section 7 (``tests/test_notebooks.py``)."""
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -18,6 +19,12 @@ def test_a_patch_is_named_by_the_local_label_of_a_release_and_one_that_does_not_
         tmp_path):
     assert patched.split("0.19.8+b10") == ("0.19.8", "b10")
     assert patched.split("0.19.8") == ("0.19.8", None) and patched.split("0.19.8+cpu") == ("0.19.8+cpu", None)
+    # several patches, in order (B10's on top of B9's); one the kit does not hold makes the label the release's own
+    assert patched.split("0.19.8+b9.b10") == ("0.19.8", "b9.b10") and patched.split("0.19.8+b9.b99")[1] is None
+    one = [patched.patch_file("deepspeed", n).read_bytes() for n in ("b9", "b10")]
+    assert patched.digest("deepspeed", "b10") == hashlib.sha256(one[1]).hexdigest()  # one patch: its file's sha256
+    assert patched.digest("deepspeed", "b9.b10") == hashlib.sha256(one[0] + one[1]).hexdigest() != \
+        patched.digest("deepspeed", "b10.b9")
     base = tmp_path / "base" / "deepspeed" / "runtime" / "zero"
     base.mkdir(parents=True)
     for name in ("stage3.py", "stage_1_and_2.py"):
