@@ -1,8 +1,9 @@
-"""DeepSpeed, fp16 with a dynamic loss scale: the step on which the scale grows applies half the update (ZeRO 1-3).
+"""DeepSpeed, fp16 with a dynamic loss scale: the step on which the scale grows applies half the update (ZeRO 0-3).
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 b10_repro.py   # GPUs: no DS_ACCELERATOR; STAGE=1..3
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 b10_repro.py   # GPUs: no DS_ACCELERATOR; STAGE=0..3
 step() raises the scale (_update_scale) before unscale_and_clip_grads divides the gradient by it; backward scaled
 the gradient by the old scale, so that step applies old / new = 1/2 of it. SGD, lr = 1: the update is the gradient.
+(ZeRO-0, FP16_UnfusedOptimizer: from 0.18.3 every step there is 1 / loss scale first, deepspeedai/DeepSpeed#8393.)
 Exit status 1: a step applied something else than the fp32 gradient of the same global batch.
 """
 import os
@@ -33,8 +34,10 @@ def data(r, step):
     return torch.randn(4, 16, generator=g), torch.randn(4, 1, generator=g)
 
 
-def masters():  # the fp32 weights the optimizer steps (a collective under ZeRO-3)
-    return [safe_get_full_fp32_param(p).detach().float().cpu().clone() for p in engine.module.parameters()]
+def masters():  # the fp32 weights the optimizer steps (a collective under ZeRO-3; ZeRO-0: FP16_UnfusedOptimizer's own)
+    ws = [safe_get_full_fp32_param(p) for p in engine.module.parameters()] if cfg["zero_optimization"]["stage"] else \
+        [p for group in engine.optimizer.fp32_groups for p in group]
+    return [w.detach().float().cpu().clone() for w in ws]
 
 
 bad = 0
