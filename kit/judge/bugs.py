@@ -229,8 +229,9 @@ KNOWN = {k.bug: k for k in (
                  "FP16_UnfusedOptimizer instead (deepspeedai/DeepSpeed#7515) and shows B9, not B4; "
                  "deepspeedai/DeepSpeed#7788 (0.18.5) chooses BF16_Optimizer again, and B4 with it",),
           introduced_in="0.18.5",
+          # at GA 1 the boundary micro-batch is the only one: no rank's reaches another's partition (B8's step)
           explains=("BF16_Optimizer averages its fp32 accumulator before the boundary micro-batch is added",
-                    "own rank's boundary micro-batch",
+                    ("own rank's boundary micro-batch", naming.OWN_PARTITION),
                     "set \"bf16\": {\"immediate_grad_update\": true}, or upgrade to DeepSpeed >= 0.19.0")),
     Known("B5", "deepspeed", "deepspeedai/DeepSpeed#7967", affected_from="0.15.2", fixed_in="0.19.0", last_affected="0.18.9",
           newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#6550 (the regression)", "deepspeedai/DeepSpeed#7967 (the fix)"),

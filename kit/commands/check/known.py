@@ -97,16 +97,22 @@ def explain(rec: dict) -> tuple[str | None, str]:
     matches, shape = rec.get("matches"), rec.get("shape")
     found = candidates(rec)
     said = f" (the step is: {shape})" if shape else ""
-    for bug in found:
-        pattern, hypothesis, _ = expectations.KNOWN[bug].explains
-        if matches == hypothesis or isinstance(hypothesis, tuple) and matches in hypothesis:
-            k = expectations.KNOWN[bug]
-            return bug, f"{bug} ({k.report}): {pattern}; the step is '{matches}'"
+    hyp = {b: expectations.KNOWN[b].explains[1] for b in found}
+
+    def leaves(bug, step):
+        return step == hyp[bug] or isinstance(hyp[bug], tuple) and step in hyp[bug]
+
+    direct = [b for b in found if leaves(b, matches)]
+    if len(direct) > 1:  # two bugs expected here leave this very step: the measurement cannot tell which
+        return None, (f"not explained by one known bug: {' and '.join(direct)} are expected here and each leaves "
+                      f"this step ('{matches}'){said}")
+    if direct:
+        k = expectations.KNOWN[direct[0]]
+        return direct[0], f"{direct[0]} ({k.report}): {k.explains[0]}; the step is '{matches}'"
     # another bug's step, then the scale's growth on top of it: named by that bug, the grower said beside it
-    base, hyp = naming.grown_base(matches), {b: expectations.KNOWN[b].explains[1] for b in found}
+    base = naming.grown_base(matches)
     growers = [b for b in found if hyp[b] == naming.SCALE_GREW]
-    under = [b for b in found if base and b not in growers and (base == hyp[b] or isinstance(hyp[b], tuple)
-                                                                  and base in hyp[b])]
+    under = [b for b in found if base and b not in growers and leaves(b, base)]
     if growers and len(under) == 1:
         k = expectations.KNOWN[under[0]]
         return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {growers[0]} on this step (the loss scale "
