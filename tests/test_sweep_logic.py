@@ -201,6 +201,13 @@ def test_the_current_records_are_the_newest_per_point_and_release_of_this_spec()
     rec = {"stack": {"transformers": "5.3.0", "deepspeed": "0.18.6"}, "release": "0.18.6",
            "spec_key": sweep_spec.spec_key(ordered), "id": "p"}
     assert sweep_run.current([rec], ordered) == [rec]
+    # an affected record is explained by the table as it is now, not as it was when it ran
+    stale = {**mine, "verdict": oracle.AFFECTED, "explained_by": "B99", "explanation": "an old table's",
+             "config": {"loop": "manual", "ds_config": {"zero_optimization": {"stage": 2}}}, "zero_stage": 2, "ga": 2,
+             "optimizer": "DeepSpeedZeroOptimizer", "versions": {"deepspeed": "0.18.6"},
+             "matches": "last micro-batch / N"}
+    (got,) = sweep_run.current([stale], _spec(axes={"ga": [2]}, stacks=[{}]))
+    assert got["explained_by"] == "B3" and got["explanation"].startswith("B3 (")
 
 
 def test_a_sweep_run_writes_each_record_as_it_comes_and_resumes_from_them(tmp_path, monkeypatch):

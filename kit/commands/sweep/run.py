@@ -148,13 +148,18 @@ def _deal(cases: list[dict], n: int) -> list[list[dict]]:
 
 
 def current(recs: list[dict], spec: dict) -> list[dict]:
-    """The records of this spec on the releases its stacks resolve to now, the newest one per point and release."""
+    """The records of this spec on the releases its stacks resolve to now, the newest one per point and release; an
+    affected one explained by the bug table as it is now (a verdict is a measurement, its explanation a reading of
+    the table: a table that learned a bug's step explains a resumed record too)."""
     sk = spec_key(spec)
     wanted = {(release_of(st), json.dumps(st, sort_keys=True)) for st in spec["stacks"]}
     newest = {}
     for r in recs:
         if r.get("spec_key") == sk and (r.get("release"), json.dumps(r.get("stack"), sort_keys=True)) in wanted:
             newest[_key(r)] = r
+    for r in newest.values():
+        if r.get("verdict") == oracle.AFFECTED and r.get("config"):
+            r["explained_by"], r["explanation"] = check.explain(r)
     return list(newest.values())
 
 
