@@ -406,6 +406,11 @@ def test_violations_hold_the_kits_own_b6_and_b7_findings_where_they_ran():
                          "zero_optimization.offload_optimizer.device": ["cpu"], "loop": ["engine"]})
     (bad,) = sweep_notebook.violations(stage3, _recs_for(stage3, oracle.AFFECTED, explained_by="B6"), {"stacks": []})
     assert "the table pins B7 here, measured affected (B6)" in bad
+    b10 = _recs_for(stage3, oracle.AFFECTED, explained_by="B10", matches="global mean x old / new loss scale")
+    for r in b10:
+        r["config"] = {"loop": "engine", "model": "conditional", "ds_config": {"fp16": {"enabled": True, "loss_scale": 0},
+                       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}}
+    assert sweep_notebook.violations(stage3, b10, {"stacks": []}) == []  # an fp16 point's worse step: B10's own
 
 
 def test_violations_need_every_group_explained_by_its_bug_and_every_unknown_one_reproduced_with_its_report():

@@ -90,6 +90,14 @@ def candidates(rec: dict) -> list[str]:
     return [b for b in out if b not in ruled_out(rec)]
 
 
+def tied(rec: dict) -> list[str]:
+    """The known bugs expected here that each leave the record's very step, where there are two or more (a tie the
+    measurement cannot settle: ``explain`` names none of them); [] otherwise."""
+    found = [b for b in candidates(rec) if rec.get("matches") == expectations.KNOWN[b].explains[1] or isinstance(
+        expectations.KNOWN[b].explains[1], tuple) and rec.get("matches") in expectations.KNOWN[b].explains[1]]
+    return found if len(found) > 1 else []
+
+
 def explain(rec: dict) -> tuple[str | None, str]:
     """``(bug id, sentence)`` for an affected loop: the known bug whose configuration, release and hypothesis
     all match, or ``(None, "not explained by any known bug")``. A step two hypotheses explain equally
