@@ -89,8 +89,8 @@ PERF_ROWS = [
     ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
      "≤ 720 s", "s"),  # CI's goal: about 12 min from a fresh clone
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
-    ("bench_suite.json", "passed_runs", "the suite {repeat} times in a row (`--suite --repeat N`, in a fresh clone: "
-     "the first run builds the venv, overlays and comm ops), each run's wall time: {walls} s", "every run", "runs"),
+    ("bench_suite.json", "passed_runs", "the suite run {repeat} time(s) in a row (`--suite --repeat N`; in a fresh "
+     "clone the first run also builds the venv, overlays and comm ops), each run's wall time: {walls} s", "every run", "runs"),
 ]
 PERF_COMMANDS = {"profile.json": "--profile", "bench.json": "", "bench_sweep.json": "--sweep",
                  "bench_runall.json": "--runall --cold", "bench_suite.json": "--suite",
