@@ -133,15 +133,15 @@ def sweep_both(spec_path: str, stacks: dict, out: Path, progress: bool) -> dict:
     spec = with_fp16(sweep_spec.load_spec(spec_path))
     spec["stacks"] = list(stacks.values())
     recs = sweep_run.run(spec, out / "sweep", progress=progress)
-    by, why = {}, {}
+    by = {}  # point -> side -> (verdict, the known bug that explains it)
     for r in recs:
         side = (r.get("versions") or {}).get("deepspeed") or r.get("version")
-        by.setdefault(json.dumps(r["point"], sort_keys=True), {})[side] = r["verdict"]
-        why.setdefault(json.dumps(r["point"], sort_keys=True), {})[side] = r.get("explained_by") or "unknown"
+        by.setdefault(json.dumps(r["point"], sort_keys=True), {})[side] = (r["verdict"],
+                                                                           r.get("explained_by") or "unknown")
     names = list(stacks)
-    pairs = [(p, v.get(names[0]), v.get(names[1])) for p, v in by.items()]
-    moved = collections.Counter(f"{why[p][names[0]]} -> {why[p][names[1]]}" for p, a, b in pairs
-                                if a == b == oracle.AFFECTED and why[p][names[0]] != why[p][names[1]])
+    pairs = [(p, v.get(names[0], (None,))[0], v.get(names[1], (None,))[0]) for p, v in by.items()]
+    moved = collections.Counter(f"{by[p][names[0]][1]} -> {by[p][names[1]][1]}" for p, a, b in pairs
+                                if a == b == oracle.AFFECTED and by[p][names[0]][1] != by[p][names[1]][1])
     return {"spec": spec_path, "points": len(pairs), "renamed": dict(sorted(moved.items())),
             "broken": [p for p, a, b in pairs if a == oracle.NOT_AFFECTED and b == oracle.AFFECTED],
             "fixed": [p for p, a, b in pairs if a == oracle.AFFECTED and b == oracle.NOT_AFFECTED],

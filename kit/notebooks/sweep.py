@@ -69,7 +69,8 @@ def violations(spec: dict, recs: list[dict], summary: dict) -> list[str]:
         for g in s["groups"]:
             if g["known_bug"] and g["explained_by"] != [g["known_bug"]]:
                 bad.append(f"{describe(g)}: not every point is explained by {g['known_bug']}")
-            members = [r for r in recs if r.get("id") in set(g.get("ids") or [])]
+            ids = set(g.get("ids") or [])
+            members = [r for r in recs if r.get("id") in ids]
             tie = bool(members) and all(_tied(r) for r in members)  # a tie of known bugs, not a new one
             if not g["known_bug"] and not tie and not (g.get("repro") or {}).get("reproduced"):
                 bad.append(f"{describe(g)}: its standalone reproduction did not reproduce: {g.get('repro')}")

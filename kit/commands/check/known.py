@@ -90,11 +90,16 @@ def candidates(rec: dict) -> list[str]:
     return [b for b in out if b not in ruled_out(rec)]
 
 
+def leaves(bug: str, step) -> bool:
+    """``bug`` leaves the named step ``step`` (its hypothesis, or one of them)."""
+    hyp = expectations.KNOWN[bug].explains[1]
+    return step == hyp or isinstance(hyp, tuple) and step in hyp
+
+
 def tied(rec: dict) -> list[str]:
     """The known bugs expected here that each leave the record's very step, where there are two or more (a tie the
     measurement cannot settle: ``explain`` names none of them); [] otherwise."""
-    found = [b for b in candidates(rec) if rec.get("matches") == expectations.KNOWN[b].explains[1] or isinstance(
-        expectations.KNOWN[b].explains[1], tuple) and rec.get("matches") in expectations.KNOWN[b].explains[1]]
+    found = [b for b in candidates(rec) if leaves(b, rec.get("matches"))]
     return found if len(found) > 1 else []
 
 
@@ -105,11 +110,6 @@ def explain(rec: dict) -> tuple[str | None, str]:
     matches, shape = rec.get("matches"), rec.get("shape")
     found = candidates(rec)
     said = f" (the step is: {shape})" if shape else ""
-    hyp = {b: expectations.KNOWN[b].explains[1] for b in found}
-
-    def leaves(bug, step):
-        return step == hyp[bug] or isinstance(hyp[bug], tuple) and step in hyp[bug]
-
     direct = [b for b in found if leaves(b, matches)]
     if len(direct) > 1:  # two bugs expected here leave this very step: the measurement cannot tell which
         return None, (f"not explained by one known bug: {' and '.join(direct)} are expected here and each leaves "
@@ -119,7 +119,7 @@ def explain(rec: dict) -> tuple[str | None, str]:
         return direct[0], f"{direct[0]} ({k.report}): {k.explains[0]}; the step is '{matches}'"
     # another bug's step, then the scale's growth on top of it: named by that bug, the grower said beside it
     base = naming.grown_base(matches)
-    growers = [b for b in found if hyp[b] == naming.SCALE_GREW]
+    growers = [b for b in found if expectations.KNOWN[b].explains[1] == naming.SCALE_GREW]
     under = [b for b in found if base and b not in growers and leaves(b, base)]
     if growers and len(under) == 1:
         k = expectations.KNOWN[under[0]]

@@ -119,7 +119,7 @@ def run(spec: dict, out, progress: bool = True, retry: bool = False, jobs: int =
     path = out / "records.jsonl"
     sk = spec_key(spec)
     releases = {json.dumps(st, sort_keys=True): release_of(st) for st in spec["stacks"]}
-    have = current(records.load(path) if path.exists() else [], spec)
+    have = _newest(records.load(path) if path.exists() else [], spec)  # what is done: no explanation needed
     done = {_key(r) for r in have if not (retry and r["verdict"] == oracle.CANNOT_RUN)}
     (out / "spec.json").write_text(json.dumps(spec, indent=1, default=str))
     every = [point_case(spec, p) for p in points(spec)]
@@ -148,18 +148,24 @@ def _deal(cases: list[dict], n: int) -> list[list[dict]]:
 
 
 def current(recs: list[dict], spec: dict) -> list[dict]:
-    """The records of this spec on the releases its stacks resolve to now, the newest one per point and release; an
-    affected one explained by the bug table as it is now (a verdict is a measurement, its explanation a reading of
-    the table: a table that learned a bug's step explains a resumed record too)."""
+    """The records of this spec on the releases its stacks resolve to now (``_newest``); an affected one explained by
+    the bug table as it is now (a verdict is a measurement, its explanation a reading of the table: a table that
+    learned a bug's step explains a resumed record too)."""
+    newest = _newest(recs, spec)
+    for r in newest:
+        if r.get("verdict") == oracle.AFFECTED and r.get("config"):
+            r["explained_by"], r["explanation"] = check.explain(r)
+    return newest
+
+
+def _newest(recs: list[dict], spec: dict) -> list[dict]:
+    """The records of this spec on the releases its stacks resolve to now, the newest one per point and release."""
     sk = spec_key(spec)
     wanted = {(release_of(st), json.dumps(st, sort_keys=True)) for st in spec["stacks"]}
     newest = {}
     for r in recs:
         if r.get("spec_key") == sk and (r.get("release"), json.dumps(r.get("stack"), sort_keys=True)) in wanted:
             newest[_key(r)] = r
-    for r in newest.values():
-        if r.get("verdict") == oracle.AFFECTED and r.get("config"):
-            r["explained_by"], r["explanation"] = check.explain(r)
     return list(newest.values())
 
 
