@@ -73,15 +73,22 @@ FIXES = {f.bug: f for f in (
         "step adds their gradient from the fp32 buffer, and the CPU buffer is added only once this step has written "
         "it (both sets emptied in step())"),
     Fix("B7", "b7", "offload_optimizer cpu: a parameter the boundary micro-batch skips loses its window's gradient and "
-                    "steps a stale one (ZeRO-1/2)", (1, 2),
+                    "steps a stale one (ZeRO-1/2/3)", (1, 2, 3),
         (("deepspeed/runtime/zero/stage_1_and_2.py", (
             "self.single_partition_of_fp32_groups[i].grad = get_accelerator().pin_memory(",
             "if self.micro_step_id > 0:", "if self.micro_step_id > 0 or not self.is_gradient_accumulation_boundary():",
             "dest_tensor.copy_(src_tensor, non_blocking=True)",
-            "if self.get_param_id(param) not in self._offload_accumulated_param_ids:")),),
+            "if self.get_param_id(param) not in self._offload_accumulated_param_ids:")),
+         ("deepspeed/runtime/zero/stage3.py", (
+            "if self.is_gradient_accumulation_boundary():",
+            "self._offload_grad_partition_at_boundary(param, grad_buffer, offload_fp32_gradients,",
+            "if param.ds_id not in self._offload_boundary_param_ids:"))),
         "the CPU accumulator is added only once this window wrote it, and at the boundary every parameter the boundary "
-        "micro-batch skipped gets its slice of the fp32 gradient from that accumulator, or zero where no micro-batch "
-        "reached it"),
+        "micro-batch skipped gets its slice of the fp32 gradient from this window's accumulated gradient (ZeRO-1/2: the "
+        "CPU accumulator; ZeRO-3: its reduced partition), or zero where no micro-batch reached it",
+        on="b6", on_why="at ZeRO-3 a part first reached after the window's first micro-batch adds the previous window's "
+                        "gradient (B6, in the reduced partition the fp32 gradient is copied from): ZeRO-3 shows B7 "
+                        "alone only with B6's fix"),
 )}
 
 
