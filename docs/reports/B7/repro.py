@@ -1,10 +1,10 @@
-"""DeepSpeed, offload_optimizer cpu: a part the window's last micro-batch skips steps a stale gradient (ZeRO 1-2).
+"""DeepSpeed, offload_optimizer cpu: a part the window's last micro-batch skips steps a stale gradient (ZeRO 1-3).
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 b7_repro.py   # GPUs: no DS_ACCELERATOR; STAGE=1..2
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 b7_repro.py   # GPUs: no DS_ACCELERATOR; STAGE=1..3
 The fp32 gradient on the CPU is written per parameter by the boundary micro-batch's hooks and never cleared, and the
-CPU accumulator is restarted only by micro-batch 0: a part used by micro-batch m where m % 3 == 0 (GA 2) loses its
-window where the boundary skips it, adds its last window where micro-batch 0 skips it, and steps its last gradient
-again in a window that skips it entirely. SGD, lr = 1. Exit status 1: a step applied something else than the fp32
+CPU accumulator is restarted only by micro-batch 0 (ZeRO-3: the reduced partition, never zeroed: B6, fixed first): a
+part used by micro-batch m where m % 3 == 0 (GA 2) loses its window where the boundary skips it, adds its last window
+where micro-batch 0 skips it, and steps its last gradient again in a window that skips it entirely. SGD, lr = 1. Exit status 1: a step applied something else than the fp32
 gradient of the same global batch.
 """
 import os

@@ -24,7 +24,7 @@ class TrunkAndPart(torch.nn.Module):
         return self.trunk(x) + self.part(x) if use_part else self.trunk(x)
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 class TestOffloadGradOfParamSkippedByBoundary(DistributedTest):
     world_size = 2
 
