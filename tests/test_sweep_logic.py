@@ -253,8 +253,8 @@ def test_a_group_says_its_conditions_members_bug_ratios_and_worst_steps():
     recs = [_p(1, 0, oracle.AFFECTED, "B3", ratio=0.25, worst=1), _p(1, 1, oracle.AFFECTED, "B3", ratio=0.5, worst=2),
             _p(0, 0, oracle.NOT_AFFECTED), _p(0, 1, oracle.NOT_AFFECTED)]
     (g,) = grouping.groups(recs, {"a": [0, 1], "b": [0, 1], "c": ["only"]})
-    assert g == {"when": {"a": [1]}, "count": 2, "ids": ["10", "11"], "known_bug": "B3", "explained_by": ["B3"],
-                 "matches": ["m"], "shapes": ["None"], "worst_steps": [2, 3], "ratio_range": [0.25, 0.5], "example": "10"}
+    assert g == {"when": {"a": [1]}, "count": 2, "ids": ["10", "11"], "known_bug": "B3", "tie": [],
+                 "explained_by": ["B3"], "matches": ["m"], "shapes": ["None"], "worst_steps": [2, 3], "ratio_range": [0.25, 0.5], "example": "10"}
     assert grouping.groups([_p(0, 0, oracle.NOT_AFFECTED)], {"a": [0], "b": [0]}) == []
 
 
@@ -311,6 +311,46 @@ def test_a_group_is_described_by_its_bug_or_its_step():
     unknown = {**known, "known_bug": None, "ratio_range": None}
     assert grouping.describe(unknown) == "[UNKNOWN] a = 1: 2 configs; the step is s"
     assert grouping.describe({**unknown, "shapes": []}) == "[UNKNOWN] a = 1: 2 configs; the step is m1; m2"
+
+
+def test_a_tie_of_known_bugs_or_of_named_steps_is_a_group_of_its_own_said_as_such_and_never_reproduced(monkeypatch,
+                                                                                                         tmp_path):
+    """Two known bugs expected here that each leave the very step (``tied``), or two named steps a GA-2 point cannot
+    tell apart (``ties``), are a tie: grouped apart from unknown steps and from each other, described and tabled as
+    a tie, and given no reproduction of its own (it is no new finding)."""
+    both = [{**_p(1, b, oracle.AFFECTED, None, shape="s", i=f"t{b}"), "tied": ["B6", "B7"]} for b in (0, 1)]
+    steps = {**_p(2, 0, oracle.AFFECTED, None, shape="s", i="h"), "ties": ["global mean x old / new loss scale",
+                                                                          "mean / N"]}
+    unknown = _p(3, 0, oracle.AFFECTED, None, shape="s", i="u")
+    gs = grouping.groups(both + [steps, unknown, _p(0, 0, oracle.NOT_AFFECTED)], {"a": [0, 1, 2, 3], "b": [0, 1]})
+    by = {g["ids"][0]: g for g in gs}
+    assert by["t0"]["tie"] == ["B6", "B7"] and by["t0"]["count"] == 2 and by["t0"]["known_bug"] is None
+    assert by["h"]["tie"] == ["'global mean x old / new loss scale'", "'mean / N'"] and by["u"]["tie"] == []
+    assert grouping.describe(by["t0"]).startswith("[TIE: B6 or B7] a = 1: 2 configs")
+    assert grouping.describe(by["u"]).startswith("[UNKNOWN]")
+    assert grouping.tie({**both[0], "explained_by": None, "ties": ["x", "y"]}) == ["B6", "B7"]  # the bugs first
+    made = []
+
+    class Stop(Exception):
+        pass
+
+    def write(rec, path, title):
+        made.append(rec["id"])
+        raise Stop  # written: enough to know which groups get a reproduction
+
+    monkeypatch.setattr(sweep_run.repro, "write", write)
+    with pytest.raises(Stop):
+        sweep_run.reproduce(_spec(axes={"ga": [2]}), {}, both + [steps, unknown], gs, tmp_path, jobs=1)
+    assert made == ["u"]  # the unknown group alone
+    summary = {"stacks": [{"deepspeed": "0.19.8", "configs": 5, "counts": {oracle.AFFECTED: 4}, "groups": gs}]}
+    cells = {line.split("|")[2].strip(): line.split("|")[-2].strip()
+             for line in sweep_tables.table(summary, "c").splitlines()[4:]}
+    assert cells["a = 1"] == "tie: B6 or B7 (each expected here leaves this step)"
+    assert cells["a = 2"].startswith("tie: 'global mean x old / new loss scale' or 'mean / N' (the measurement cannot")
+    assert cells["a = 3"] == "**unknown**"
+    # notebook 06: a tie needs no reproduction; an unknown group does
+    bad = sweep_notebook.violations(_spec(axes={"ga": [2]}), _recs_for(_spec(axes={"ga": [2]})), summary)
+    assert len(bad) == 1 and "[UNKNOWN] a = 3" in bad[0] and "did not reproduce" in bad[0]
 
 
 def test_a_tie_is_separated_by_the_smallest_sibling_ga_of_the_same_stack_and_axes():

@@ -29,7 +29,7 @@ from gradkit import config as kconfig
 from gradkit import frameworks, shapes
 from gradkit.commands import check_paths
 from gradkit.commands.check import many, one, paths, task
-from gradkit.commands.check.known import candidates, explain, ruled_out  # noqa: F401 - the check's public face
+from gradkit.commands.check.known import candidates, explain, ruled_out, tied  # noqa: F401 - the check's public face
 from gradkit.commands.check.plan import model_of, precisions  # noqa: F401
 from gradkit.commands.check.summary import SEPARATING_GA, report, separate, summarise  # noqa: F401
 from gradkit.probes import ds_config

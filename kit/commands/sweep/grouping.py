@@ -1,6 +1,7 @@
 """The affected points of a sweep grouped by the smallest set of axis conditions (``axis in {values}``) that holds
 for all of them and for no point that is not affected (``groups``, a beam search over conjunctions); each group named
-by the known bug that explains its points (``gradkit.commands.check.explain``) or marked **unknown**."""
+by the known bug that explains its points (``gradkit.commands.check.explain``), said as a **tie** where two known bugs (or two
+named steps) leave the very same step, or marked **unknown**."""
 from __future__ import annotations
 
 import itertools
@@ -43,9 +44,19 @@ def groups(recs: list[dict], axes: dict, max_keys: int = 5) -> list[dict]:
 
 
 def _label(rec: dict) -> str:
-    """What one group may hold: one known bug, or -- unexplained -- one shape of step (its fitted weights in
-    words), never a catch-all."""
-    return rec.get("explained_by") or f"unknown: {rec.get('shape') or rec.get('matches')}"
+    """What one group may hold: one known bug; or a tie the measurement cannot settle (``tie``); or -- unexplained --
+    one shape of step (its fitted weights in words), never a catch-all."""
+    if rec.get("explained_by"):
+        return rec["explained_by"]
+    names = tie(rec)
+    return "tie: " + " or ".join(names) if names else f"unknown: {rec.get('shape') or rec.get('matches')}"
+
+
+def tie(rec: dict) -> list[str]:
+    """What an unexplained affected point ties between: the known bugs expected here that each leave its very step
+    (``tied``, from ``gradkit.commands.check.tied``: "B6", "B7"), else the named steps it matches equally (``ties``:
+    at GA 2 B10's half is "mean / N") that no sibling point separated; [] for a point that is no tie."""
+    return list(rec.get("tied") or []) or [f"'{n}'" for n in rec.get("ties") or []]
 
 
 def _cover(ran: list[dict], names: list[str], literals: list, affected: int, max_keys: int) -> list[dict]:
@@ -101,9 +112,13 @@ def _beam(level: list, uncovered: int, affected: int) -> list:
 def _group(ran: list[dict], mask: int, when: dict) -> dict:
     members = [r for i, r in enumerate(ran) if mask >> i & 1]
     bugs = {r.get("explained_by") for r in members}
+    ties = {tuple(tie(r)) for r in members}
     ratios = [r["metrics"]["norm_ratio"] for r in members if r.get("metrics")]
+    known = bugs.pop() if len(bugs) == 1 and None not in bugs else None
     return {"when": when, "count": len(members), "ids": [r["id"] for r in members],
-            "known_bug": bugs.pop() if len(bugs) == 1 and None not in bugs else None,
+            "known_bug": known,
+            # a tie of known bugs or named steps, the same at every point: said as such, no new finding
+            "tie": list(ties.pop()) if not known and len(ties) == 1 and () not in ties else [],
             "explained_by": sorted(str(b) for b in {r.get("explained_by") for r in members}),
             "matches": sorted({str(r.get("matches")) for r in members}),
             "shapes": sorted({str(r.get("shape")) for r in members}),
@@ -123,7 +138,7 @@ def when_text(when: dict, short=lambda axis: axis) -> str:
 
 
 def describe(group: dict) -> str:
-    name = group["known_bug"] or "UNKNOWN"
+    name = group["known_bug"] or ("TIE: " + " or ".join(group["tie"]) if group.get("tie") else "UNKNOWN")
     lo, hi = group["ratio_range"] or (None, None)
     ratio = f"; ratio {lo:.3f}-{hi:.3f}" if lo is not None else ""
     step = ", ".join(group["matches"]) if group["known_bug"] else "; ".join(group.get("shapes") or group["matches"])

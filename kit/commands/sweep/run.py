@@ -94,6 +94,7 @@ def _finish(rec: dict) -> dict:
     ds_config.CHECK.annotate([rec])
     if rec["verdict"] == oracle.AFFECTED:
         rec["explained_by"], rec["explanation"] = check.explain(rec)
+        rec["tied"] = check.tied(rec)
     return rec
 
 
@@ -155,6 +156,7 @@ def current(recs: list[dict], spec: dict) -> list[dict]:
     for r in newest:
         if r.get("verdict") == oracle.AFFECTED and r.get("config"):
             r["explained_by"], r["explanation"] = check.explain(r)
+            r["tied"] = check.tied(r)
     return newest
 
 
@@ -170,7 +172,7 @@ def _newest(recs: list[dict], spec: dict) -> list[dict]:
 
 
 def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Path, jobs: int = JOBS) -> None:
-    """For each unknown group: a standalone script next to the results, run to check that it reproduces (``jobs``
+    """For each unknown group (not a known bug's, not a tie's): a standalone script next to the results, run to check that it reproduces (``jobs``
     scripts at a time), and its upstream report (``report_<...>.md``, ``gradkit.commands.report``)."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -194,7 +196,7 @@ def reproduce(spec: dict, stack: dict, mine: list[dict], gs: list[dict], out: Pa
         g["report"] = report.name  # ready to paste upstream (gradkit report adds a bisect's range to it)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:  # each script is a world of its own, as the sweep's are
-        for done in [pool.submit(one, k, g) for k, g in enumerate(gs) if not g["known_bug"]]:
+        for done in [pool.submit(one, k, g) for k, g in enumerate(gs) if not g["known_bug"] and not g.get("tie")]:
             done.result()
 
 
