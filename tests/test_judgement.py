@@ -347,14 +347,20 @@ def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_
     w, n = 2, 4
     basis = _basis(2 * w * n)  # this step's micro-batches, then the previous step's
     update = torch.linspace(-1, 1, basis.shape[1], dtype=torch.float64)
-    hyp = {**ds_ranks.hypothesis_weights(w, n, previous=True), **ds_ranks.stepwise_hypotheses(w, n, update, 2)}
+    named = ds_ranks.hypothesis_weights(w, n, previous=True)
+    hyp = {**named, **ds_ranks.stepwise_hypotheses(w, n, update, 2, named)}
     carried = torch.tensor([0.0 if i % n == 0 else 1 / 8 for i in range(8)], dtype=torch.float64) @ basis[:8] + update
     assert naming.step_name(naming.explain(carried, basis, hyp, "fp32")) == ds_ranks.CARRIED
     size, part = basis.shape[1], -(-basis.shape[1] // 4) * 2
     own = torch.cat([basis[:n, :part].sum(0) / n, basis[n:2 * n, part:].sum(0) / n])
     assert own.shape[0] == size and naming.step_name(naming.explain(own, basis, hyp, "fp32")) == ds_ranks.OWN_PARTITION
-    assert ds_ranks.CARRIED not in ds_ranks.stepwise_hypotheses(w, n, None, 2)  # the first step has no previous one
-    assert ds_ranks.OWN_PARTITION not in ds_ranks.stepwise_hypotheses(w, n, None, 3)  # ZeRO-3 partitions otherwise
+    # B3 on B8 (the manual loop, no all-reduce): each rank's partition its own last micro-batch / N
+    last = torch.cat([basis[n - 1, :part] / n, basis[2 * n - 1, part:] / n])
+    assert naming.step_name(naming.explain(last, basis, hyp, "fp32")) == "last micro-batch / N" + naming.LOCAL
+    assert ds_ranks.CARRIED not in ds_ranks.stepwise_hypotheses(w, n, None, 2, named)  # the first step has none before
+    assert ds_ranks.OWN_PARTITION not in ds_ranks.stepwise_hypotheses(w, n, None, 3, named)  # ZeRO-3 splits otherwise
+    at1 = ds_ranks.hypothesis_weights(w, 1)
+    assert "last micro-batch / N" + naming.LOCAL not in ds_ranks.stepwise_hypotheses(w, 1, None, 2, at1)  # the mean
     manual = {"config": {"loop": "manual", "ds_config": {"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "cpu"}}}}, "versions": {"deepspeed": "0.19.8"}, "zero_stage": 2, "ga": n,
         "optimizer": "DeepSpeedZeroOptimizer", "matches": ds_ranks.CARRIED}
@@ -368,6 +374,10 @@ def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_
         "stage": 1, "contiguous_gradients": False}}}, "matches": ds_ranks.OWN_PARTITION}
     assert check.explain({**b8, "versions": {"deepspeed": "0.19.7"}})[0] == "B8"
     assert check.explain({**b8, "versions": {"deepspeed": "0.19.8"}})[0] is None  # fixed there
+    b3 = {**b8, "config": {**b8["config"], "loop": "manual"}, "matches": "last micro-batch / N" + naming.LOCAL,
+          "versions": {"deepspeed": "0.19.7"}}
+    assert check.explain(b3)[0] == "B3" and "and B8 on this step (no all-reduce" in check.explain(b3)[1]
+    assert check.explain({**b3, "versions": {"deepspeed": "0.19.8"}})[0] is None  # no B8 there: not B3's own step
     # B4 at GA 1: the boundary micro-batch is the only one, so no rank's reaches another's partition (B8's step)
     b4 = {**b8, "config": {"loop": "engine", "ds_config": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}},
           "optimizer": "BF16_Optimizer", "ga": 1, "zero_stage": 1, "versions": {"deepspeed": "0.18.6"}}

@@ -21,6 +21,7 @@ SCALE_GREW = "global mean" + GROWN
 CARRIED = "first micro-batch lost, the previous update applied again"
 # no all-reduce at all (B8): each rank's partition stepped with the sum of that rank's own micro-batches
 OWN_PARTITION = "each rank's partition: its own micro-batches, summed"
+LOCAL = " without the all-reduce"  # a named step, then B8 on top of it: each rank's partition from its own micro-batches
 
 
 def grown(hypotheses: dict, scale_change: float) -> dict:
@@ -36,11 +37,35 @@ def grown(hypotheses: dict, scale_change: float) -> dict:
             or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(w, mean))}
 
 
-def grown_base(name) -> str | None:
+def local(hypotheses: dict, w: int, n: int, split) -> dict:
+    """Each named step of ``hypotheses`` (weights over the rank-major basis, ``w`` ranks x ``n`` micro-batches) as it is
+    where nothing is all-reduced (B8 on a step another bug already made): rank r's partition of the flat parameters
+    (``split(size)``: each rank's ``(lo, hi)``) gets rank r's own rows of the step, not averaged over the ranks (x w),
+    named ``<name> without the all-reduce``. The mean's is B8 alone (``OWN_PARTITION``); a step that is the mean at
+    this N gets none; a step over more than this step's micro-batches (an earlier one's) gets none."""
+    import torch
+
+    k, mean = w * n, hypotheses["global mean"]
+    out = {}
+    for name, weights in hypotheses.items():
+        if callable(weights) or len(weights) != k or (name != "global mean" and all(
+                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(weights, mean))):
+            continue
+
+        def step(b, weights=weights):
+            v, x = b.new_zeros(b.shape[1]), torch.as_tensor(weights, dtype=b.dtype) * w
+            for r, (lo, hi) in enumerate(split(b.shape[1])):
+                v[lo:hi] = x[r * n:(r + 1) * n] @ b[r * n:(r + 1) * n, lo:hi]
+            return v
+        out[OWN_PARTITION if name == "global mean" else name + LOCAL] = step
+    return out
+
+
+def grown_base(name, suffix: str = GROWN) -> str | None:
     """The named step a grown one was before the scale's growth (``grown``), except B10's own (``SCALE_GREW``);
-    None for any other name."""
-    if isinstance(name, str) and name.endswith(GROWN) and name != SCALE_GREW:
-        return name[:-len(GROWN)]
+    with ``suffix=LOCAL``, the one a step without the all-reduce was (``local``). None for any other name."""
+    if isinstance(name, str) and name.endswith(suffix) and name != SCALE_GREW:
+        return name[:-len(suffix)]
     return None
 
 

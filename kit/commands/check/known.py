@@ -16,6 +16,12 @@ OWN_LOOPS = {"manual": "your own loop calls backward() several times per step() 
              "unmanaged": "your own loop does that with \"managed_gradient_accumulation\": false"}
 
 
+# the bugs that remake whatever step another bug made: (the suffix of the step they leave on top of another, their own
+# step alone, what they do in words)
+ON_TOP = ((naming.GROWN, naming.SCALE_GREW, "the loss scale grew before the unscale: x old / new"),
+          (naming.LOCAL, naming.OWN_PARTITION, "no all-reduce: each rank's partition from its own micro-batches"))
+
+
 def expected_here(bug: str, versions: dict, **config) -> bool:
     """Upstream's table expects ``bug`` on this release: it pins it affected, or the release is newer than the
     table and no release fixes the bug (a bug with no fix stays expected)."""
@@ -117,14 +123,16 @@ def explain(rec: dict) -> tuple[str | None, str]:
     if direct:
         k = expectations.KNOWN[direct[0]]
         return direct[0], f"{direct[0]} ({k.report}): {k.explains[0]}; the step is '{matches}'"
-    # another bug's step, then the scale's growth on top of it: named by that bug, the grower said beside it
-    base = naming.grown_base(matches)
-    growers = [b for b in found if expectations.KNOWN[b].explains[1] == naming.SCALE_GREW]
-    under = [b for b in found if base and b not in growers and leaves(b, base)]
-    if growers and len(under) == 1:
-        k = expectations.KNOWN[under[0]]
-        return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {growers[0]} on this step (the loss scale "
-                          f"grew before the unscale: x old / new); the step is '{matches}'")
+    # another bug's step, then a bug that remakes any step on top of it (B10: the scale grew, x old / new; B8: no
+    # all-reduce, each rank's partition its own): named by the bug under it, the one on top said beside it
+    for suffix, own_step, how in ON_TOP:
+        base = naming.grown_base(matches, suffix)
+        tops = [b for b in found if expectations.KNOWN[b].explains[1] == own_step]
+        under = [b for b in found if base and b not in tops and leaves(b, base)]
+        if tops and len(under) == 1:
+            k = expectations.KNOWN[under[0]]
+            return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {tops[0]} on this step ({how}); the "
+                              f"step is '{matches}'")
     if found:
         return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
                       f"'{matches}', not what {found[0]} leaves{said}")

@@ -50,25 +50,21 @@ def hypothesis_weights(w: int, n: int, own: int = 0, previous: bool = False, los
     return out
 
 
-def stepwise_hypotheses(w: int, n: int, update, stage) -> dict:
+def stepwise_hypotheses(w: int, n: int, update, stage, named: dict) -> dict:
     """The named steps no single weighting of the basis gives, each a function of it (``naming.explain``):
     ``CARRIED`` (B11: this step's micro-batches but each rank's first, plus ``update``, the update the previous step
     applied; from the second step) and, at ZeRO-1/2, ``OWN_PARTITION`` (B8: no all-reduce; rank r's partition of the
-    flat parameters, split as ZeRO-1/2 split it, is the sum of rank r's own micro-batches, each divided by N)."""
+    flat parameters, split as ZeRO-1/2 split it, is the sum of rank r's own micro-batches, each divided by N), with
+    each step of ``named`` as B8 leaves it (``naming.local``: B3's last micro-batch, each rank's own)."""
     k, out = w * n, {}
     if update is not None:
         lost_first = [0.0 if i % n == 0 else 1.0 / k for i in range(k)]
         out[CARRIED] = lambda b: b.new_tensor(lost_first) @ b[:k] + update
     if stage in (1, 2) and w > 1:
-        def own(b):
-            size = b.shape[1]
+        def split(size):
             part = -(-size // (2 * w)) * 2  # the flat group padded to a multiple of 2 W, split evenly
-            v = b.new_zeros(size)
-            for r in range(w):
-                lo, hi = r * part, min((r + 1) * part, size)
-                v[lo:hi] = b[r * n:(r + 1) * n, lo:hi].sum(0) / n
-            return v
-        out[OWN_PARTITION] = own
+            return [(r * part, min((r + 1) * part, size)) for r in range(w)]
+        out.update(naming.local(named, w, n, split))
     return out
 
 
@@ -342,7 +338,7 @@ def run_case(case: dict) -> dict:
         before, after, _ = scales[max(scales)] if scales else (1.0, 1.0, False)
         out = hypothesis_weights(ws, ns, previous=prev, loss_scale=after, scale_change=before / after)
         if engine is not None:
-            out.update(stepwise_hypotheses(ws, ns, update, case.get("zero_stage")))
+            out.update(stepwise_hypotheses(ws, ns, update, case.get("zero_stage"), out))
         return out
 
     def facts(s):  # an fp16 step's loss scale and how it moved; skipped: the scaler found an overflow (applies nothing)
