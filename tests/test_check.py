@@ -253,9 +253,9 @@ def test_a_shipped_zero2_config_is_exact_in_deepspeeds_loop_and_a_tie_at_ga_2_is
 
 def _ds(case="engine", role="measured", verdict=oracle.AFFECTED, stage=2, optimizer="DeepSpeedZeroOptimizer",
         ds=None, version="0.18.6", ga=4, matches=None, shape=None, fix=None, loop=None, model="mlp", model_config=None,
-        **kw):
+        dtype="fp32", **kw):
     return {"case": case, "role": role, "verdict": verdict, "reason": f"{case}: why", "zero_stage": stage,
-            "optimizer": optimizer, "ga": ga, "dtype": "fp32", "versions": {"deepspeed": version, "torch": "2.13.0"},
+            "optimizer": optimizer, "ga": ga, "dtype": dtype, "versions": {"deepspeed": version, "torch": "2.13.0"},
             "config": {"loop": loop or case, "ds_config": ds or {}, "fix": fix, "model": model,
                        **({"model_config": model_config} if model_config else {})}, "matches": matches,
             "shape": shape, "metrics": {"norm_ratio": 0.25, "cosine": 0.9, "rel_l2": 0.75},
@@ -304,6 +304,15 @@ OFFLOAD = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
     (_ds("engine", ds=OFFLOAD, version="0.18.2"), ["B5"]),        # offload accumulates on the CPU
     (_ds("engine", ds={"zero_optimization": {"contiguous_gradients": False}}, version="0.19.7"), ["B8"]),
     (_ds("engine", ds={"zero_optimization": {"contiguous_gradients": False}}, version="0.19.8"), []),  # fixed there
+    (_ds("engine", ds={"zero_optimization": {"contiguous_gradients": False, "offload_optimizer": {"device": "cpu"}}},
+         version="0.19.7"), []),                                  # offload turns contiguous gradients on: no B8
+    # B13: ZeRO-1 accumulating in another dtype than the parameters' (fp16 + fp32; bf16 + fp32 with offload)
+    (_ds("engine", stage=1, ds={"data_types": {"grad_accum_dtype": "fp32"}}, dtype="fp16", version="0.19.6"), ["B13"]),
+    (_ds("engine", stage=1, ds={"data_types": {"grad_accum_dtype": "fp32"}}, dtype="fp16", version="0.19.8"), []),
+    (_ds("engine", stage=1, ds={"data_types": {"grad_accum_dtype": "fp16"}}, dtype="fp16", version="0.19.6"), []),
+    (_ds("engine", stage=2, ds={"data_types": {"grad_accum_dtype": "fp32"}}, dtype="fp16", version="0.19.6"), []),
+    (_ds("engine", stage=1, ds={"data_types": {"grad_accum_dtype": "fp32"}}, dtype="bf16", version="0.18.6",
+         optimizer="BF16_Optimizer"), ["B4"]),                    # bf16 + fp32 without offload: B4's optimizer
     (_ds("engine", ds={"fp16": {"enabled": True}}), ["B10"]),   # a dynamic fp16 loss scale
     (_ds("engine", ds={"fp16": {"enabled": True, "loss_scale": 128}}), []),  # a static one
     (_ds("unmanaged", ds=OFFLOAD), ["B3"]),                     # ... not the unmanaged one (measured exact)

@@ -43,9 +43,12 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   0.19.8; no upstream report found). ``copy_grads_in_partition`` writes a parameter's slice of
   ``single_partition_of_fp32_groups[i].grad`` only when its hook fires on the boundary micro-step, and nothing
   zeroes that buffer or ``accumulated_grads_in_cpu`` between steps (ZeRO-3: ``fp32_partitioned_groups_flat[i].grad``
-  and ``_offload_grad_partition_at_boundary``). A part the boundary micro-batch misses loses its window's
-  gradient and keeps its last one. Affected on every release from 0.14.4 (its start is older); its step changes
-  with B5's start and fix (0.15.2: the old gradient no longer applied again; 0.19.0: applied again), both found by
+  and ``_offload_grad_partition_at_boundary``, called from ``partition_grads`` only at the boundary). A part the
+  boundary micro-batch misses loses its window's gradient and keeps its last one. The sweep's ZeRO-3 offload points
+  once read as "a stale gradient of its own" (``no_grad_step``, ratio 2.52 on 0.19.8) are B7's: the kit's B7 fix,
+  which at the boundary fills every skipped parameter's fp32 slice from its reduced partition or zeroes it, makes
+  them exact, and B6's does not (2026-11-28). Affected on every release from 0.14.4 (its start is older); its step
+  changes with B5's start and fix (0.15.2: the old gradient no longer applied again; 0.19.0: applied again), both found by
   gradkit bisect. (ZeRO-1/2's manual loop with offload on any model is B11, another buffer.)
 - B8 (DeepSpeed's CPU accelerator, ZeRO-1/2 with ``contiguous_gradients: false``: no all-reduce at all): found by the
   kit's sweep on 0.18.6 as an unknown group, its end found by ``gradkit bisect`` (0.19.7 affected, 0.19.8 exact;
@@ -56,6 +59,15 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   partition with its own local gradient. deepspeedai/DeepSpeed#8382 compares ``t.dtype`` instead, first released in
   0.19.8. A GPU run matches ``"torch.cuda.FloatTensor"`` and is not affected.
 
+- B13 (ZeRO-1 with ``data_types.grad_accum_dtype`` other than the parameters' dtype: fp16 + fp32, or bf16 + fp32 with
+  ``offload_optimizer``): found by the kit's sweep on 0.18.6 as an unknown group whose step is B8's (each rank's
+  partition its own micro-batches) in a config B8's rule does not cover (offload forces contiguous gradients), then
+  read in the source: ``use_grad_accum_attribute`` keeps the fp32 gradient in ``param.grad_accum``,
+  ``get_gradient_for_reduction`` returns ``param.grad_accum.to(self.dtype)`` (a copy: the cast came with
+  deepspeedai/DeepSpeed#4084, 2023-08, for issue #4083's crash), the bucket reduces that copy, and the step
+  (``copy_grads_in_partition`` with offload, the partition's gradient without) reads the rank's own unreduced
+  ``param.grad_accum``. Measured affected on 0.18.6 - 0.19.6 (bf16 + fp32 with offload; fp16 + fp32 on 0.19.6),
+  exact on 0.19.8, whose ``get_gradient_for_reduction`` returns ``param.grad_accum`` itself and reduces in fp32.
 - B9 (``FP16_UnfusedOptimizer``, a torch optimizer without a ZeRO optimizer): from 0.18.3 (#7665) ``engine.backward``
   scales the loss only for a ZeRO optimizer while the optimizer's ``step`` still divides by its loss scale, so every
   update is 1 / loss_scale (deepspeedai/DeepSpeed#8393, open; #7839 fixed the bf16 ZeRO-0 case in 0.18.6); before it
@@ -254,7 +266,10 @@ KNOWN = {k.bug: k for k in (
     Known("B7", "deepspeed", "found by gradkit (no upstream report as of 2026-11-25)", affected_from=None,
           fixed_in=None, last_affected=None, newest_pinned="0.19.8",
           notes=("offload_optimizer cpu; only a model whose parameters the boundary micro-batch does not reach "
-                 "shows it in DeepSpeed's own loop",),
+                 "shows it in DeepSpeed's own loop",
+                 "ZeRO-3 with offload: a part no micro-batch of a step reaches (no_grad_step) is B7's alone (the kit's "
+                 "B7 fix makes it exact, B6's does not); a part first reached after micro-batch 1 adds the previous "
+                 "window through B6's partition, so ZeRO-3 with offload is exact only with both fixes"),
           explains=("offload_optimizer cpu writes the fp32 gradient only for the parameters the boundary micro-batch "
                     "reaches and never clears it: a part the boundary misses loses its window's gradient and keeps its "
                     "last one", (PART_STALE, PART_LOST, f"{PART_STALE} and {PART_LOST}", f"{PART_LOST} and {PART_STALE}"),
@@ -369,6 +384,17 @@ KNOWN = {k.bug: k for k in (
                     "sum of its own micro-batches", naming.OWN_PARTITION,
                     "upgrade to DeepSpeed >= 0.19.8, or set \"contiguous_gradients\": true (a GPU run is not "
                     "affected)")),
+    Known("B13", "deepspeed", "found by gradkit (no upstream report found as of 2026-11-28)", affected_from=None,
+          fixed_in="0.19.8", last_affected=None, newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#4084 (the cast)",),
+          notes=("ZeRO-1 with data_types.grad_accum_dtype other than the parameters' dtype: fp16 + fp32, or bf16 + "
+                 "fp32 with offload_optimizer (bf16 + fp32 without offload runs BF16_Optimizer: B4's)",
+                 "found by gradkit's sweep (0.18.6) as an unknown group with B8's step, read in the source"),
+          explains=("ZeRO-1 accumulating in another dtype than the parameters' reduces a copy: "
+                    "get_gradient_for_reduction returns param.grad_accum.to(self.dtype), the all-reduce averages that "
+                    "copy, and the step copies each rank's own unreduced param.grad_accum, so each rank steps its "
+                    "partition with the sum of its own micro-batches", naming.OWN_PARTITION,
+                    "upgrade to DeepSpeed >= 0.19.8, or leave data_types.grad_accum_dtype at the parameters' dtype "
+                    "(bf16 + fp32 accumulation without offload runs BF16_Optimizer instead: B4 up to 0.18.9)")),
 )}
 
 UNMANAGED_SINCE = "0.19.4"  # B3's opt-out key; older releases ignore it silently

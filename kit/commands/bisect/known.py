@@ -70,6 +70,9 @@ RECIPES = {r.name: r for r in (
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}, loop="manual"),
     Recipe("B12", "B12", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4,
                                                          "zero_optimization": {"stage": 2}}),
+    Recipe("B13", "B13", "deepspeed", *DS_OLDEST, config={**MB4, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+                                                         "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {
+                                                             "stage": 1, "offload_optimizer": {"device": "cpu"}}}),
     Recipe("ACC", "ACC", "accelerate", "0.27.0", "accelerate before 0.27 is not installed here (sync_each_batch "
            "arrives in 0.28.0)", probe="ACC", case="sync_each_batch",
            plan={"world_sizes": (2,), "ga_values": (4,), "cases": ("control", "sync_each_batch")}),

@@ -90,9 +90,15 @@ def candidates(rec: dict) -> list[str]:
     if stage == 2 and not offload and rec["ga"] > 1 and loop in ("engine", "boundary") \
             and expected_here("B12", versions):
         out.append("B12")
+    # B8: the CPU accelerator's fallback reduce; offload forces contiguous gradients on, so it never runs there
     if stage in (1, 2) and zero.get("contiguous_gradients") is False and rec.get("device", "cpu") == "cpu" \
-            and expected_here("B8", versions):
+            and not offload and expected_here("B8", versions):
         out.append("B8")
+    # B13: ZeRO-1 accumulating in another dtype than the parameters' (``param.grad_accum``) reduces a copy of it
+    accum = ((rec["config"].get("ds_config") or {}).get("data_types") or {}).get("grad_accum_dtype")
+    if stage == 1 and rec.get("optimizer") == "DeepSpeedZeroOptimizer" and accum and accum != rec.get("dtype") \
+            and expected_here("B13", versions):
+        out.append("B13")
     return [b for b in out if b not in ruled_out(rec)]
 
 
