@@ -168,6 +168,11 @@ PINS: dict[str, tuple[Pin, ...]] = {
             "split_half_float_double, called by DeepSpeedZeroOptimizer.buffered_reduce_fallback "
             "(deepspeedai/DeepSpeed#8382)"),
     ),
+    "B13": (
+        Pin("fixed", "0.19.7", "0.19.8", "B13", "gradkit bisect --known B13 --keep",
+            "DeepSpeedZeroOptimizer.get_gradient_for_reduction (param.grad_accum, no longer a copy cast to the "
+            "parameters' dtype) and _gradient_reduction_buffer_dtype (the bucket in the accumulator's dtype)"),
+    ),
 }
 
 # where the oldest release that runs here is already affected: the start is older than what can be measured here
@@ -181,6 +186,8 @@ START_HIDDEN: dict[str, str] = {
     "B6": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B7": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B8": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
+    "B13": f"affected on every release that runs here, from {OLDEST_DS}: the start is older (the cast came with "
+           "deepspeedai/DeepSpeed#4084, 2023-08)",
     "B10": f"affected on every release that runs here, from {OLDEST_DS}: the start is older (the ordering is in "
            "DeepSpeed's first public import, v0.1.0)",
 }
@@ -189,5 +196,5 @@ START_SHORT: dict[str, str] = {
     "ACC": "0.28.0, with the feature (0.27.x cannot run it)",
     "HFT": "before 4.45.2, the oldest that runs here",
     "FSDP2": "only torch 2.13.0 runs here",
-    **{bug: "before 0.14.4, the oldest that runs here" for bug in ("B6", "B7", "B8", "B10")},
+    **{bug: "before 0.14.4, the oldest that runs here" for bug in ("B6", "B7", "B8", "B10", "B13")},
 }
