@@ -324,3 +324,87 @@ def test_the_verdicts_page_shows_each_verdict_from_the_config_its_section_names(
         example = f"examples/verdicts/{name.lower()}.json"
         assert f"$ gradkit check {example}\n" in body and (REPO / example).exists(), name
         assert body.rstrip().removesuffix("```").rstrip().endswith(last), (name, body[-200:])
+
+
+CODE_SPAN = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
+COMMAND = re.compile(r"(?:^|[\s$(])(?:\S*/)?(?:gradkit (?P<sub>[a-z]+)(?![\w:-])|python3? -m (?P<mod>gradkit[\w.]*))"
+                     r"(?P<args>[^`\n|;&#]*)")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
+
+
+def _commands(page: Path) -> list[tuple[str, str, list[str]]]:
+    """Each gradkit command line a page's code shows (fenced blocks and inline spans): (the module it runs, the line,
+    its --flags). An output line (``gradkit check x.json: DeepSpeed ...``) is not a command."""
+    from gradkit.__main__ import COMMANDS
+
+    out = []
+    for fenced, inline in CODE_SPAN.findall(page.read_text()):
+        for line in (fenced or inline).splitlines():
+            for m in COMMAND.finditer(line):
+                if m["sub"]:
+                    module = COMMANDS.get(m["sub"], f"no such command: gradkit {m['sub']}")
+                else:
+                    module = m["mod"]
+                args = m["args"].split(":")[0] if m["sub"] else m["args"]
+                out.append((module, line.strip(), FLAG.findall(args)))
+    return out
+
+
+def _help(module: str) -> str | None:
+    """What ``python -m module --help`` prints (its argparse), run in this process; None where it does not import."""
+    import contextlib
+    import io
+    import runpy
+    import sys
+
+    try:
+        main = getattr(importlib.import_module(module), "main", None)
+    except ImportError:
+        return None
+    argv, text = sys.argv, io.StringIO()
+    sys.argv = [module, "--help"]
+    try:
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+            if callable(main):  # a command's own entry (gradkit check -> gradkit.commands.check.main)
+                main(["--help"])
+            else:  # a package run by its __main__, or a module with a guarded block
+                runpy.run_module(module + ".__main__" if importlib.util.find_spec(module + ".__main__") else module,
+                                 run_name="__main__", alter_sys=False)
+    except SystemExit:
+        pass
+    finally:
+        sys.argv = argv
+    return text.getvalue()
+
+
+@pytest.mark.parametrize("page", [README, *DOCS, *sorted((REPO / "examples").rglob("*.md"))],
+                         ids=lambda p: p.name)
+def test_every_command_a_page_shows_runs_a_module_the_kit_has_with_flags_its_parser_takes(page):
+    """A command in a page's code (``gradkit check ...``, ``python -m gradkit.commands.sweep ...``) names a command or
+    module that exists, and every ``--flag`` it writes is one that command's ``--help`` lists: a flag renamed or a
+    command moved fails here, with the line."""
+    helps: dict = {}
+    bad = []
+    for module, line, flags in _commands(page):
+        if module not in helps:
+            helps[module] = None if module.startswith("no such") else _help(module)
+        text = helps[module]
+        if text is None:
+            bad.append(f"{line}: {module if module.startswith('no such') else f'no module {module}'}")
+            continue
+        bad += [f"{line}: {module} has no {f}" for f in flags if f not in FLAG.findall(text)]
+    assert not bad, f"{page.name}: {bad}"
+
+
+def test_a_command_with_a_flag_its_parser_lacks_or_a_command_the_kit_lacks_is_found(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("Run `gradkit check x.json --loop all --no-such-flag` or\n```\ngradkit watch x\n"
+                    "python -m gradkit.commands.sweep s.yaml --readme r.md\n```\n"
+                    "It prints `gradkit check x.json: DeepSpeed 0.19.8 --not-a-flag`.\n")
+    found = _commands(page)
+    assert [(m, f) for m, _, f in found] == [("gradkit.commands.check", ["--loop", "--no-such-flag"]),
+                                              ("no such command: gradkit watch", []),
+                                              ("gradkit.commands.sweep", ["--readme"]),
+                                              ("gradkit.commands.check", [])]
+    assert "--loop" in _help("gradkit.commands.check") and "--no-such-flag" not in _help("gradkit.commands.check")
+    assert _help("gradkit.no_such_module") is None
