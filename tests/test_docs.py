@@ -408,3 +408,23 @@ def test_a_command_with_a_flag_its_parser_lacks_or_a_command_the_kit_lacks_is_fo
                                               ("gradkit.commands.check", [])]
     assert "--loop" in _help("gradkit.commands.check") and "--no-such-flag" not in _help("gradkit.commands.check")
     assert _help("gradkit.no_such_module") is None
+
+
+HARD_CPU = re.compile(r"use_cpu\s*=\s*True|init_\w*\([^)]*[\"']gloo[\"']|dist_backend\s*=\s*[\"']gloo|"
+                      r"environ\[[\"']DS_ACCELERATOR[\"']\]\s*=|device\s*=\s*[\"']cpu[\"']\s*\)")
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "examples").rglob("*.py")), ids=lambda p: p.name)
+def test_an_example_takes_its_device_and_backend_from_the_environment(example):
+    """Every example runs unchanged on GPUs: no CPU or gloo written into the code (the CPU runs of the suite say
+    ``DS_ACCELERATOR=cpu`` on the command line); offloading the optimizer to ``{"device": "cpu"}`` is a config, not
+    the run's device."""
+    code = "\n".join(line.split("#")[0] for line in example.read_text().splitlines())
+    assert not HARD_CPU.findall(code), f"{example.name} fixes the device or backend: {HARD_CPU.findall(code)}"
+
+
+def test_a_hard_coded_cpu_or_gloo_is_found():
+    for bad in ('TrainingArguments(use_cpu=True)', 'deepspeed.init_distributed(dist_backend="gloo")',
+                'dist.init_process_group("gloo")', 'os.environ["DS_ACCELERATOR"] = "cpu"', 'x.to(device="cpu")'):
+        assert HARD_CPU.findall(bad), bad
+    assert not HARD_CPU.findall('use_cpu=not torch.cuda.is_available(), {"offload_optimizer": {"device": "cpu"}}')

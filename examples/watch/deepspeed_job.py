@@ -1,6 +1,7 @@
 """A DeepSpeed training job with gradkit's watch on it: the one line is ``watch_engine``.
 
     DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 examples/watch/deepspeed_job.py --stage 2 --loop manual
+    torchrun --nproc-per-node 8 examples/watch/deepspeed_job.py --stage 2 --loop manual    # GPUs: the same file
 
 ``--loop engine``: DeepSpeed's own loop (``backward`` and ``step`` every micro-batch, GA in the config);
 ``--loop manual``: GA 1 in the config, GA ``backward`` calls, then one ``step`` (ZeRO-1/2 from 0.18.3 keep only
@@ -34,7 +35,7 @@ p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
                help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
 
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed.init_distributed()  # the accelerator's backend: nccl on GPUs, gloo under DS_ACCELERATOR=cpu
 rank = torch.distributed.get_rank()
 torch.manual_seed(0)
 
@@ -70,7 +71,7 @@ dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 for step in range(args.steps):
     for i in range(args.ga):
         n = 4
-        x, y = torch.randn(n, 8, generator=data).to(dtype), torch.randn(n, 4, generator=data).to(dtype)
+        x, y = (torch.randn(n, k, generator=data).to(engine.device, dtype) for k in (8, 4))
         kwargs = {"head": i % 2 if step == 0 else 0} if args.model == "heads" else {}
         loss = criterion(engine(x, **kwargs), y)
         if args.loop == "engine":

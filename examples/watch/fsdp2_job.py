@@ -27,9 +27,12 @@ p.add_argument("--shard", choices=("auto", "on", "off"), default="auto",
                help="the watch's reference sharded over the ranks (auto: where the engine shards the model)")
 args = p.parse_args()
 
-dist.init_process_group("gloo")
+dist.init_process_group()  # torch's default backends: nccl for CUDA tensors, gloo for CPU ones
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
 for layer in model:
     if isinstance(layer, nn.Linear):
         fully_shard(layer)
@@ -43,7 +46,7 @@ data = torch.Generator().manual_seed(100 + dist.get_rank())
 for step in range(args.steps):
     for i in range(args.ga):
         model.set_requires_gradient_sync(i == args.ga - 1)
-        x, y = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data)
+        x, y = (torch.randn(4, k, generator=data).to(device) for k in (8, 4))
         loss = criterion(model(x), y)
         (loss if args.loop == "sum" else loss / args.ga).backward()
     optimizer.step()
