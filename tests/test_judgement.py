@@ -378,6 +378,12 @@ def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_
           "versions": {"deepspeed": "0.19.7"}}
     assert check.explain(b3)[0] == "B3" and "and B8 on this step (no all-reduce" in check.explain(b3)[1]
     assert check.explain({**b3, "versions": {"deepspeed": "0.19.8"}})[0] is None  # no B8 there: not B3's own step
+    # fp16 + an fp32 accumulator at ZeRO-1 without contiguous gradients: B8 and B13 each remake B3's step so
+    both_top = {**b3, "dtype": "fp16", "config": {**b3["config"], "ds_config": {"data_types": {"grad_accum_dtype": "fp32"},
+                "zero_optimization": {"stage": 1, "contiguous_gradients": False}}}, "versions": {"deepspeed": "0.19.6"},
+                "zero_stage": 1}
+    bug, said = check.explain(both_top)
+    assert bug == "B3" and "and B8 or B13 on this step" in said and "each expected here" in said
     # B4 at GA 1: the boundary micro-batch is the only one, so no rank's reaches another's partition (B8's step)
     b4 = {**b8, "config": {"loop": "engine", "ds_config": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}},
           "optimizer": "BF16_Optimizer", "ga": 1, "zero_stage": 1, "versions": {"deepspeed": "0.18.6"}}

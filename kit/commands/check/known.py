@@ -135,10 +135,10 @@ def explain(rec: dict) -> tuple[str | None, str]:
         base = naming.grown_base(matches, suffix)
         tops = [b for b in found if expectations.KNOWN[b].explains[1] == own_step]
         under = [b for b in found if base and b not in tops and leaves(b, base)]
-        if tops and len(under) == 1:
+        if tops and len(under) == 1:  # several bugs on top that each remake it so: said, none picked
             k = expectations.KNOWN[under[0]]
-            return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {tops[0]} on this step ({how}); the "
-                              f"step is '{matches}'")
+            return under[0], (f"{under[0]} ({k.report}): {k.explains[0]}; and {' or '.join(tops)} on this step "
+                              f"({how}{'; each expected here' if len(tops) > 1 else ''}); the step is '{matches}'")
     if found:
         return None, (f"not explained by any known bug: {', '.join(found)} is expected here, but the step is "
                       f"'{matches}', not what {found[0]} leaves{said}")
