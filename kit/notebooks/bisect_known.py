@@ -31,7 +31,7 @@ from gradkit.probes import ds_config
 from gradkit.stacks.fixes import FIXES
 from gradkit.stacks.versions import version_key
 
-BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8", "B12", "B11", "B10")  # the recipes (gradkit.commands.bisect.known) notebook 08 bisects
+BUGS = ("B4", "B5", "B3", "B3 opt-out", "B2", "B8", "B12", "B11", "B10", "B13")  # the recipes (gradkit.commands.bisect.known) notebook 08 bisects
 
 
 def run(bug: str, releases: list[str], stride: int = 1, **kw) -> dict:
