@@ -60,14 +60,15 @@ Sources (upstream pull requests and issues; the releases are those that first sh
   0.19.8. A GPU run matches ``"torch.cuda.FloatTensor"`` and is not affected.
 
 - B13 (ZeRO-1 with ``data_types.grad_accum_dtype`` other than the parameters' dtype: fp16 + fp32, or bf16 + fp32 with
-  ``offload_optimizer``): found by the kit's sweep on 0.18.6 as an unknown group whose step is B8's (each rank's
-  partition its own micro-batches) in a config B8's rule does not cover (offload forces contiguous gradients), then
-  read in the source: ``use_grad_accum_attribute`` keeps the fp32 gradient in ``param.grad_accum``,
+  ``offload_optimizer``): found by the kit's sweep on 0.18.6 with B8's step where B8 cannot be (offload forces
+  contiguous gradients), then read in the source: ``use_grad_accum_attribute`` keeps it in ``param.grad_accum``,
   ``get_gradient_for_reduction`` returns ``param.grad_accum.to(self.dtype)`` (a copy: the cast came with
-  deepspeedai/DeepSpeed#4084, 2023-08, for issue #4083's crash), the bucket reduces that copy, and the step
+  deepspeedai/DeepSpeed#2847, v0.10.1, 2023-07, which added ``grad_accum_dtype``), the bucket reduces that copy, and the step
   (``copy_grads_in_partition`` with offload, the partition's gradient without) reads the rank's own unreduced
-  ``param.grad_accum``. Measured affected on 0.18.6 - 0.19.6 (bf16 + fp32 with offload; fp16 + fp32 on 0.19.6),
-  exact on 0.19.8, whose ``get_gradient_for_reduction`` returns ``param.grad_accum`` itself and reduces in fp32.
+  ``param.grad_accum``. gradkit bisect: affected on every release that runs here, 0.14.4 - 0.19.7 (bf16 + fp32 with
+  offload; fp16 + fp32 measured on 0.19.6 too), exact on 0.19.8, whose ``get_gradient_for_reduction`` returns
+  ``param.grad_accum`` itself and reduces in its dtype (no upstream report found; the change is not in a mirror
+  read up to 2026-08-22).
 - B9 (``FP16_UnfusedOptimizer``, a torch optimizer without a ZeRO optimizer): from 0.18.3 (#7665) ``engine.backward``
   scales the loss only for a ZeRO optimizer while the optimizer's ``step`` still divides by its loss scale, so every
   update is 1 / loss_scale (deepspeedai/DeepSpeed#8393, open; #7839 fixed the bf16 ZeRO-0 case in 0.18.6); before it
@@ -385,7 +386,7 @@ KNOWN = {k.bug: k for k in (
                     "upgrade to DeepSpeed >= 0.19.8, or set \"contiguous_gradients\": true (a GPU run is not "
                     "affected)")),
     Known("B13", "deepspeed", "found by gradkit (no upstream report found as of 2026-11-28)", affected_from=None,
-          fixed_in="0.19.8", last_affected=None, newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#4084 (the cast)",),
+          fixed_in="0.19.8", last_affected=None, newest_pinned="0.19.8", prs=("deepspeedai/DeepSpeed#2847 (the cast, v0.10.1)",),
           notes=("ZeRO-1 with data_types.grad_accum_dtype other than the parameters' dtype: fp16 + fp32, or bf16 + "
                  "fp32 with offload_optimizer (bf16 + fp32 without offload runs BF16_Optimizer: B4's)",
                  "found by gradkit's sweep (0.18.6) as an unknown group with B8's step, read in the source"),

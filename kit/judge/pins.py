@@ -187,7 +187,7 @@ START_HIDDEN: dict[str, str] = {
     "B7": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B8": f"affected on every release that runs here, from {OLDEST_DS}: the start is older",
     "B13": f"affected on every release that runs here, from {OLDEST_DS}: the start is older (the cast came with "
-           "deepspeedai/DeepSpeed#4084, 2023-08)",
+           "deepspeedai/DeepSpeed#2847, v0.10.1)",
     "B10": f"affected on every release that runs here, from {OLDEST_DS}: the start is older (the ordering is in "
            "DeepSpeed's first public import, v0.1.0)",
 }
