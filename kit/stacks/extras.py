@@ -18,6 +18,11 @@ from gradkit.stacks import versions
 EXTRAS = {
     "trl": ("trl==1.16.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0",
             "pyarrow==26.0.1", "pandas==3.1.1"),
+    # LLaMA-Factory 0.9.5 (the newest release): its own pins are datasets <= 4.0.0 and trl 0.x (its PPO imports
+    # AutoModelForCausalLMWithValueHead, gone from trl 1.x); OmegaConf reads its YAML and key=value overrides
+    "llamafactory": ("llamafactory==0.9.5", "trl==0.24.0", "datasets==4.0.0", "dill==0.4.1", "multiprocess==0.70.19",
+                     "xxhash==4.1.0", "pyarrow==26.0.1", "pandas==3.1.1", "omegaconf==2.3.0",
+                     "antlr4-python3-runtime==4.9.3"),
 }
 
 

@@ -102,7 +102,9 @@ class Layout:
             return "parameters", True, {id(q): [Piece(index[id(q)], 0, 0, q.numel())] for q in own}
         if hasattr(wrapper, "fp32_partitioned_groups_flat") and hasattr(wrapper, "fp16_partitioned_groups"):  # ZeRO-3
             return "fp32 partitions", False, self._zero3_pieces(wrapper, index)
-        if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # ZeRO-1/2, BF16_Optimizer
+        if hasattr(wrapper, "round_robin_bit16_groups") and hasattr(wrapper, "single_partition_of_fp32_groups"):
+            return "fp32 partitions", False, self._flat_pieces(wrapper, index)  # ZeRO-1/2: its flat layout itself
+        if any(getattr(p, "_hp_mapping", None) is not None for p in self.params):  # BF16_Optimizer
             # they step one parameter group at a time, the torch optimizer's groups cut down to that one while it
             # steps: every group's flat partition is the wrapper's
             every = [*stepped, *(q for name in HP_FLATS for q in getattr(wrapper, name, None) or () if q is not None)]
@@ -142,6 +144,30 @@ class Layout:
                     pieces.append(Piece(index[id(p)], start, k, numel))
                 k += size
             out[id(flat)] = pieces
+        return out
+
+    @staticmethod
+    def _flat_pieces(wrapper, index: dict) -> dict:
+        """ZeRO-1/2's flat groups as the optimizer lays them out: each group's parameters in their round-robin order
+        (``round_robin_bit16_groups``, at their offsets where a release pads them), the flat split evenly over the
+        data-parallel ranks, this rank's piece its fp32 partition. Not the fragment links: with
+        ``round_robin_gradients`` and no padding DeepSpeed links each parameter at its offset in the group's own
+        order, which is not the flat's (0.19.8: ``_link_all_hp_params``), so those links, and the debug API
+        ``safe_get_full_fp32_param`` that reads them, name the wrong parameter's piece."""
+        out: dict = {}
+        offsets = getattr(wrapper, "round_robin_bit16_offsets", None)
+        for i, (params, hp) in enumerate(zip(wrapper.round_robin_bit16_groups, wrapper.single_partition_of_fp32_groups)):
+            group = wrapper.real_dp_process_group[i]
+            size = wrapper.bit16_groups_flat[i].numel() // dist.get_world_size(group=group)
+            lo_part = dist.get_rank(group=group) * size
+            starts, k = [], 0
+            for p in params:  # where a release keeps no offsets, the parameters sit one after another
+                starts.append(k)
+                k += p.numel()
+            for p, start in zip(params, offsets[i] if offsets else starts):
+                lo, hi = max(int(start), lo_part), min(int(start) + p.numel(), lo_part + size)
+                if lo < hi and id(p) in index:
+                    out.setdefault(id(hp), []).append(Piece(index[id(p)], lo - int(start), lo - lo_part, hi - lo))
         return out
 
     def _hp_pieces(self, stepped) -> dict:
