@@ -329,6 +329,11 @@ def test_a_tie_of_known_bugs_or_of_named_steps_is_a_group_of_its_own_said_as_suc
     assert grouping.describe(by["t0"]).startswith("[TIE: B6 or B7] a = 1: 2 configs")
     assert grouping.describe(by["u"]).startswith("[UNKNOWN]")
     assert grouping.tie({**both[0], "explained_by": None, "ties": ["x", "y"]}) == ["B6", "B7"]  # the bugs first
+    # a known bug's group is no tie, even where its points' steps tie (a sibling GA separated them); nor is a group
+    # whose points tie between different names
+    separated = [{**r, "explained_by": "B3", "ties": ["a", "b"]} for r in both]
+    assert grouping._group(separated, 0b11, {"a": [1]})["tie"] == []
+    assert grouping._group([both[0], steps], 0b11, {"a": [1]})["tie"] == []
     made = []
 
     class Stop(Exception):
