@@ -332,6 +332,14 @@ def test_the_known_bugs_a_record_can_be_follow_its_config_and_release(rec, want)
     assert check.candidates(rec) == want
 
 
+def test_a_tie_is_two_or_more_expected_bugs_that_each_leave_the_very_step_and_one_bug_is_none():
+    stale = _ds("manual", ds=OFFLOAD, stage=3, model="conditional", version="0.19.8", matches=parts.PART_STALE)
+    assert check.tied(stale) == ["B6", "B7"]
+    assert check.explain(stale)[0] is None and "B6 and B7 are expected here" in check.explain(stale)[1]
+    assert check.tied({**stale, "config": {**stale["config"], "ds_config": {}}}) == []  # no offload: B6 alone
+    assert check.tied(_ds("manual", matches="last micro-batch / N")) == []  # one bug leaves it: named, no tie
+
+
 def test_a_bugs_own_fix_in_the_config_rules_it_out_and_says_which_key():
     rec = _ds("manual", ds={"managed_gradient_accumulation": False, "bf16": {"immediate_grad_update": True}},
               version="0.19.4")
