@@ -12,7 +12,7 @@ from gradkit.commands.sweep import grouping
 from gradkit.notebooks import sweep as sweep_notebook
 from gradkit.commands.sweep import run as sweep_run
 from gradkit.commands.sweep import spec as sweep_spec
-from gradkit.judge import naming, oracle, records
+from gradkit.judge import expectations, naming, oracle, records
 from gradkit.probes import runner
 from gradkit.probes import ds_config
 from gradkit.probes.ranks import ds_config as ds_ranks
@@ -376,7 +376,9 @@ def test_steps_no_single_weighting_gives_are_named_b11_with_the_previous_update_
     assert check.explain({**b8, "versions": {"deepspeed": "0.19.8"}})[0] is None  # fixed there
     b3 = {**b8, "config": {**b8["config"], "loop": "manual"}, "matches": "last micro-batch / N" + naming.LOCAL,
           "versions": {"deepspeed": "0.19.7"}}
-    assert check.explain(b3)[0] == "B3" and "and B8 on this step (no all-reduce" in check.explain(b3)[1]
+    bug, said = check.explain(b3)
+    assert bug == "B3" and "and B8 on this step (no all-reduce" in said and "each expected here" not in said
+    assert said.startswith(f"B3 ({expectations.KNOWN['B3'].report}): {expectations.KNOWN['B3'].explains[0]}; and B8")
     assert check.explain({**b3, "versions": {"deepspeed": "0.19.8"}})[0] is None  # no B8 there: not B3's own step
     # fp16 + an fp32 accumulator at ZeRO-1 without contiguous gradients: B8 and B13 each remake B3's step so
     both_top = {**b3, "dtype": "fp16", "config": {**b3["config"], "ds_config": {"data_types": {"grad_accum_dtype": "fp32"},
