@@ -33,8 +33,12 @@ def grown(hypotheses: dict, scale_change: float) -> dict:
         return {}
     mean = hypotheses["global mean"]  # every hypothesis weighs the same basis (the mean's length)
     return {name + GROWN: [x * scale_change for x in w] for name, w in hypotheses.items()
-            if name == "global mean"
-            or not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(w, mean))}
+            if name == "global mean" or not _is(w, mean)}
+
+
+def _is(weights, mean) -> bool:
+    """``weights`` are the mean's at this N (to rounding): a named step that is no step of its own here."""
+    return all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(weights, mean))
 
 
 def local(hypotheses: dict, w: int, n: int, split) -> dict:
@@ -48,8 +52,7 @@ def local(hypotheses: dict, w: int, n: int, split) -> dict:
     k, mean = w * n, hypotheses["global mean"]
     out = {}
     for name, weights in hypotheses.items():
-        if callable(weights) or len(weights) != k or (name != "global mean" and all(
-                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-15) for a, b in zip(weights, mean))):
+        if callable(weights) or len(weights) != k or (name != "global mean" and _is(weights, mean)):
             continue
 
         def step(b, weights=weights):

@@ -22,6 +22,7 @@ What those tensors are depends on the engine, and each is mapped back to the mod
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -160,11 +161,9 @@ class Layout:
             group = wrapper.real_dp_process_group[i]
             size = wrapper.bit16_groups_flat[i].numel() // dist.get_world_size(group=group)
             lo_part = dist.get_rank(group=group) * size
-            starts, k = [], 0
-            for p in params:  # where a release keeps no offsets, the parameters sit one after another
-                starts.append(k)
-                k += p.numel()
-            for p, start in zip(params, offsets[i] if offsets else starts):
+            # where a release keeps no offsets, the parameters sit one after another
+            starts = offsets[i] if offsets else itertools.accumulate((p.numel() for p in params[:-1]), initial=0)
+            for p, start in zip(params, starts):
                 lo, hi = max(int(start), lo_part), min(int(start) + p.numel(), lo_part + size)
                 if lo < hi and id(p) in index:
                     out.setdefault(id(hp), []).append(Piece(index[id(p)], lo - int(start), lo - lo_part, hi - lo))
