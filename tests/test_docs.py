@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 from gradkit.commands import check
+from gradkit.frameworks import attach_args
 from gradkit.judge import tolerances
 from gradkit.notebooks import readme_tables, site
 
@@ -327,8 +328,9 @@ def test_the_verdicts_page_shows_each_verdict_from_the_config_its_section_names(
 
 
 CODE_SPAN = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
-COMMAND = re.compile(r"(?:^|[\s$(])(?:\S*/)?(?:gradkit (?P<sub>[a-z]+)(?![\w:-])|python3? -m (?P<mod>gradkit[\w.]*))"
+COMMAND = re.compile(r"(?:^|[\s$(])(?:\S*/)?(?:gradkit (?P<sub>[a-z]+)(?![\w:-])|(?:python3? )?-m (?P<mod>gradkit[\w.]*))"
                      r"(?P<args>[^`\n|;&#]*)")
+QUOTED = re.compile(r"\"[^\"]*\"|'[^']*'")  # a quoted argument's flags are not the command's (--command "trl sft ...")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
@@ -345,9 +347,20 @@ def _commands(page: Path) -> list[tuple[str, str, list[str]]]:
                     module = COMMANDS.get(m["sub"], f"no such command: gradkit {m['sub']}")
                 else:
                     module = m["mod"]
-                args = m["args"].split(":")[0] if m["sub"] else m["args"]
+                args = QUOTED.sub("", m["args"].split(":")[0] if m["sub"] else m["args"])
+                if module == attach_args.MODULE:  # what follows its target is the target's own command line
+                    args = args[:len(args) - len(" ".join(_attached(args)))]
                 out.append((module, line.strip(), FLAG.findall(args)))
     return out
+
+
+def _attached(args: str) -> list[str]:
+    """The target and its arguments of a ``gradkit.watch.attach`` line (its own parser splits them)."""
+    try:
+        ns = attach_args.split(args.split())
+    except ValueError:
+        return []
+    return [ns.target, *ns.args]
 
 
 def _help(module: str) -> str | None:
@@ -400,12 +413,18 @@ def test_a_command_with_a_flag_its_parser_lacks_or_a_command_the_kit_lacks_is_fo
     page = tmp_path / "p.md"
     page.write_text("Run `gradkit check x.json --loop all --no-such-flag` or\n```\ngradkit watch x\n"
                     "python -m gradkit.commands.sweep s.yaml --readme r.md\n```\n"
-                    "It prints `gradkit check x.json: DeepSpeed 0.19.8 --not-a-flag`.\n")
+                    "It prints `gradkit check x.json: DeepSpeed 0.19.8 --not-a-flag`.\n"
+                    "`gradkit check --command \"trl sft --config c.yaml\" --world-size 2`\n"
+                    "`torchrun -m gradkit.watch.attach --every 5 trl.scripts.sft --config c.yaml --every 2`\n"
+                    "`python -m gradkit.watch.attach --no-flag job.py`\n")
     found = _commands(page)
     assert [(m, f) for m, _, f in found] == [("gradkit.commands.check", ["--loop", "--no-such-flag"]),
                                               ("no such command: gradkit watch", []),
                                               ("gradkit.commands.sweep", ["--readme"]),
-                                              ("gradkit.commands.check", [])]
+                                              ("gradkit.commands.check", []),
+                                              ("gradkit.commands.check", ["--command", "--world-size"]),
+                                              ("gradkit.watch.attach", ["--every"]),
+                                              ("gradkit.watch.attach", ["--no-flag"])]
     assert "--loop" in _help("gradkit.commands.check") and "--no-such-flag" not in _help("gradkit.commands.check")
     assert _help("gradkit.no_such_module") is None
 

@@ -1,17 +1,24 @@
-"""The recipes of examples/recipes/, run as their framework runs them (torchrun, the framework's own entry point),
-unchanged but for the command-line overrides a CPU needs: LLaMA-Factory's SFT on DeepSpeed ZeRO-2 with the watch in
-its callbacks judges its steps, on a tiny local Llama (nothing downloaded)."""
+"""The recipes of examples/recipes/, run as their framework runs them (torchrun, accelerate launch, the framework's
+own entry point), unchanged but for the command-line overrides a CPU needs: LLaMA-Factory's SFT on DeepSpeed ZeRO-2
+with the watch in its callbacks, and TRL's SFT script under its own ZeRO-2 preset with the watch attached
+(``gradkit.watch.attach``), judge their steps on a tiny local Llama (nothing downloaded)."""
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
 
+from gradkit import frameworks
+from gradkit.config import ConfigError
 from gradkit.judge import oracle
 from gradkit.launch import scripts
 from gradkit.stacks import extras
+from gradkit.watch import attach
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "recipes" / "llamafactory"
+TRL = REPO / "examples" / "recipes" / "trl"
 ROWS = [("Give three tips for staying healthy.", "Eat good food, drink water, sleep."),
         ("Why is the sky blue?", "Because blue light scatters."), ("What is the capital of France?", "Paris."),
         ("Add two and three.", "Five."), ("Name a color.", "Blue."), ("Say hello.", "Hello!"),
@@ -42,11 +49,14 @@ def tiny_llama(folder: Path) -> Path:
 
 
 @pytest.mark.world
-def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judged_exact(tmp_path):
+@pytest.mark.parametrize("entry", ["script", "attach"])
+def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judged_exact(tmp_path, entry):
     """LLaMA-Factory 0.9.5 (its newest release; an extra package set, not the kit's environment) runs the recipe's
     YAML, LoRA on DeepSpeed ZeRO-2, through ``run_exp(callbacks=[gradkit.watch.Callback()])``; the CPU overrides are
     ``key=value`` arguments, as LLaMA-Factory takes them. The watch judges the Trainer's steps of LLaMA-Factory's
-    own prompt-masked SFT batches: exact on this transformers (5.23: B1 and HFT fixed in 5.10.1)."""
+    own prompt-masked SFT batches: exact on this transformers (5.23: B1 and HFT fixed in 5.10.1). The same through
+    LLaMA-Factory's own entry point with the watch attached (``torchrun -m gradkit.watch.attach
+    llamafactory.launcher``, what ``llamafactory-cli train`` runs on each rank): its callback beside LLaMA-Factory's."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "rows.json").write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in ROWS]))
@@ -62,9 +72,11 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
                  "use_cpu": "true", "ddp_backend": "gloo", "bf16": "false",
                  # LLaMA-Factory 0.9.5's own checkpointing wrapper reads func.func.__self__, gone in transformers 5.23
                  "disable_gradient_checkpointing": "true"}
+    args = [RECIPE / "sft_lora_zero2.yaml", *(f"{k}={v}" for k, v in overrides.items())]
+    program, argv = ((RECIPE / "train_with_gradkit.py", args) if entry == "script" else
+                     ("gradkit.watch.attach", ["llamafactory.launcher", *args]))
     rc, stdout, stderr = scripts.torchrun(
-        RECIPE / "train_with_gradkit.py", [RECIPE / "sft_lora_zero2.yaml", *(f"{k}={v}" for k, v in overrides.items())],
-        packages=("deepspeed", "transformers", "accelerate"), timeout_s=600, cwd=REPO,
+        program, argv, module=entry == "attach", packages=("deepspeed", "transformers", "accelerate"), timeout_s=600, cwd=REPO,
         paths=[extras.ensure("llamafactory"), tmp_path / "shim"],
         env={"DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
              "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"})
@@ -74,3 +86,91 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
     assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
     assert all(r["versions"]["deepspeed"] and r["read"] == "fp32 partitions" for r in steps)
     assert {r["line"] for r in recs} <= set(stdout.splitlines())  # said in the training log too
+
+
+@pytest.mark.world
+def test_trls_sft_script_under_its_zero2_preset_with_the_watch_attached_is_judged_exact_at_its_bf16(tmp_path):
+    """What ``trl sft --config sft_zero2.yaml --accelerate_config zero2`` launches (``accelerate launch`` of
+    trl/scripts/sft.py with TRL's preset), with ``-m gradkit.watch.attach`` before the script: TRL 1.16's own SFT
+    script builds its ``SFTTrainer`` and the attach puts the watch's callback in it. TRL's preset as shipped (bf16,
+    ZeRO-2), TRL's packing; the overrides are the model, the data, two steps of GA 2, rows of 48 tokens and the CPU."""
+    assert (TRL / "zero2.yaml").read_text() == (extras.ensure("trl") / "trl/accelerate_configs/zero2.yaml").read_text()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps({"text": f"{q} {a}"}) + "\n" for q, a in ROWS))
+    out = tmp_path / "out"
+    overrides = {"model_name_or_path": tiny_llama(tmp_path / "model"), "dataset_name": tmp_path / "data",
+                 "eos_token": "</s>", "output_dir": out, "max_steps": 2, "gradient_accumulation_steps": 2,
+                 "max_length": 48, "use_cpu": "true", "report_to": "none", "save_strategy": "no"}
+    rc, stdout, stderr = scripts.accelerate(
+        ["--config_file", TRL / "zero2.yaml", "--num_processes", 2, "-m", "gradkit.watch.attach", "trl.scripts.sft",
+         "--config", TRL / "sft_zero2.yaml", *(x for k, v in overrides.items() for x in (f"--{k}", v))],
+        timeout_s=600, cwd=REPO, paths=[extras.ensure("trl")],
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+             "TOKENIZERS_PARALLELISM": "false"})
+    assert rc == 0, (stdout + stderr)[-3000:]
+    recs = [json.loads(x) for x in (out / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "logged_norm" not in r]
+    assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
+    assert all(r["read"] == "fp32 partitions" and r["dtype"] == "bf16" and r["world_size"] == 2 for r in steps)
+    assert steps[0]["ga"] == 2 and steps[0]["versions"]["deepspeed"]
+
+
+def test_the_check_reads_a_launch_line_with_the_watch_attached_as_the_run_it_wraps():
+    """``gradkit check --command`` on the recipe's launch line reads the run of ``trl sft`` itself: the attach's own
+    options are no training settings, its target's arguments are."""
+    def read(line):
+        run = frameworks.read_command_line(shlex.split(line), cwd=TRL)
+        return run, {k: getattr(run, k) for k in ("framework", "world_size", "zero_stage", "precision", "ga",
+                                                 "micro_batch", "path")}
+
+    plain, want = read("trl sft --config sft_zero2.yaml --accelerate_config zero2")
+    assert want == {"framework": "trl", "world_size": 8, "zero_stage": 2, "precision": "bf16", "ga": 8,
+                    "micro_batch": 2, "path": "deepspeed"}
+    attached, got = read("accelerate launch --config_file zero2.yaml -m gradkit.watch.attach --every 50 --stop "
+                         "trl.scripts.sft --config sft_zero2.yaml --gradient_accumulation_steps 4")
+    assert got == {**want, "ga": 4}
+    assert any("gradkit.watch.attach runs trl.scripts.sft" in n for n in attached.notes)
+    with pytest.raises(ConfigError, match="gradkit.watch.attach: argument --every"):
+        read("accelerate launch --config_file zero2.yaml -m gradkit.watch.attach --every trl.scripts.sft")
+
+
+def test_the_attach_adds_one_callback_to_every_trainer_and_refuses_a_target_that_is_not_there(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A Trainer (or subclass) built after ``attach`` holds one gradkit callback, with the attach's options; one that
+    has its own keeps it alone; where transformers cannot be imported the job runs without the watch and says so; a
+    target that is neither a module nor a file, or a wrong option, is exit 2 and one sentence before anything runs."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from gradkit.watch.hf import Callback
+
+    monkeypatch.setattr(Trainer, "__init__", Trainer.__init__)  # restored after the test
+    model, args = torch.nn.Linear(2, 2), TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+
+    def ours(trainer):
+        return [c for c in trainer.callback_handler.callbacks if isinstance(c, Callback)]
+
+    assert ours(Trainer(model=model, args=args)) == []
+    assert attach.attach({"every": 7, "stop": True}) and attach.attach({"every": 9})  # the second changes nothing
+
+    class Sub(Trainer):
+        pass
+
+    added = ours(Sub(model=model, args=args))
+    assert len(added) == 1 and added[0].options == {"every": 7} and added[0].stop
+    own = Callback(every=3)
+    assert ours(Trainer(model=model, args=args, callbacks=[own])) == [own]
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    said = []
+    assert not attach.attach({}, log=said.append) and "the job runs without the watch" in said[0]
+
+    ran = tmp_path / "ran"
+    job = tmp_path / "job.py"
+    job.write_text(f"import sys; open({str(ran)!r}, 'w').write(' '.join(sys.argv[1:]))\n")
+    for argv in (["no.such.module"], [str(tmp_path / "none.py")], ["--every", "x", str(job)], []):
+        assert attach.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("python -m gradkit.watch.attach: ") and err.count("\n") == 1, err
+    assert not ran.exists()
+    assert attach.main(["--every", "5", str(job), "--its", "own"]) == 0 and ran.read_text() == "--its own"

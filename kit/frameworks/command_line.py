@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gradkit.config import ConfigError
 import gradkit.frameworks.accelerate_cfg as accelerate_cfg
+import gradkit.frameworks.attach_args as attach
 import gradkit.frameworks.axolotl as axolotl
 import gradkit.frameworks.ds_rules as ds_rules
 import gradkit.frameworks.hf_args as hf_args
@@ -195,6 +196,13 @@ def _program(tokens: list[str], launch: Launch, module: bool, *, base_dir, cwd) 
     if not tokens:
         raise ConfigError(f"{launch.launcher} launches no program")
     script, args = tokens[0], tokens[1:]
+    if script == attach.MODULE or script.replace("\\", "/").endswith("gradkit/watch/attach.py"):
+        try:
+            ns = attach.split(args)
+        except ValueError as e:
+            raise ConfigError(f"{attach.PROG}: {e}") from None
+        launch.notes.append(f"program: {attach.PROG} runs {ns.target} with gradkit's watch in its Trainer")
+        return _program([ns.target, *ns.args], launch, not ns.target.endswith(".py"), base_dir=base_dir, cwd=cwd)
     if script == "axolotl.cli.train" or script.replace("\\", "/").endswith("axolotl/cli/train.py"):
         return _axolotl_cfg(args, launch, base_dir=base_dir, cwd=cwd)
     prog = f"program: {'python -m ' if module else ''}{script}"

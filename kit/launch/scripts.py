@@ -1,5 +1,6 @@
-"""A user's own script on W ranks, as the user runs it (``torchrun --standalone``), under a stack of releases: the
-standalone reproductions (``gradkit.commands.repro``) and the watch's example jobs (``examples/watch``) run this way.
+"""A user's own script on W ranks, as the user runs it (``torchrun --standalone``, ``accelerate launch``), under a
+stack of releases: the standalone reproductions (``gradkit.commands.repro``), the watch's example jobs
+(``examples/watch``) and the recipes (``examples/recipes``) run this way.
 The script's ranks start in sessions of their own: a timeout kills the whole tree, and the shared-memory segments
 DeepSpeed's CPU comm op leaves behind are removed."""
 from __future__ import annotations
@@ -17,26 +18,42 @@ from gradkit.stacks import versions
 
 def torchrun(path, args=(), world_size: int = 2, stack: dict | None = None, packages=("deepspeed",),
              device: str = "cpu", timeout_s: float = 300, cwd=None, env: dict | None = None,
-             paths=()) -> tuple[int, str, str]:
+             paths=(), module: bool = False) -> tuple[int, str, str]:
     """``(exit status, stdout, stderr)`` of ``torchrun --standalone --nproc_per_node=W path args``; 124 and what it
     printed so far (its whole tree killed) where it ran past ``timeout_s``. ``stack`` pins releases (``{"deepspeed": "0.18.9"}``), the
     others of ``packages`` are the installed ones. ``paths``: more folders on the ranks' path (an extra
-    package set, ``gradkit.stacks.extras``)."""
-    path = Path(path).resolve()  # it runs from its own folder: a path relative to the caller's is made whole first
+    package set, ``gradkit.stacks.extras``). ``module``: ``path`` is a module, run as ``torchrun -m``."""
+    if module:
+        program, folder = ["-m", str(path)], Path.cwd()
+    else:
+        path = Path(path).resolve()  # it runs from its own folder: a path relative to the caller's is made whole first
+        program, folder = [str(path)], path.parent
+    cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *program, *map(str, args)]
+    return _launch(cmd, stack, packages, device, timeout_s, cwd or folder, env, paths)
+
+
+def accelerate(args, stack: dict | None = None, packages=("deepspeed", "transformers", "accelerate"),
+               device: str = "cpu", timeout_s: float = 300, cwd=None, env: dict | None = None,
+               paths=()) -> tuple[int, str, str]:
+    """``accelerate launch args`` (its config file and flags, then the program and its arguments), as
+    ``torchrun`` above runs its script: the same stack, environment, timeout and clean-up."""
+    return _launch(["-m", "accelerate.commands.launch", *map(str, args)], stack, packages, device, timeout_s,
+                   cwd or Path.cwd(), env, paths)
+
+
+def _launch(cmd: list, stack, packages, device, timeout_s, cwd, env, paths) -> tuple[int, str, str]:
     resolved = versions.resolve_stack(stack or {}, tuple(packages))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*resolved.pythonpath, *map(str, paths)]),
                OMP_NUM_THREADS="1", **(env or {}),
                TORCH_EXTENSIONS_DIR=str(kconfig.cache_dir() / "torch_extensions" / resolved.extensions_key))
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", str(path),
-           *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(cwd or Path(path).parent), preexec_fn=die_with_parent)
+    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(cwd), preexec_fn=die_with_parent)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        # torchrun starts each rank in a session of its own: killing torchrun alone would leave them running
+        # the launcher starts each rank in a session of its own: killing it alone would leave them running
         kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         return 124, stdout, stderr

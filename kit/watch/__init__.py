@@ -6,6 +6,7 @@ One line in the job, in each ecosystem's own convention:
     engine = watch_engine(engine)                           # a DeepSpeed engine, any of its loops
     trainer = Trainer(..., callbacks=[Callback()])          # the HF Trainer and TRL (gradkit.watch.hf)
     watch = watch_accelerate(accelerator, model, optimizer) # an Accelerate loop (gradkit.watch.accelerate)
+    python -m gradkit.watch.attach trl.scripts.sft ...      # a framework's CLI that takes no callback (attach)
 
 At a judged step (the first two, then every 100th, or on request) the gradient the optimizer consumes is judged
 against the exact gradient of the global batch as the user's loss defines it, per micro-batch and rank, with the
@@ -17,7 +18,7 @@ sharded over the ranks under FSDP2, where the engine shards the model), ``sketch
 (the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
 ``judge`` (the judgement and its control), ``known`` (the Trainer's and Accelerate's known bugs from the table),
 ``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``accelerate`` and ``hf`` (the Accelerate wrapper and the
-Trainer's callback; imported when first asked for, so that a job without them never imports Accelerate or
+Trainer's callback; ``attach`` puts that callback into a framework's own entry point; imported when first asked for, so that a job without them never imports Accelerate or
 transformers).
 """
 from gradkit.watch.core import Affected, Watch
