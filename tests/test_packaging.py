@@ -126,7 +126,7 @@ def test_nothing_in_the_repository_imports_the_folder_name():
 
 
 def test_importing_gradkit_and_its_watch_imports_no_stack():
-    code = ("import sys, gradkit, gradkit.watch\n"
+    code = ("import sys, gradkit, gradkit.watch, gradkit.watch.attach\n"
             "print([m for m in ('transformers', 'deepspeed', 'accelerate', 'peft', 'trl', 'matplotlib') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
