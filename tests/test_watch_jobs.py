@@ -10,9 +10,9 @@ from gradkit.notebooks import watch
 
 
 
-def _run(tmp_path, script, *args, stack=None):
+def _run(tmp_path, script, *args, stack=None, paths=()):
     out = tmp_path / "watch"
-    rc, stdout, stderr = watch.launch(script, [*args, "--out", out], stack=stack, timeout_s=240)
+    rc, stdout, stderr = watch.launch(script, [*args, "--out", out], stack=stack, timeout_s=240, paths=paths)
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (out / "watch.jsonl").read_text().splitlines()]
     lines = [x for x in stdout.splitlines() if x.startswith("gradkit watch: ")]
@@ -74,7 +74,12 @@ def test_zero3_steps_a_head_no_micro_batch_reached_with_its_old_gradient_b6(tmp_
 
 @pytest.mark.world
 def test_fsdp2_sharded_gradients_read_whole_are_exact_and_a_loop_that_sums_is_affected(tmp_path):
-    right = _run(tmp_path / "right", "fsdp2_job.py")
+    """FSDP2 needs torch alone, and so does the watch: the exact job runs where numpy cannot be imported (torch does
+    without it, but its ``all_gather_object`` does not: the watch's collectives gather tensors)."""
+    (tmp_path / "no_numpy" / "numpy").mkdir(parents=True)
+    (tmp_path / "no_numpy" / "numpy" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")  # as where it is not installed
+    right = _run(tmp_path / "right", "fsdp2_job.py", paths=[tmp_path / "no_numpy"])
     assert [r["verdict"] for r in right] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in right]
     assert all(r["read"] == "sharded parameters" and r["measured"]["metrics"]["rel_l2"] < 1e-6 for r in right)
     assert all(r["reference"] == "sharded" and r["held_bytes"]["copy"] < r["held_bytes"]["reference pieces"] * 1.05

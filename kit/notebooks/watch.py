@@ -44,10 +44,11 @@ def check_notebook(p: dict) -> list:
 
 
 def launch(script: str, args: list, world_size: int = 2, stack: dict | None = None, timeout_s: float = 300,
-           env: dict | None = None):
+           env: dict | None = None, paths=()):
     """``(exit status, stdout, stderr)`` of one example job (``examples/watch/<script>``) under torchrun, on
-    ``stack``, with the extra packages it needs (``EXTRAS``) on its ranks' path (and ``env`` in their environment)."""
-    paths = [extras.ensure(EXTRAS[script])] if script in EXTRAS else []
+    ``stack``, with the extra packages it needs (``EXTRAS``) and ``paths`` on its ranks' path (and ``env`` in their
+    environment)."""
+    paths = [*paths, *([extras.ensure(EXTRAS[script])] if script in EXTRAS else [])]
     return scripts.torchrun(JOBS_DIR / script, args, world_size=world_size, stack=stack, packages=PACKAGES[script],
                             timeout_s=timeout_s, paths=paths, env=env)
 

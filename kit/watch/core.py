@@ -201,9 +201,9 @@ class Watch:
         sketch = Sketch(numels, self.sketch_size, device=built.device)
         partitions = None
         if not self.layout.replicated and 1 < reference.world()[1] <= PARTITIONS_FITTED:
-            mine = [(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values() for pc in pieces]
-            partitions = [None] * reference.world()[1]
-            dist.all_gather_object(partitions, mine)
+            mine = torch.tensor([(pc.t, pc.start, pc.numel) for pieces in self.layout.by_tensor.values()
+                                 for pc in pieces], dtype=torch.int64).reshape(-1, 3)
+            partitions = [[tuple(x) for x in r.tolist()] for r in reference.all_gather_ragged(mine)]
         refused = self.faults.run("reference", step, lambda: "")  # agreed before the sharded reference's collectives
         fault = self.faults.agree()
         if fault:

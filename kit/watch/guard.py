@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 import gradkit.watch.reference as reference
@@ -58,8 +59,8 @@ class Faults:
         w = reference.world()[1]
         said = [self.first or ""]
         if w > 1 and dist.is_available() and dist.is_initialized():
-            said = [None] * w
-            dist.all_gather_object(said, self.first or "")
+            mine = torch.tensor(list(said[0].encode()), dtype=torch.uint8)
+            said = [bytes(r.tolist()).decode(errors="replace") for r in reference.all_gather_ragged(mine)]
         return "; ".join(f"rank {r}'s {s}" for r, s in enumerate(said) if s)
 
     def clear(self) -> None:

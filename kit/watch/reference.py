@@ -365,6 +365,15 @@ def all_gather(t: torch.Tensor) -> list:
     return [r.to(t.device) for r in rows]
 
 
+def all_gather_ragged(t: torch.Tensor) -> list:
+    """Every rank's ``t``, whose first dimension may differ between ranks: gathered as tensors, never pickled (torch's
+    ``all_gather_object`` needs numpy, which an environment of torch alone does not have)."""
+    sizes = [int(n) for n in all_gather(torch.tensor([t.shape[0]], dtype=torch.int64))]
+    padded = t.new_zeros((max(max(sizes), 1), *t.shape[1:]))
+    padded[:t.shape[0]] = t
+    return [row[:n] for row, n in zip(all_gather(padded), sizes)]
+
+
 def clip_coef(norm: float, clip: float | None) -> float:
     """The coefficient an engine clipping at ``clip`` applies to a gradient of norm ``norm`` (torch's and
     DeepSpeed's ``clip / (norm + 1e-6)``, never above 1)."""
