@@ -125,6 +125,9 @@ def measure(name: str, spec: dict, wheel: Path) -> dict:
     after = freeze(py)
     changed = {k: f"{before[k]} -> {after.get(k, 'removed')}" for k in before if after.get(k) != before[k]}
     added = {k: after[k] for k in after if k not in before}
+    site = next((venv / "lib").glob("python*/site-packages"))
+    size = {"wheel_bytes": wheel.stat().st_size,  # what pip installed of gradkit, its bytecode included
+            "installed_bytes": sum(f.stat().st_size for d in site.glob("gradkit*") for f in d.rglob("*") if f.is_file())}
     setup_s = time.monotonic() - t0
     results, env = {}, job_env(venv)
     for k, (label, script, args, expect) in enumerate(spec["jobs"]):
@@ -146,7 +149,7 @@ def measure(name: str, spec: dict, wheel: Path) -> dict:
         checks[label] = {"exit": out.returncode, "expected": list(exits), "first_line": said[0] if said else "",
                          "verdict_line": said[-1] if said else ""}
     return {"env": name, "versions": {p: after.get(p, "-") for p in ("torch", *STACK)},
-            "pip_changed": changed, "pip_added": added, "setup_s": round(setup_s, 1),
+            "pip_changed": changed, "pip_added": added, "setup_s": round(setup_s, 1), "size": size,
             "jobs": {label: {"steps": steps(res["records"]), "rc": res["rc"]} for label, res in results.items()},
             "problems": problems, "checks": checks,
             "wall_s": round(time.monotonic() - t0, 1)}
@@ -184,6 +187,9 @@ def table(rows: list[dict]) -> str:
                      "accelerate": v["accelerate"], "deepspeed": v["deepspeed"], "trl": v["trl"],
                      "installing gradkit changed": ", ".join(r["pip_changed"]) or "nothing",
                      "and added": ", ".join(f"{k} {v}" for k, v in r["pip_added"].items()),
+                     "gradkit's wheel / installed": (f"{r['size']['wheel_bytes'] / 1e6:.1f} MB / "
+                                                     f"{r['size']['installed_bytes'] / 1e6:.1f} MB" if "size" in r
+                                                     else "not measured yet"),
                      "jobs as the table expects": f"{jobs - len(r['problems'])} of {len(r['jobs'])}" if
                      not r["problems"] else f"**{len(r['problems'])} problem(s)**",
                      "each job's judged steps (the bug named)": verdicts,
