@@ -327,6 +327,20 @@ def test_the_verdicts_page_shows_each_verdict_from_the_config_its_section_names(
         assert body.rstrip().removesuffix("```").rstrip().endswith(last), (name, body[-200:])
 
 
+@pytest.mark.world
+def test_each_verdict_example_gives_its_verdict_when_run_again(monkeypatch):
+    """The examples docs/verdicts.md shows still run and still give the verdict, exit status and last line its block
+    shows (the block is their output of the day it was written: a change of the kit that moves a verdict fails here,
+    not silently on the page)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    verdicts = importlib.import_module("verdicts")
+    page = {m.group(2): m.group(3) for m in readme_tables.BLOCK.finditer((REPO / "docs" / "verdicts.md").read_text())}
+    for name, (args, want) in verdicts.EXAMPLES.items():
+        rc, text = verdicts.run(args)
+        shown = page[name].rstrip().removesuffix("```").rstrip().splitlines()[-1]
+        assert (rc, text.splitlines()[-1]) == (want, shown), (name, text[-1500:])
+
+
 CODE_SPAN = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 COMMAND = re.compile(r"(?:^|[\s$(])(?:\S*/)?(?:gradkit (?P<sub>[a-z]+)(?![\w:-])|(?:python3? )?-m (?P<mod>gradkit[\w.]*))"
                      r"(?P<args>[^`\n|;&#]*)")
