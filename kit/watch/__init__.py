@@ -18,8 +18,8 @@ sharded over the ranks under FSDP2, where the engine shards the model), ``sketch
 (the random projection for the fitted weights), ``reads`` (where the consumed gradient is read, per engine),
 ``judge`` (the judgement and its control), ``known`` (the Trainer's and Accelerate's known bugs from the table),
 ``core`` (``Watch``), ``deepspeed`` (the engine's adapter), ``accelerate`` and ``hf`` (the Accelerate wrapper and the
-Trainer's callback; ``attach`` puts that callback into a framework's own entry point; imported when first asked for, so that a job without them never imports Accelerate or
-transformers).
+Trainer's callback, imported when first asked for, so that a job without them never imports Accelerate or
+transformers), ``attach`` (that callback put into a framework's own entry point, ``python -m gradkit.watch.attach``).
 """
 from gradkit.watch.core import Affected, Watch
 from gradkit.watch.deepspeed import watch_engine
