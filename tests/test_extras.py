@@ -8,7 +8,7 @@ from gradkit.stacks import extras
 
 
 def test_an_unknown_set_is_refused_before_anything_installs():
-    with pytest.raises(config.ConfigError, match="extra package sets are trl, llamafactory, not 'nope'"):
+    with pytest.raises(config.ConfigError, match="extra package sets are trl, llamafactory, axolotl, not 'nope'"):
         extras.ensure("nope")
 
 

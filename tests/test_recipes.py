@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gradkit import frameworks
 from gradkit.config import ConfigError
@@ -19,6 +20,7 @@ from gradkit.watch import attach
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "examples" / "recipes" / "llamafactory"
 TRL = REPO / "examples" / "recipes" / "trl"
+AXOLOTL = REPO / "examples" / "recipes" / "axolotl"
 ROWS = [("Give three tips for staying healthy.", "Eat good food, drink water, sleep."),
         ("Why is the sky blue?", "Because blue light scatters."), ("What is the capital of France?", "Paris."),
         ("Add two and three.", "Five."), ("Name a color.", "Blue."), ("Say hello.", "Hello!"),
@@ -86,6 +88,52 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
     assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
     assert all(r["versions"]["deepspeed"] and r["read"] == "fp32 partitions" for r in steps)
     assert {r["line"] for r in recs} <= set(stdout.splitlines())  # said in the training log too
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("rows", ["even", "uneven"])
+def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged_and_its_mean_of_means_named(
+        tmp_path, rows):
+    """What ``axolotl train lora.yml`` launches (``-m axolotl.cli.train``, axolotl 0.19.0, an extra package set), with
+    ``-m gradkit.watch.attach`` before it, on 2 ranks (DDP, gloo): the recipe's YAML with the model, the data, two
+    steps of GA 2 and the CPU keys (no bf16 or flash attention; axolotl's Triton LoRA kernels off; ``max_memory``,
+    so that its device map is not ``{"": LOCAL_RANK}``, an accelerator index) and ``ACCELERATE_USE_CPU`` (what
+    ``accelerate launch --cpu`` sets, so that Accelerate takes the CPU ranks as one gloo world).
+
+    axolotl's trainer sets ``model_accepts_loss_kwargs = False`` for a model whose ``forward`` names no
+    ``num_items_in_batch`` (it takes ``**kwargs``, as transformers' Llama does), so each micro-batch's loss is its own
+    token mean: the step is the mean of the micro-batch means (axolotl-ai-cloud/axolotl#3982, open). Where every
+    micro-batch holds as many label tokens, that is the token mean: not-affected; on rows of other lengths the watch
+    names that step."""
+    if rows == "even":  # every answer 4 words and a full stop: 8 label tokens and EOS in every row
+        data = [{"instruction": q, "input": "", "output": f"{w[0]} {w[1]} {w[2]} {w[3]}."}
+                for q, a in ROWS for w in [a.lower().replace(",", "").replace(".", "").replace("!", "").split() * 4]]
+    else:
+        data = [{"instruction": q, "input": "", "output": a} for q, a in ROWS]
+    (tmp_path / "rows.json").write_text(json.dumps(data))
+    cfg = yaml.safe_load((AXOLOTL / "lora.yml").read_text())
+    cfg.update(base_model=str(tiny_llama(tmp_path / "model")), output_dir=str(tmp_path / "out"),
+               datasets=[{"path": str(tmp_path / "rows.json"), "ds_type": "json", "type": "alpaca"}],
+               dataset_prepared_path=str(tmp_path / "prepared"), sequence_len=128, max_steps=2,
+               gradient_accumulation_steps=2, bf16=False, flash_attention=False, gradient_checkpointing=False,
+               lora_mlp_kernel=False, lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False,
+               max_memory={"cpu": "8GiB"}, dataloader_num_workers=0, dataset_num_proc=1)
+    (tmp_path / "lora.yml").write_text(yaml.safe_dump(cfg))
+    rc, stdout, stderr = scripts.torchrun(
+        "gradkit.watch.attach", ["axolotl.cli.train", tmp_path / "lora.yml"], module=True, timeout_s=600,
+        packages=("deepspeed", "transformers", "accelerate"), cwd=tmp_path, paths=[extras.ensure("axolotl")],
+        env={"ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+             "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false", "AXOLOTL_DO_NOT_TRACK": "1",
+             "DO_NOT_TRACK": "1", "WANDB_MODE": "disabled"})
+    assert rc == 0, (stdout + stderr)[-3000:]
+    recs = [json.loads(x) for x in (tmp_path / "out" / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "logged_norm" not in r]
+    assert len(steps) == 2 and all(r["world_size"] == 2 and r["ga"] == 2 for r in steps), [r["line"] for r in recs]
+    if rows == "even":
+        assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
+    else:
+        assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in recs]
+        assert all(r["matches"] == "mean of micro-batch means" for r in steps), [r["line"] for r in recs]
 
 
 @pytest.mark.world

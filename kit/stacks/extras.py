@@ -23,6 +23,16 @@ EXTRAS = {
     "llamafactory": ("llamafactory==0.9.5", "trl==0.24.0", "datasets==4.0.0", "dill==0.4.1", "multiprocess==0.70.19",
                      "xxhash==4.1.0", "pyarrow==26.0.1", "pandas==3.1.1", "omegaconf==2.3.0",
                      "antlr4-python3-runtime==4.9.3"),
+    # axolotl 0.19.0 (the newest release) with --no-deps: its own pins (an older transformers, accelerate, peft) are
+    # not checked at run time, so the kit's releases run it; numba (its multipack sampler), bitsandbytes (its adapter
+    # loader), triton (its kernels, defined at import, none run on a CPU) and wandb are imported when it starts
+    "axolotl": ("axolotl==0.19.0", "axolotl-contribs-lgpl==0.0.7", "axolotl-contribs-mit==0.0.6", "datasets==4.8.4",
+                "trl==1.9.0", "pyarrow==26.0.1", "pandas==3.1.1", "dill==0.4.1", "multiprocess==0.70.19",
+                "xxhash==4.1.0", "addict==2.4.0", "fire==0.7.1", "termcolor==3.3.0", "colorama==0.4.6",
+                "evaluate==0.4.1", "fastcore==2.2.41", "posthog==6.7.11", "backoff==2.2.1", "distro==1.9.0",
+                "numba==0.68.1", "llvmlite==0.50.0", "bitsandbytes==0.50.2", "triton==3.9.0", "kernels==0.16.0",
+                "wandb==0.31.0", "protobuf==7.36.2", "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2",
+                "opentelemetry-semantic-conventions==0.66b2"),
 }
 
 
