@@ -91,7 +91,7 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
 
 
 @pytest.mark.world
-@pytest.mark.parametrize("rows", ["even", "uneven"])
+@pytest.mark.parametrize("rows", ["even", "uneven", "uneven+fix"])
 def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged_and_its_mean_of_means_named(
         tmp_path, rows):
     """What ``axolotl train lora.yml`` launches (``-m axolotl.cli.train``, axolotl 0.19.0, an extra package set), with
@@ -104,7 +104,7 @@ def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged
     ``num_items_in_batch`` (it takes ``**kwargs``, as transformers' Llama does), so each micro-batch's loss is its own
     token mean: the step is the mean of the micro-batch means (axolotl-ai-cloud/axolotl#3982, open). Where every
     micro-batch holds as many label tokens, that is the token mean: not-affected; on rows of other lengths the watch
-    names that step."""
+    names that step. The recipe's plugin (``gradkit_axolotl_fix.TokenMean``) sets both back: the same rows exact."""
     if rows == "even":  # every answer 4 words and a full stop: 8 label tokens and EOS in every row
         data = [{"instruction": q, "input": "", "output": f"{w[0]} {w[1]} {w[2]} {w[3]}."}
                 for q, a in ROWS for w in [a.lower().replace(",", "").replace(".", "").replace("!", "").split() * 4]]
@@ -117,11 +117,12 @@ def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged
                dataset_prepared_path=str(tmp_path / "prepared"), sequence_len=128, max_steps=2,
                gradient_accumulation_steps=2, bf16=False, flash_attention=False, gradient_checkpointing=False,
                lora_mlp_kernel=False, lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False,
-               max_memory={"cpu": "8GiB"}, dataloader_num_workers=0, dataset_num_proc=1)
+               max_memory={"cpu": "8GiB"}, dataloader_num_workers=0, dataset_num_proc=1,
+               **({"plugins": ["gradkit_axolotl_fix.TokenMean"]} if rows.endswith("+fix") else {}))
     (tmp_path / "lora.yml").write_text(yaml.safe_dump(cfg))
     rc, stdout, stderr = scripts.torchrun(
         "gradkit.watch.attach", ["axolotl.cli.train", tmp_path / "lora.yml"], module=True, timeout_s=600,
-        packages=("deepspeed", "transformers", "accelerate"), cwd=tmp_path, paths=[extras.ensure("axolotl")],
+        packages=("deepspeed", "transformers", "accelerate"), cwd=tmp_path, paths=[extras.ensure("axolotl"), AXOLOTL],
         env={"ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
              "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false", "AXOLOTL_DO_NOT_TRACK": "1",
              "DO_NOT_TRACK": "1", "WANDB_MODE": "disabled"})
@@ -129,7 +130,7 @@ def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged
     recs = [json.loads(x) for x in (tmp_path / "out" / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "logged_norm" not in r]
     assert len(steps) == 2 and all(r["world_size"] == 2 and r["ga"] == 2 for r in steps), [r["line"] for r in recs]
-    if rows == "even":
+    if rows != "uneven":
         assert [r["verdict"] for r in steps] == [oracle.NOT_AFFECTED] * 2, [r["line"] for r in recs]
     else:
         assert [r["verdict"] for r in steps] == [oracle.AFFECTED] * 2, [r["line"] for r in recs]
