@@ -325,3 +325,27 @@ def test_a_long_reason_is_cut_at_300_characters_and_the_json_is_indented_by_one(
     out = tmp_path / "c.json"
     check.main(["--path", "accelerate", "--json", str(out)])
     assert out.read_text().startswith('{\n "path": "accelerate",\n "summary": {\n  "verdict"')
+
+
+@pytest.mark.world
+def test_an_axolotl_config_is_checked_with_what_axolotl_sets_on_its_trainer_and_its_fix_verified(capsys):
+    """axolotl 0.19.0 sets model_accepts_loss_kwargs and average_tokens_across_devices False on its Trainer, whatever
+    the YAML says (what tests/test_recipes.py measures on axolotl itself): the check runs the Trainer so, names the
+    mechanism and re-runs the recipe's plugin fix in the same world; the same Trainer left as transformers sets it up
+    is exact (the control of the setting, not of the library)."""
+    from pathlib import Path
+
+    from gradkit import frameworks
+
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "recipes" / "axolotl" / "lora.yml"
+    assert frameworks.read(recipe).trainer_overrides == {"average_tokens_across_devices": False,
+                                                          "model_accepts_loss_kwargs": False}
+    assert check.main([str(recipe)]) == 1
+    out = capsys.readouterr().out
+    assert "model_accepts_loss_kwargs=False (axolotl sets it" in out, out
+    assert "fix: average_tokens_across_devices=True and model_accepts_loss_kwargs=True" in out
+    assert "re-run with the fix: not-affected" in out
+    assert check.main(["--path", "trainer", "--ga", "4"]) == 0, capsys.readouterr().out
+    # the flag alone, with one token count over the ranks: what makes the step the mean of micro-batch means
+    assert check.main(["--path", "trainer", "--ga", "4", "--average-tokens-across-devices", "true",
+                       "--model-accepts-loss-kwargs", "false"]) == 1, capsys.readouterr().out

@@ -31,7 +31,8 @@ PATHS = {"fsdp2": "FSDP2", "accelerate": "ACC", "trainer": "HFT"}
 # the flags that belong to one path only (argparse dest -> path); given with another path they are refused
 OWN_FLAGS = {"sync": "fsdp2", "param_dtype": "fsdp2", "reduce_dtype": "fsdp2", "no_reshard": "fsdp2", "units": "fsdp2",
              "sync_each_batch": "accelerate", "dataloader_length": "accelerate", "accelerate": "accelerate",
-             "average_tokens_across_devices": "trainer", "per_device_train_batch_size": "trainer",
+             "average_tokens_across_devices": "trainer", "model_accepts_loss_kwargs": "trainer",
+             "per_device_train_batch_size": "trainer",
              "transformers": "trainer"}
 
 
@@ -57,6 +58,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("--path trainer (TrainingArguments as flags)")
     g.add_argument("--average-tokens-across-devices", choices=["true", "false"], default=None,
                    help="TrainingArguments.average_tokens_across_devices (default: the release's own default)")
+    g.add_argument("--model-accepts-loss-kwargs", choices=["true", "false"], default=None,
+                   help="Trainer.model_accepts_loss_kwargs as the framework leaves it (default: the Trainer's own, true "
+                        "for a model whose forward takes **kwargs; axolotl 0.19 sets false)")
     g.add_argument("--per-device-train-batch-size", type=int, default=None, help="rows per micro-batch (default 2)")
     g.add_argument("--transformers", default=None, help="a transformers release (default: the installed one)")
 
@@ -190,16 +194,22 @@ def plan(a) -> tuple[object, list[dict], list[dict], list[str]]:
     if a.ga == 1:
         raise kconfig.ConfigError("--path trainer needs --ga > 1 (nothing is accumulated at 1)")
     cases = trainer_ddp.plan((a.ga,), ("trainer", "avg_tokens_on"), mb * a.ga)
+    accepts_off = a.model_accepts_loss_kwargs == "false"
     for c in cases:
         if c["name"] == "trainer" and a.average_tokens_across_devices is not None:
             c["trainer_args"] = {"average_tokens_across_devices": a.average_tokens_across_devices == "true"}
-        if c["name"] == "avg_tokens_on":
-            c.update(role="fix", fix="average_tokens_across_devices=True", fixes="trainer")
-    if a.average_tokens_across_devices == "true":
+        if c["name"] == "trainer" and accepts_off:
+            c["trainer_attrs"] = {"model_accepts_loss_kwargs": False}
+        if c["name"] == "avg_tokens_on":  # the fix: one token count over every rank (and the model given it)
+            c.update(role="fix", fixes="trainer", fix="average_tokens_across_devices=True" + (
+                " and model_accepts_loss_kwargs=True (axolotl: examples/recipes/axolotl/gradkit_axolotl_fix.py)"
+                if accepts_off else ""))
+    if a.average_tokens_across_devices == "true" and not accepts_off:
         cases = [c for c in cases if c["name"] != "avg_tokens_on"]
     notes.append(f"TrainingArguments: per_device_train_batch_size {mb}, gradient_accumulation_steps {a.ga}"
                  + (f", average_tokens_across_devices {a.average_tokens_across_devices}"
-                    if a.average_tokens_across_devices else " (average_tokens_across_devices: the release's default)"))
+                    if a.average_tokens_across_devices else " (average_tokens_across_devices: the release's default)")
+                 + (", model_accepts_loss_kwargs false" if accepts_off else ""))
     trainer_ddp.validate([stack], (a.ga,), ("trainer",), (a.world_size,), mb * a.ga, a.device, a.timeout)
     return trainer_ddp.PROBE, cases, [stack], notes
 

@@ -118,6 +118,10 @@ def _cases(data: dict, notes: list) -> list[Case]:
     return [Case("", ta_bf16, ta_fp16, pure)]
 
 
+# what axolotl 0.19.0 sets on the Trainer whatever the YAML says (the path check runs the Trainer with them)
+OVERRIDES = {"average_tokens_across_devices": False, "model_accepts_loss_kwargs": False}
+
+
 def read(data: dict, source: str, *, base_dir=None, cwd=None, launch: Launch | None = None,
          config_file: str | None = None) -> TrainingRun:
     notes: list[str] = []
@@ -151,8 +155,16 @@ def read(data: dict, source: str, *, base_dir=None, cwd=None, launch: Launch | N
     if data.get("rl"):
         notes.append(f"rl: {data['rl']} -> TRL's trainer for it, built by axolotl core/builders/rl.py with the "
                      "precision flags above (TRL's bf16 default does not apply); the HF Trainer's loop")
-    return resolve_trainer("axolotl", source, given, notes, via=VIA, launch=launch, base_dir=base_dir, cwd=cwd,
-                           cases=cases, said=said, adapter=adapter, config_file=config_file)
+    run = resolve_trainer("axolotl", source, given, notes, via=VIA, launch=launch, base_dir=base_dir, cwd=cwd,
+                          cases=cases, said=said, adapter=adapter, config_file=config_file)
+    run.trainer_overrides = dict(OVERRIDES)
+    run.notes.append("axolotl sets average_tokens_across_devices False (core/builders/base.py) and, for a model whose "
+                     "forward takes num_items_in_batch through **kwargs (transformers' own), model_accepts_loss_kwargs "
+                     "False (core/trainers/base.py; axolotl-ai-cloud/axolotl#3982): each micro-batch's loss is its own "
+                     "token mean (axolotl 0.19.0, measured by tests/test_recipes.py); the Trainer's path check runs "
+                     "its Trainer so" + (", the DeepSpeed check below judges the engine's accumulation alone, not this"
+                                         if run.ds_config is not None else ""))
+    return run
 
 
 def overrides(options: dict) -> dict:

@@ -43,6 +43,9 @@ class TrainingRun:
     zero_stage: int | None = None       # zero_optimization.stage of ds_config (None: not DeepSpeed, or "auto")
     launcher: str | None = None          # torchrun / deepspeed / accelerate / llamafactory-cli / axolotl / python
     config_file: str | None = None       # the framework config a command line names
+    # what the framework sets on its Trainer whatever the config says (axolotl: average_tokens_across_devices and
+    # model_accepts_loss_kwargs False); the path check runs the Trainer so
+    trainer_overrides: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -159,6 +159,12 @@ MECHANISMS = (
      "transformers/trainer.py", "Trainer._get_num_items_in_batch", ("average_tokens_across_devices",),
      "average_tokens_across_devices=False: each rank divides its summed token loss by its own token count and DDP "
      "averages the ranks, so a rank with fewer label tokens weighs more (documented)"),
+    ("HFT", "trainer", lambda r: _affected(r) and (r.get("config") or {}).get("trainer_attrs", {}).get(
+        "model_accepts_loss_kwargs") is False, "transformers", "transformers/trainer.py", "Trainer.compute_loss",
+     ("model_accepts_loss_kwargs",),
+     "model_accepts_loss_kwargs=False (axolotl sets it for transformers' models, axolotl-ai-cloud/axolotl#3982): the "
+     "Trainer hands the model no num_items_in_batch, so each micro-batch's loss is the mean over its own label tokens "
+     "and the step is the mean of the micro-batch means: micro-batches with fewer tokens weigh more"),
     ("HFT", "trainer", lambda r: _affected(r) and not _tf_before(r, "5.4.0") and (r.get("config") or {}).get(
         "trainer_args", {}).get("average_tokens_across_devices") is False, "transformers", "transformers/trainer.py",
      "Trainer._get_num_items_in_batch", ("average_tokens_across_devices",),

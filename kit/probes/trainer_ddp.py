@@ -116,8 +116,9 @@ def annotate_world(recs: list[dict]) -> list[dict]:
     rank's micro-batches weighed what)."""
     out = [naming.annotate_steps(r) if r.get("steps") else r for r in trainer_ga.annotate_world(recs)]
     for r in out:
-        args = (r.get("config") or {}).get("trainer_args") or {}
-        if r["case"] == "trainer" and args:  # a check's own TrainingArguments
+        config = r.get("config") or {}
+        args = {**(config.get("trainer_args") or {}), **(config.get("trainer_attrs") or {})}
+        if r["case"] == "trainer" and args:  # a check's own TrainingArguments (and what a framework sets on the Trainer)
             r["setting"] = ", ".join(f"{k}={v}" for k, v in sorted(args.items()))
             continue
         r["setting"] = {"trainer": "as shipped", "avg_tokens_on": "average_tokens_across_devices=True",

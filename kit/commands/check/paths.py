@@ -42,8 +42,13 @@ def path_args(run, a) -> tuple[argparse.Namespace, list[str]]:
                      "run's dtype); an FSDP1 run is judged on FSDP2's reduction, not its FlatParameter code")
     elif run.framework in TRAINER_BASED:
         b.path, b.per_device_train_batch_size = "trainer", run.micro_batch
+        over = run.trainer_overrides
+        for key in ("average_tokens_across_devices", "model_accepts_loss_kwargs"):
+            if key in over:
+                setattr(b, key, "true" if over[key] else "false")
         notes.append(f"the HF Trainer on {run.world_size or 'several'} DDP ranks: --path trainer with "
-                     f"per_device_train_batch_size {run.micro_batch}, GA {b.ga}")
+                     f"per_device_train_batch_size {run.micro_batch}, GA {b.ga}"
+                     + "".join(f", {k} {str(v).lower()}" for k, v in over.items()))
     elif run.framework == "accelerate":
         b.path = "accelerate"
         b.config = run.config_file if run.config_file and Path(run.config_file).suffix in (".yaml", ".yml") else None

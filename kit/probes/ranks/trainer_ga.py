@@ -113,6 +113,8 @@ def run_case(case: dict) -> dict:
         trainer.gradkit_rows = {tuple(r["input_ids"].tolist()): i for i, r in enumerate(rows)}
         if case["name"] == "accepts_false":
             trainer.model_accepts_loss_kwargs = False  # the seed's workaround
+        for key, value in case.get("trainer_attrs", {}).items():  # what a framework sets on its Trainer (axolotl)
+            setattr(trainer, key, value)
 
         def read():  # a collective under ZeRO: every rank's callbacks run it at the same point
             if zero is None:
