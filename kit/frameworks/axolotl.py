@@ -162,8 +162,7 @@ def read(data: dict, source: str, *, base_dir=None, cwd=None, launch: Launch | N
                      "forward takes num_items_in_batch through **kwargs (transformers' own), model_accepts_loss_kwargs "
                      "False (core/trainers/base.py; axolotl-ai-cloud/axolotl#3982): each micro-batch's loss is its own "
                      "token mean (axolotl 0.19.0, measured by tests/test_recipes.py); the Trainer's path check runs "
-                     "its Trainer so" + (", the DeepSpeed check below judges the engine's accumulation alone, not this"
-                                         if run.ds_config is not None else ""))
+                     "its Trainer so" + (", after the DeepSpeed check of the engine" if run.ds_config is not None else ""))
     return run
 
 

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         paths.path_args(run, a)  # refused here, before any launch
         result = paths.check(run, a)
     else:
-        result = one.check(run, one.prepare(run, a, model, model_notes), a, model)
+        result = paths.trainer_side(run, a, one.check(run, one.prepare(run, a, model, model_notes), a, model))
     if a.json:
         out = result["precisions"]
         first = next(iter(out.values()))

@@ -68,6 +68,8 @@ def _rows(result: dict, several: bool = False) -> list[dict]:
                 ("" if row["verdict"] == oracle.NOT_AFFECTED else row["reason"])
             out.append({"config": result["source"], **at, "precision": dtype, "loop": row["loop"], "verdict": row["verdict"],
                         "ratio": row["ratio"], "cosine": row["cosine"], "bug_or_reason": (why or "")[:200]})
+    if result.get("trainer"):  # the Trainer's side of a run on DeepSpeed (check.paths.trainer_side)
+        out += _rows({**result["trainer"], "source": result["source"], "release": result.get("release")}, several)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import tempfile
@@ -75,3 +76,19 @@ def check(run, a, say=print) -> dict:
     return {"source": run.source, "framework": run.framework, "loops": [b.path], "asked": [run.precision or "fp32"],
             "precisions": {run.precision or "fp32": {"summary": summary, "records": doc.get("records", [])}},
             "verdict": verdict, "exit": kverdict.EXIT.get(verdict, code)}
+
+
+def trainer_side(run, a, result: dict, say=print) -> dict:
+    """A run on DeepSpeed whose framework sets its Trainer's loss counting whatever the config says
+    (``run.trainer_overrides``: axolotl): the engine's check (``result``) cannot see that, so the Trainer's path check
+    runs it too, and the verdict is the worse of the two (an affected one first). Other runs: ``result`` as it is."""
+    if run.path != "deepspeed" or not run.trainer_overrides:
+        return result
+    say(f"{run.source}: {run.framework} sets " + ", ".join(f"{k}={v}" for k, v in run.trainer_overrides.items())
+        + " on its Trainer whatever the config says; the engine's check above does not see the loss it makes, the "
+          "Trainer's path check does:")
+    extra = check(dataclasses.replace(run, path="ddp", notes=[]), a, say)
+    words = [result["verdict"], extra["verdict"]]
+    verdict = oracle.AFFECTED if oracle.AFFECTED in words else kverdict.worst(words)
+    say(f"verdict over the engine and the Trainer: {words[0]}, {words[1]} -> {verdict} (exit {kverdict.EXIT[verdict]})")
+    return {**result, "verdict": verdict, "exit": kverdict.EXIT[verdict], "trainer": extra}

@@ -66,7 +66,7 @@ def check_task(task: dict) -> dict:
     except kconfig.ConfigError as e:
         return bad_input(task, str(e))
     with launch.warm_worlds(keep=True):
-        result = one.check(run, todo, a, model, say=log.append) if todo is not None else \
-            paths.check(run, a, say=log.append)
+        result = paths.trainer_side(run, a, one.check(run, todo, a, model, say=log.append), say=log.append) \
+            if todo is not None else paths.check(run, a, say=log.append)
     return {**result, "source": task.get("source") or result["source"], "release": task["release"], "log": log,
             "wall_s": round(time.perf_counter() - t0, 2)}
