@@ -1,4 +1,5 @@
 """Notebook 07's logic on hand-made records: the matrix, the fixes, the overview's column, the upstream rules."""
+from gradkit.commands import check_paths
 from gradkit.judge import expectations, oracle
 from gradkit.notebooks import overview, runall_params, without_ds
 from gradkit.judge.records import NO_DEEPSPEED
@@ -301,3 +302,17 @@ def test_a_release_after_a_cell_already_read_is_still_read(monkeypatch):
             _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.30.1", 0.9, ga=2),  # the same cell: not read again
             _rec("ACC", "sync_each_batch", oracle.AFFECTED, "0.28.0", 0.9)]
     assert len(without_ds.mechanisms(recs)) == 2 and [c[2] for c in calls] == ["0.30.1", "0.28.0"]
+
+
+def test_a_trainer_whose_framework_turned_model_accepts_loss_kwargs_off_is_explained_by_that_first():
+    """The Trainer's path check of an axolotl run: its record says which setting the framework forced, and the
+    mechanism named is that one (each micro-batch's loss its own token mean), before average_tokens_across_devices's."""
+    rec = {"bug": "HFT", "case": "trainer", "verdict": "affected", "versions": {"transformers": "5.23.0"},
+           "config": {"trainer_args": {"average_tokens_across_devices": False},
+                      "trainer_attrs": {"model_accepts_loss_kwargs": False}}}
+    assert check_paths.explanation(rec).startswith("model_accepts_loss_kwargs=False (axolotl sets it")
+    rec["config"]["trainer_attrs"] = {"model_accepts_loss_kwargs": True}
+    assert check_paths.explanation(rec).startswith("average_tokens_across_devices=False: each rank divides")
+    assert check_paths.explanation({**rec, "verdict": "not-affected"}) is None
+    rec["config"] = {"trainer_attrs": {"model_accepts_loss_kwargs": False}}
+    assert check_paths.explanation(rec).startswith("model_accepts_loss_kwargs=False")
