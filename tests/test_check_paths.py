@@ -1,9 +1,10 @@
 """``gradkit check --path fsdp2|accelerate|trainer``: real 2-rank worlds, the check's exit codes."""
 import json
+from pathlib import Path
 
 import pytest
 
-from gradkit import config, launch
+from gradkit import config, frameworks, launch
 from gradkit.commands import check
 
 pytestmark = pytest.mark.usefixtures("warm_module")
@@ -333,10 +334,6 @@ def test_an_axolotl_config_is_checked_with_what_axolotl_sets_on_its_trainer_and_
     the YAML says (what tests/test_recipes.py measures on axolotl itself): the check runs the Trainer so, names the
     mechanism and re-runs the recipe's plugin fix in the same world; the same Trainer left as transformers sets it up
     is exact (the control of the setting, not of the library)."""
-    from pathlib import Path
-
-    from gradkit import frameworks
-
     recipe = Path(__file__).resolve().parents[1] / "examples" / "recipes" / "axolotl" / "lora.yml"
     assert frameworks.read(recipe).trainer_overrides == {"average_tokens_across_devices": False,
                                                           "model_accepts_loss_kwargs": False}

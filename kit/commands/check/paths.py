@@ -81,7 +81,7 @@ def check(run, a, say=print) -> dict:
 def trainer_side(run, a, result: dict, say=print) -> dict:
     """A run on DeepSpeed whose framework sets its Trainer's loss counting whatever the config says
     (``run.trainer_overrides``: axolotl): the engine's check (``result``) cannot see that, so the Trainer's path check
-    runs it too, and the verdict is the worse of the two (an affected one first). Other runs: ``result`` as it is."""
+    runs it too, and the verdict is the worse of the two. Other runs: ``result`` as it is."""
     if run.path != "deepspeed" or not run.trainer_overrides:
         return result
     say(f"{run.source}: {run.framework} sets " + ", ".join(f"{k}={v}" for k, v in run.trainer_overrides.items())
@@ -89,6 +89,6 @@ def trainer_side(run, a, result: dict, say=print) -> dict:
           "Trainer's path check does:")
     extra = check(dataclasses.replace(run, path="ddp", notes=[]), a, say)
     words = [result["verdict"], extra["verdict"]]
-    verdict = oracle.AFFECTED if oracle.AFFECTED in words else kverdict.worst(words)
+    verdict = kverdict.worst(words)  # affected first (oracle.WORST_FIRST)
     say(f"verdict over the engine and the Trainer: {words[0]}, {words[1]} -> {verdict} (exit {kverdict.EXIT[verdict]})")
     return {**result, "verdict": verdict, "exit": kverdict.EXIT[verdict], "trainer": extra}
