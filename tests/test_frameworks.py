@@ -144,6 +144,37 @@ def test_axolotl_precision(tmp_path, flags, precision, words):
     said(run, words)
 
 
+def _axolotl_resolves(bf16, fp16) -> set[str]:
+    """axolotl's own rules, written out from its source (not from the reader): utils/config/__init__.py resolve_dtype
+    turns bf16 "auto" (also when absent) into true on a GPU with bf16 and false on one without, where it also sets fp16
+    true unless fp16 is set; fp16 true with bf16 "auto" makes bf16 false; bf16 true turns fp16 off. Then
+    core/builders/base.py passes TrainingArguments fp16 = fp16 and not bf16, bf16 = bf16. Returns the precisions the
+    Trainer can run with over both kinds of GPU."""
+    out = set()
+    for gpu_has_bf16 in (True, False):
+        b, f = bf16, fp16
+        if b in ("auto", None):
+            b = False if f is True else gpu_has_bf16
+            if not gpu_has_bf16 and f is None:
+                f = True
+        if b:
+            f = False
+        out.add("bf16" if b else "fp16" if f and not b else "fp32")
+    return out
+
+
+@pytest.mark.parametrize("bf16", [True, False, "auto", None])
+@pytest.mark.parametrize("fp16", [True, False, None])
+def test_axolotl_bf16_and_fp16_resolve_as_axolotl_resolves_them_and_bf16_always_turns_fp16_off(tmp_path, bf16, fp16):
+    flags = "".join(f"{k}: {json.dumps(v)}\n" for k, v in (("bf16", bf16), ("fp16", fp16)) if v is not None)
+    run = frameworks.read(write(tmp_path, "a.yml", "base_model: m\nmicro_batch_size: 1\n"
+                                                   "gradient_accumulation_steps: 2\n" + flags))
+    assert set(run.precisions) == _axolotl_resolves(bf16, fp16), (flags, run.precisions)
+    assert run.precision == (run.precisions[0] if len(run.precisions) == 1 else None)
+    if bf16 is True and fp16 is True:
+        said(run, "fp16: true -> TrainingArguments.fp16 false")
+
+
 def test_hf_training_args_json_with_its_own_deepspeed_json():
     run = frameworks.read(HERE / "hf_training_args.json")
     assert (run.framework, run.precision, run.ga, run.micro_batch, run.max_grad_norm) == ("hf-trainer", "fp16", 8, 4, 0.5)

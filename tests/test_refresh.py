@@ -10,6 +10,7 @@ from gradkit.commands import refresh
 from gradkit.commands.bisect import known, listing, result, search
 from gradkit.judge import expectations, history, oracle, pins
 from gradkit.judge.pins import Pin
+from gradkit.notebooks import bisect_known
 from gradkit.stacks import prefetch as kprefetch
 
 GOOD = {"verdict": oracle.NOT_AFFECTED, "step": None, "ratios": [1.0], "dtype": "fp32"}
@@ -93,8 +94,6 @@ def test_the_history_keeps_one_result_per_release_and_says_what_moved(tmp_path):
 
 
 def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table(monkeypatch):
-    from gradkit.notebooks import bisect_known
-
     h = history.load()
     assert bisect_known.history_violations(h) == []
     for b, k in expectations.KNOWN.items():  # no range left open that a release installable here could close
@@ -151,6 +150,39 @@ def test_a_pin_holds_where_its_two_releases_still_differ_and_says_why_otherwise(
     assert c["holds"] is None and c["why"] == "not measured now: 0.18.9 cannot-run; 0.19.0 not-affected"
     [c] = refresh.check_pins(table, {"0.19.0": GOOD})
     assert c["holds"] is None and "0.18.9 not run" in c["why"]
+
+
+def test_a_pin_between_two_affected_releases_holds_by_its_measured_step_not_by_its_verdicts():
+    """A pin says the *measurement* changes between its releases (gradkit.judge.pins), not only the verdict: B1's
+    5.5.3 -> 5.5.4 is affected on both sides, the step's ratio 0.23 -> 0.91. Measured as the history holds them, it
+    holds; measured with both sides the same step, it no longer does, whatever the verdicts say; and a ratio that
+    moves by less than the dtype's tolerance is the same measurement."""
+    (pin,) = [p for p in pins.PINS["B1"] if (p.before, p.after) == ("5.5.3", "5.5.4")]
+    recipe = known.RECIPES[pin.series]
+    s = history.load()["series"][pin.series]["releases"]
+    before, after = s[pin.before], s[pin.after]
+    assert before["verdict"] == after["verdict"] == oracle.AFFECTED  # the case this test is about
+
+    def holds(a, b):
+        return {(c["pin"].before, c["pin"].after): c for c in refresh.check_pins(recipe, {pin.before: a, pin.after: b})}[
+            (pin.before, pin.after)]
+
+    c = holds(before, after)
+    assert c["holds"] is True and "ratio of step 1 0.227 -> 0.908" in c["why"], c
+    c = holds(before, dict(before))
+    assert c["holds"] is False and c["why"] == "5.5.3 and 5.5.4 now measure the same: affected", c
+    c = holds(after, {**after, "ratios": [r * (1 + 1e-7) for r in after["ratios"]]})  # rounding, not a change
+    assert c["holds"] is False, c
+    c = holds(before, {**before, "step": "each micro-batch x2"})  # the same ratios, another named step
+    assert c["holds"] is True and "step" in c["why"], c
+    # the committed history's check reads it the same way: two affected sides that differ are a measured change,
+    # two the same are not
+    hist = history.load()
+    hist["series"][pin.series]["releases"][pin.after] = dict(before)
+    assert "B1: the pin 5.5.3 -> 5.5.4 is not a measured change: affected, affected" in \
+        bisect_known.history_violations(hist)
+    hist["series"][pin.series]["releases"][pin.after] = after
+    assert not [v for v in bisect_known.history_violations(hist) if v.startswith("B1: the pin 5.5.3 -> 5.5.4")]
 
 
 def test_a_new_release_is_compared_with_the_newest_pinned_one_and_a_different_one_is_bisected_with_its_diff(
