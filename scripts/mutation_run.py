@@ -1,27 +1,43 @@
-"""The mutation run behind ``scripts/mutation.sh``: cosmic-ray over each module of ``scripts/mutation/targets.yaml``,
-with that module's tests; the score, the survivors and the wall time into ``runs/mutation/summary.json``.
+"""The mutation run behind ``scripts/mutation.sh``: cosmic-ray's mutants of each module of
+``scripts/mutation/targets.yaml``, each run against the tests that reach its line; the score, the survivors and the
+wall time into ``runs/mutation/summary.json``.
 
-A mutant counts as *killed* when its tests fail, time out (a mutant that hangs a world is caught by its timeout)
-or it does not import; *survived* when every test passes. A module's tests come in two stages where
-``targets.yaml`` gives it ``fast`` and ``world`` commands: every mutant runs the fast tests (seconds), and only a
-mutant that survives them runs the world tests (real 2-rank worlds, about a minute each), with
-``cosmic-ray mutate-and-test``; their outcomes are kept in ``runs/mutation/<module>.world.json`` (resumable too;
-``--fast`` leaves the world stage out, and the score then counts the fast stage's survivors; a mutant the world
-stage could not run stays a survivor, tried again next time). ``--again`` runs the survivors of an earlier run
-once more, against the tests as they are now (after tests were added for them). Survivors listed in
-``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator.
-Score = killed / (killed + survived - equivalent). ``--readme [FILE]`` (alone) writes ``summary.json``'s table
-into that file's ``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
+Which tests a mutant runs comes from the test map (``scripts/testmap.py``: the suite's coverage, per test, keyed by
+function): the tests that run the function the mutant is in. They come in two stages: the tests of the pytest process
+itself that launch no world (seconds) first, and only if the mutant survives them, the world tests (``world``
+marker: real 2-rank worlds) and the files whose fixtures or subprocesses reach it. A mutant no test reaches survives
+("no test reaches it"). A mutant counts as *killed* when its tests fail or time out (a mutant that hangs a world is
+caught by its timeout) or it does not import; *survived* when every selected test passes. A selection that pytest
+cannot run (a test renamed since the map was built) is not counted: it is said, and the mutant stays pending for
+the next run after ``bash scripts/test.sh --map``. ``--fast`` leaves the world stage out (the score then counts the
+first stage's survivors). ``--again`` runs the survivors of an earlier run once more, against the tests as they are
+now (after tests were added for them). Survivors listed in ``scripts/mutation/equivalent.yaml`` (with why they
+cannot change any output) leave the score's denominator. Score = killed / (killed + survived - equivalent).
+``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's ``<!-- gradkit:table MUTATION -->``
+block (``PAGE``, docs/tests.md, without a file).
 """
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import pytest
+import torch  # noqa: F401  (imported once here, before any mutant: each mutant's pytest is forked from this process)
 import yaml
+from cosmic_ray.mutating import use_mutation
+from cosmic_ray.plugins import get_operator
+from cosmic_ray.work_db import WorkDB, use_db
+from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+import testmap
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "scripts" / "mutation"
@@ -30,15 +46,17 @@ BIN = Path(sys.executable).parent
 PAGE = "docs/tests.md"  # the page whose <!-- gradkit:table MUTATION --> block ``--readme`` writes without a file
 FAST_TIMEOUT_S = 120.0  # per mutant of the fast stage (its tests take seconds: a mutant that loops forever is killed)
 TIMEOUT_S = 600.0  # per mutant of the world stage; a world test that hangs is stopped by the kit's own timeouts before
+NOT_RUN = "not run"  # pytest could not run the selection (exit 2-4): the mutant stays pending
 
 
-def config(module: str, tests: str, excluded: list[str]) -> Path:
+def config(module: str, excluded: list[str]) -> Path:
+    """The cosmic-ray session's config: which module, which operators (its test command is not used: each mutant's
+    tests come from the test map)."""
     name = module.replace("/", "_").removesuffix(".py")
     path = OUT / f"{name}.toml"
-    command = pytest_command(tests)
     ops = ",\n  ".join(json.dumps(e) for e in excluded)
     path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {FAST_TIMEOUT_S}\nexcluded-modules = []\n'
-                    f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
+                    f'test-command = "false"\n\n[cosmic-ray.distributor]\nname = "local"\n\n'
                     f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [\n  {ops}\n]\n")
     return path
 
@@ -72,58 +90,94 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
                           for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
 
 
-def commands(entry) -> tuple[str, str | None]:
-    """A target's (fast, world) test selections: a plain string is one stage."""
-    return (entry, None) if isinstance(entry, str) else (entry["fast"], entry.get("world"))
+def stages(m: dict, module: str, line: int, where) -> tuple[list[str], list[str]]:
+    """The pytest arguments of a mutant's two stages, from the test map: the tests that reach ``line``'s function
+    that run in the pytest process and launch no world, then the world tests and the files whose fixtures or
+    subprocesses reach it (a file's tests of that kind only). Test files changed since the map was built are taken
+    whole in the stage their tests belong to."""
+    reach = testmap.tests_of(m, module, {where(line)})
+    newer = {p + "::" for p in testmap.git("diff", "--name-only", m["commit"], "--", "tests").splitlines()
+             if p.startswith("tests/test_") and (REPO / p).exists()}
+    world = set(m["world_tests"])
+    world_files = {t.split("::")[0] for t in world}
+    files = sorted({t[:-2] for t in reach | (newer if reach else set()) if t.endswith("::")})
+    tests = sorted(t for t in reach if not t.endswith("::") and t.split("::")[0] not in files)
+    fast = [t for t in tests if t not in world] + [f"{f}" for f in files]
+    slow = [t for t in tests if t in world] + [f for f in files if f in world_files]
+    return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world"] if slow else [])
 
 
-def pytest_command(tests: str) -> str:
-    return f"{sys.executable} -B -m pytest -x -q -p no:cacheprovider {tests}"
-
-
-def world_stage(module: str, session: Path, tests: str, rows: list[dict]) -> list[dict]:
-    """The second stage: each survivor of the fast tests, mutated again and run against the world tests. Returns
-    ``rows`` with those outcomes folded in (a survivor the worlds kill is killed)."""
-    path = session.with_suffix(".world.json")
-    done = json.loads(path.read_text()) if path.exists() else {}
-    for r in rows:
-        if not (r["worker"] == "normal" and r["test"] == "survived"):
-            continue
-        name = f"{r['line']}: {r['operator']}[{r['occurrence']}]"
-        if name not in done:
-            t0 = time.monotonic()
+def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
+    """pytest on ``args`` (stop at the first failure) in a child forked from this process, which has imported torch
+    and pytest but never the kit (so the child imports the mutant, and the ranks it starts do too): ``(outcome,
+    output's tail)``; a hang is a kill, the child's whole process group with it."""
+    with tempfile.TemporaryFile("w+") as log:
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh session, output to the log, pytest as `python -m pytest` runs it
+            code = 3
             try:
-                out = subprocess.run([str(BIN / "cosmic-ray"), "mutate-and-test", module, r["operator"],
-                                      str(r["occurrence"]), pytest_command(tests)], cwd=REPO, capture_output=True,
-                                     text=True, timeout=TIMEOUT_S)
-                result = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
-                outcome = result.get("test_outcome")
-            except subprocess.TimeoutExpired:
-                outcome = "killed"  # a mutant that hangs a world is caught by the timeout
-            except ValueError:
-                outcome = None
+                os.setsid()
+                os.dup2(log.fileno(), 1)
+                os.dup2(log.fileno(), 2)
+                os.chdir(REPO)
+                sys.path.insert(0, str(REPO))
+                code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *args]))
             finally:
-                restore(module)
-            if outcome is None:  # cosmic-ray said nothing readable: not run, so still a survivor (tried again)
-                print(f"  world stage {name}: not run ({(out.stderr or '').strip()[-300:]})", flush=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return TestOutcome.KILLED, f"timed out after {timeout_s:.0f} s"
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):  # ranks or servers the tests left behind
+            os.killpg(pid, signal.SIGKILL)
+        log.seek(0)
+        out = log.read()
+    if os.WIFSIGNALED(status):  # the mutant crashed the test process
+        return TestOutcome.KILLED, f"pytest died of signal {os.WTERMSIG(status)}: " + out[-1500:]
+    code = os.WEXITSTATUS(status)
+    outcome = {0: TestOutcome.SURVIVED, 1: TestOutcome.KILLED, 5: TestOutcome.SURVIVED}.get(code, NOT_RUN)
+    return outcome, f"pytest exit {code}: " + out[-1500:]
+
+
+def mutate_and_test(module: str, mutation, args: tuple[list[str], list[str]], fast_only: bool) -> WorkResult | None:
+    """One mutant against its stages (None: pytest could not run a stage; the mutant stays pending)."""
+    operator = get_operator(mutation.operator_name)()
+    with use_mutation(Path(module), operator, mutation.occurrence) as (original, mutated):
+        if mutated is None:
+            return WorkResult(worker_outcome=WorkerOutcome.NO_TEST)
+        diff = "".join(difflib.unified_diff(original.splitlines(True), mutated.splitlines(True), module, module))
+        said = []
+        outcome = TestOutcome.SURVIVED
+        for stage, a, limit in (("fast", args[0], FAST_TIMEOUT_S), ("world", args[1], TIMEOUT_S)):
+            if not a or (stage == "world" and fast_only):
                 continue
-            done[name] = {"test": outcome, "wall_s": round(time.monotonic() - t0, 1)}
-            path.write_text(json.dumps(done, indent=1))
-            print(f"  world stage {name}: {outcome} ({done[name]['wall_s']:.0f} s)", flush=True)
-        r["test"] = done[name]["test"]
-    return rows
+            outcome, output = run_tests(a, limit)
+            if outcome == NOT_RUN:
+                print(f"  {module} {mutation.operator_name}[{mutation.occurrence}]: pytest could not run its {stage} "
+                      f"selection ({output[:300]}); build the map again (bash scripts/test.sh --map)", flush=True)
+                return None
+            said.append(f"{stage}: {output}")
+            if outcome == TestOutcome.KILLED:
+                break
+        if not any(args):
+            said.append("no test reaches it")
+    return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome, output="\n".join(said), diff=diff)
 
 
 def forget_survivors(session: Path) -> None:
-    """Mark every survivor of ``session`` (both stages) as not run, so that the next exec runs it again."""
+    """Mark every survivor of ``session`` as not run, so that the next run runs it again."""
     import sqlite3
 
     with sqlite3.connect(session) as db:
         db.execute("DELETE FROM work_results WHERE upper(test_outcome) = 'SURVIVED'")
-    world = session.with_suffix(".world.json")
-    if world.exists():
-        done = json.loads(world.read_text())
-        world.write_text(json.dumps({k: v for k, v in done.items() if v["test"] != "survived"}, indent=1))
 
 
 def restore(module: str) -> None:
@@ -165,6 +219,7 @@ def fill_readme(path: str = PAGE) -> int:
 
 
 def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop puts the module back (the finally below)
     if argv[:1] == ["--readme"]:
         return fill_readme(argv[1] if len(argv) > 1 else PAGE)
     spec = yaml.safe_load((HERE / "targets.yaml").read_text())
@@ -180,9 +235,13 @@ def main(argv: list[str]) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     summary_path = OUT / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    m = testmap.load()
+    if m is None:
+        print("error: no test map to choose each mutant's tests: build it with `bash scripts/test.sh --map`",
+              file=sys.stderr)
+        return 2
     for module in modules:
-        fast, world = commands(spec["targets"][module])
-        cfg = config(module, fast, spec["operators_excluded"])
+        cfg = config(module, spec["operators_excluded"])
         session = cfg.with_suffix(".sqlite")
         if not session.exists():
             subprocess.run([str(BIN / "cosmic-ray"), "init", str(cfg), str(session)], cwd=REPO, check=True)
@@ -190,16 +249,27 @@ def main(argv: list[str]) -> int:
         if again:
             forget_survivors(session)
         t0 = time.monotonic()
+        where = testmap.functions((REPO / module).read_text())
         try:
-            subprocess.run([str(BIN / "cosmic-ray"), "exec", str(cfg), str(session)], cwd=REPO, check=True)
+            with use_db(str(session), WorkDB.Mode.open) as db:
+                pending = list(db.pending_work_items)
+                for i, item in enumerate(pending):
+                    (mutation,) = item.mutations
+                    args = stages(m, module, mutation.start_pos[0], where)
+                    t1 = time.monotonic()
+                    result = mutate_and_test(module, mutation, args, fast_only)
+                    if result is not None:
+                        db.set_result(item.job_id, result)
+                        print(f"  {i + 1}/{len(pending)} line {mutation.start_pos[0]} {mutation.operator_name}"
+                              f"[{mutation.occurrence}]: {(result.test_outcome or result.worker_outcome).value} "
+                              f"({time.monotonic() - t1:.1f} s)", flush=True)
         finally:
             restore(module)
         rows = outcomes(session)
-        if world and not fast_only:
-            rows = world_stage(module, session, world, rows)
         wall = time.monotonic() - t0 + (summary.get(module) or {}).get("wall_s", 0.0)
         summary[module] = {**judge(module, rows, equivalent, wall),
-                           "stages": "fast" if not world or fast_only else "fast, then world on its survivors"}
+                           "stages": "its tests (map), fast first" if fast_only else
+                           "its tests (map): fast, then worlds on survivors"}
         summary_path.write_text(json.dumps(summary, indent=1))
         s = summary[module]
         print(f"{module}: {s['killed']} killed, {s['survived']} survived ({s['equivalent']} equivalent), "

@@ -1,7 +1,11 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import testmap  # noqa: E402  (scripts/testmap.py: the map of which tests reach which code)
 
 # One cache for the whole suite (overlays, JIT-built ops): worlds after the first start warm.
 os.environ.setdefault("GRADKIT_CACHE", str(Path(__file__).resolve().parent.parent / ".gradkit-cache"))
@@ -32,3 +36,18 @@ SLOW_FIRST = ("test_notebooks.py", "test_warm_worlds.py", "test_faults.py", "tes
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
+
+
+# While scripts/testmap.py builds its map (GRADKIT_TESTMAP set), coverage's context is the running test during its
+# call, and its file during set-up and tear-down and in every subprocess (a module's fixtures and worlds serve the file).
+if os.environ.get(testmap.ENV):
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(item):
+        testmap.switch(None, item.nodeid.split("::")[0])
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        testmap.switch(item.nodeid, item.nodeid.split("::")[0])
+        yield
+        testmap.switch(None, item.nodeid.split("::")[0])

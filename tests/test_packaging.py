@@ -21,7 +21,7 @@ PYPROJECT = REPO / "pyproject.toml"
 USERS_STACK = {"torch": "2.6.0+cu124", "transformers": "4.51.3", "accelerate": "1.6.0", "deepspeed": "0.16.4",
                "peft": "0.15.2"}
 TOOLING = {"jupyterlab", "notebook", "papermill", "ipykernel", "ipywidgets", "matplotlib", "nbconvert", "selenium",
-           "pytest", "pytest-xdist", "nbstripout", "cosmic-ray", "distributed", "dask", "build"}
+           "pytest", "pytest-xdist", "nbstripout", "cosmic-ray", "distributed", "dask", "build", "coverage"}
 
 
 def _name(requirement: str) -> str:

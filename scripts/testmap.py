@@ -1,0 +1,278 @@
+"""Which tests reach which code: the suite's coverage, per test, as a map from each function of ``kit/`` to the
+tests that run it; and the tests a change needs (``bash scripts/test.sh --changed [BASE]``, ``scripts/mutation.sh``).
+
+    .venv/bin/python scripts/testmap.py build [pytest args]   # the suite under coverage -> runs/testmap/map.json
+    .venv/bin/python scripts/testmap.py changed [BASE]        # the tests a change since BASE (default HEAD) needs
+    .venv/bin/python scripts/testmap.py tests FILE LINE       # the tests that reach that line's function
+
+How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches them): what runs in the pytest
+process during a test's call is that test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and
+everything a subprocess runs (ranks, fork servers, kernels, the kit's commands), is its test file's (``F|<file>``),
+since a module's fixtures and warm worlds serve every test of the file. Fork servers, which outlive a file, are
+off while the map is built (``GRADKIT_NO_FORK_SERVER``), so a rank's code is its own file's. A line is keyed by the
+function around it (its qualified name), so the map outlives edits that move lines; a module's top-level code
+(imports, constants) is reached by every test of the module's functions.
+
+A selection is conservative: a function the map does not know (new, or never run) takes every test of its module;
+a changed test file and a test file newer than the map are taken whole; a package's ``__init__`` also takes the test
+files that name the package (a fresh venv's import of it); a changed file outside ``kit/`` and ``tests/`` takes the
+test files that name it (docs pages: the docs test), and so does every changed file while there is no map.
+"""
+from __future__ import annotations
+
+import ast
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "runs" / "testmap"
+MAP = OUT / "map.json"
+ENV = "GRADKIT_TESTMAP"  # set while the map is built: tests/conftest.py switches coverage's context per test
+TEST = "T|"  # a test's own context: its node id follows
+FILE = "F|"  # a test file's context: its path (tests/...) follows
+CONTENT = ("notebooks", "examples")  # folders whose files tests find by listing the folder
+WARNINGS = ("module-not-measured", "module-not-python", "no-data-collected", "module-not-imported", "include-ignored",
+            "couldnt-parse", "no-ctracer", "already-imported", "dynamic-conflict", "no-sysmon")
+
+
+# ------------------------------------------------------------------------------------------------ while building
+
+def switch(test_id: str | None, test_file: str) -> None:
+    """Coverage's context from now on: ``test_id``'s (None: the file's), and every subprocess started from now on
+    counts for ``test_file``. Called by tests/conftest.py's hooks only while the map is built."""
+    import coverage
+
+    cov = coverage.Coverage.current()
+    if cov is None:
+        return
+    cov.switch_context(TEST + test_id if test_id else FILE + test_file)
+    serialized = os.environ.get("COVERAGE_PROCESS_CONFIG")
+    if serialized:
+        cfg = json.loads(base64.b64decode(serialized))
+        if cfg.get("context") != FILE + test_file:
+            cfg["context"] = FILE + test_file
+            os.environ["COVERAGE_PROCESS_CONFIG"] = base64.b64encode(json.dumps(cfg).encode()).decode()
+
+
+def rcfile() -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rc = OUT / "coveragerc"
+    rc.write_text(f"[run]\nsource = {REPO / 'kit'}\nparallel = true\ndata_file = {OUT / '.coverage'}\n"
+                  f"patch = subprocess, _exit, fork\ndisable_warnings = {', '.join(WARNINGS)}\n")
+    return rc
+
+
+def build(pytest_args: list[str]) -> int:
+    """The suite under coverage (two workers, as scripts/test.sh runs it), then the map. Returns pytest's status;
+    the map is written whatever it is (a failing test still shows what it reaches)."""
+    for old in OUT.glob(".coverage*"):
+        old.unlink()
+    rc = rcfile()
+    env = {**os.environ, ENV: "1", "GRADKIT_NO_FORK_SERVER": "1", "COVERAGE_RCFILE": str(rc)}
+    t0 = time.monotonic()
+    where = [] if any(not a.startswith("-") for a in pytest_args) else ["tests"]  # some test files: a partial map
+    code = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "2",
+                           "--dist", "loadfile", "--no-loadscope-reorder", "-p", "no:cacheprovider", *where,
+                           *pytest_args], cwd=REPO, env=env).returncode
+    suite_s = time.monotonic() - t0
+    subprocess.run([sys.executable, "-m", "coverage", "combine", f"--rcfile={rc}", "-q"], cwd=REPO, env=env, check=True)
+    m = from_coverage(OUT / ".coverage")
+    m.update(commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "kit", "tests")),
+             built_s=round(time.monotonic() - t0, 1), suite_s=round(suite_s, 1), pytest_status=code,
+             world_tests=world_tests())
+    MAP.write_text(json.dumps(m, indent=0, sort_keys=True))
+    n = sum(len(v) for v in m["functions"].values())
+    print(f"{MAP.relative_to(REPO)}: {n} functions of {len(m['functions'])} modules, "
+          f"{len({t for f in m['functions'].values() for ts in f.values() for t in ts})} tests and files; "
+          f"the suite under coverage took {suite_s:.0f} s (pytest exit {code})")
+    return code
+
+
+def from_coverage(data_file: Path) -> dict:
+    """``{"functions": {module path: {qualname: [test ids and test files]}}}`` from a combined coverage file."""
+    import coverage
+
+    data = coverage.CoverageData(str(data_file))
+    data.read()
+    out: dict[str, dict[str, list[str]]] = {}
+    for measured in data.measured_files():
+        path = Path(measured)
+        if not path.is_relative_to(REPO / "kit") or not path.exists():
+            continue
+        rel = path.relative_to(REPO).as_posix()
+        where = functions(path.read_text())
+        per: dict[str, set[str]] = {}
+        for line, contexts in data.contexts_by_lineno(measured).items():
+            tests = {c[2:] if c.startswith(TEST) else c[2:] + "::" for c in contexts if c.startswith((TEST, FILE))}
+            if tests:
+                per.setdefault(where(line), set()).update(tests)
+        out[rel] = {q: sorted(t) for q, t in sorted(per.items())}
+    return {"functions": out}
+
+
+def world_tests() -> list[str]:
+    """The node ids that carry the ``world`` marker (a real multi-rank world): the mutation's second stage."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "world", "-p", "no:cacheprovider",
+                          "tests"], cwd=REPO, capture_output=True, text=True)
+    return sorted(line for line in out.stdout.splitlines() if "::" in line)
+
+
+# ------------------------------------------------------------------------------------------------ reading it
+
+def functions(source: str):
+    """A function ``line -> qualname`` of the innermost def or class around that line ("<module>" outside any)."""
+    spans: list[tuple[int, int, str]] = []
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                spans.append((first, child.end_lineno or child.lineno, name))
+                walk(child, name + ".")
+            else:
+                walk(child, prefix)
+
+    try:
+        walk(ast.parse(source), "")
+    except SyntaxError:
+        return lambda line: "<module>"
+    spans.sort(key=lambda s: (s[0], -s[1]))
+
+    def where(line: int) -> str:
+        inside = [s for s in spans if s[0] <= line <= s[1]]
+        return max(inside, key=lambda s: s[0])[2] if inside else "<module>"
+
+    return where
+
+
+def load() -> dict | None:
+    return json.loads(MAP.read_text()) if MAP.exists() else None
+
+
+def tests_of(m: dict, module: str, qualnames: set[str]) -> set[str]:
+    """The tests that reach ``qualnames`` of ``module`` (a path under kit/); a name the map does not know, or the
+    module's top level, takes every test of the module."""
+    known = m["functions"].get(module, {})
+    whole = {t for ts in known.values() for t in ts}
+    out: set[str] = set()
+    for q in qualnames:
+        parts = q.split(".")
+        hits = [known[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known]
+        out |= set(hits[0]) if hits and q != "<module>" else whole
+    return out
+
+
+def naming(module: str) -> set[str]:
+    """Test files whose source names ``module`` (kit/a/b.py: gradkit.a.b, or `from gradkit.a import b`), or, for a
+    file that is not a module of kit/, its file name."""
+    if module.startswith("kit/") and module.endswith(".py"):
+        dotted = "gradkit." + module[4:-3].replace("/", ".").removesuffix(".__init__")
+        parent, _, leaf = dotted.rpartition(".")
+        pattern = re.compile(rf"{re.escape(dotted)}\b|from {re.escape(parent)} import [^\n]*\b{re.escape(leaf)}\b")
+    else:  # its file name, a script's module name, or the content folder it is in (tests read those by folder)
+        p = Path(module)
+        words = [re.escape(p.name)] + ([rf"\b{re.escape(p.stem)}\b"] if p.suffix == ".py" else []) + \
+            ([re.escape(p.parts[0] + "/"), rf"[\"']{re.escape(p.parts[0])}[\"']"] if p.parts[0] in CONTENT else [])
+        pattern = re.compile("|".join(words))
+    return {p.relative_to(REPO).as_posix() + "::" for p in (REPO / "tests").glob("test_*.py")
+            if pattern.search(p.read_text())}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def changed_functions(base: str) -> dict[str, set[str]]:
+    """``{path: {qualname}}`` of every function that a change since ``base`` touches (the working tree, uncommitted
+    changes included): each hunk's lines in the new file and its removed lines in the old one."""
+    out: dict[str, set[str]] = {}
+    diff = git("diff", "-U0", "--no-color", "--no-ext-diff", base, "--")
+    path = old_where = new_where = None
+    for line in diff.splitlines():
+        if line.startswith("diff --git"):
+            path = line.split(" b/", 1)[1]
+            out.setdefault(path, set())
+            old_where = new_where = None
+            if path.endswith(".py"):
+                new = REPO / path
+                old = subprocess.run(["git", "show", f"{base}:{path}"], cwd=REPO, capture_output=True, text=True)
+                new_where = functions(new.read_text()) if new.exists() else None
+                old_where = functions(old.stdout) if old.returncode == 0 else None
+        elif line.startswith("@@") and path:
+            m = re.match(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", line)
+            a, na, b, nb = int(m[1]), int(m[2] or 1), int(m[3]), int(m[4] or 1)
+            if old_where:
+                out[path] |= {old_where(i) for i in range(a, a + na)}
+            if new_where:
+                out[path] |= {new_where(i) for i in range(b, b + max(nb, 1))}
+    # new files git does not track yet
+    for untracked in git("ls-files", "--others", "--exclude-standard", "--", "kit", "tests").splitlines():
+        out.setdefault(untracked, {"<module>"})
+    return out
+
+
+def select(base: str, m: dict | None) -> tuple[list[str], list[str]]:
+    """The test ids and files (``tests/x.py::``) a change since ``base`` needs, and the reasons, one line each."""
+    picked: set[str] = set()
+    why = [] if m is not None else ["no test map (bash scripts/test.sh --map builds it): each changed file takes the "
+                                    "test files that name it"]
+    changed = changed_functions(base)
+    if m is not None:
+        for p in git("diff", "--name-only", m["commit"], "--", "tests").splitlines():  # tests the map cannot know
+            if p not in changed and p.startswith("tests/test_") and (REPO / p).exists():
+                changed[p] = {"<newer than the map>"}
+    for path, names in sorted(changed.items()):
+        if path in ("tests/conftest.py", "scripts/test.sh", "scripts/setup.sh", "pyproject.toml", "constraints.txt",
+                    "setup.py"):
+            why.append(f"{path}: every test (it sets up the whole suite)")
+            return ["tests"], why
+        if path.startswith("tests/test_") and path.endswith(".py"):
+            if (REPO / path).exists():
+                picked.add(path + "::")
+                why.append(f"{path}: its every test")
+            continue
+        if not path.startswith("kit/") or m is None:
+            got = naming(path)
+        elif path.endswith(".py"):  # a package's __init__ is also what `import gradkit.x` in a fresh venv runs
+            got = tests_of(m, path, names) | (naming(path) if path.endswith("__init__.py") else set())
+        else:  # a data file of the kit: the tests of its folder's code
+            folder = str(Path(path).parent) + "/"
+            got = {t for mod, fs in m["functions"].items() if mod.startswith(folder) for ts in fs.values() for t in ts}
+        picked |= got
+        shown = ", ".join(sorted(n for n in names if n != "<module>")[:6]) or "its top level"
+        why.append(f"{path} ({shown}): {len(got)} tests or test files")
+    files = {t for t in picked if t.endswith("::")}
+    tests = {t for t in picked if not t.endswith("::") and t.split("::")[0] + "::" not in files}
+    return sorted(f[:-2] for f in files) + sorted(tests), why
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["build"]:
+        return build(argv[1:])
+    m = load()
+    if argv[:1] == ["tests"] and len(argv) == 3:
+        if m is None:
+            print("no test map: build it with `.venv/bin/python scripts/testmap.py build`", file=sys.stderr)
+            return 2
+        path = Path(argv[1]).resolve().relative_to(REPO).as_posix()
+        print("\n".join(sorted(tests_of(m, path, {functions((REPO / path).read_text())(int(argv[2]))}))))
+        return 0
+    if argv[:1] == ["changed"] and len(argv) <= 2:
+        base = argv[1] if len(argv) == 2 else "HEAD"
+        ids, why = select(base, m)
+        print("\n".join(ids))
+        print("\n".join(why), file=sys.stderr)
+        return 0
+    print(__doc__.split("\n\n")[1], file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
