@@ -1,7 +1,8 @@
 """The watch in one process (no world): a user's own torch loop, correct or with a defect planted in the loop, judged
 step by step against the exact gradient of its global batch; the schedule; the records; the sketch's fitted weights
-against exact ones; the control catching a read that misses or misplaces a piece. The watch on DeepSpeed's engines,
-in real 2-rank jobs, is tests/test_watch_jobs.py."""
+against exact ones; the control catching a read that misses or misplaces a piece; an fp16 loss scale that changed
+before a step's read, and a step its scaler skipped. The watch on DeepSpeed's engines, in real 2-rank jobs, is
+tests/test_watch_jobs.py."""
 import json
 
 import pytest
@@ -9,8 +10,8 @@ import torch
 import torch.nn as nn
 
 from gradkit.judge import oracle
-from gradkit.watch import Affected, Watch, reads
-from gradkit.watch.judge import STALE
+from gradkit.watch import Affected, Watch, reads, watch_engine
+from gradkit.watch.judge import SCALE_GREW, STALE
 from gradkit.watch.sketch import Sketch
 
 
@@ -277,3 +278,110 @@ def test_a_wrong_step_clipped_by_its_own_norm_is_still_named(tmp_path):
         assert r["verdict"] == oracle.AFFECTED and r["clip_coef"] == 1.0, r["line"]
         assert m["effective_norm"] == pytest.approx(clip, rel=1e-5)
         assert r["matches"] == "sum of micro-batches", r["line"]
+
+
+class _Fp16Scaler:
+    """An fp16 optimizer with a dynamic loss scale as the watch sees DeepSpeed's: a wrapper holding the torch
+    optimizer (``.optimizer``) and its scale (``loss_scale``), each loss multiplied by it before its backward. Its
+    ``step(what)``: "clean" unscales the gradients by the scale and steps; "overflow" skips the step (nothing
+    applied) and halves the scale; "grow late" steps, then doubles the scale (a scaler that unscales first);
+    "grow early" doubles it and "shrink early" halves it before the gradients are unscaled (DeepSpeed's B10 is the
+    growth): the step applied is then the gradient x old / new scale."""
+
+    def __init__(self, optimizer, scale: float):
+        self.optimizer, self.loss_scale = optimizer, scale
+
+    def step(self, what: str) -> bool:
+        """Whether the step was skipped."""
+        if what == "overflow":
+            self.loss_scale /= 2
+            return True
+        self.loss_scale *= {"grow early": 2.0, "shrink early": 0.5}.get(what, 1.0)
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                p.grad.div_(self.loss_scale)
+        self.optimizer.step()
+        if what == "grow late":
+            self.loss_scale *= 2
+        return False
+
+
+class _Fp16Engine:
+    """DeepSpeed's engine on fp16 as ``watch_engine`` drives it (its ZeRO-2 loop, one ``step()`` at each boundary):
+    its module, its fp16 optimizer, ``skipped_steps`` counting the steps its scaler skipped."""
+
+    def __init__(self, module, optimizer, ga: int):
+        self.module, self.optimizer, self.ga, self.skipped_steps = module, optimizer, ga, 0
+        self.plan = iter(())
+
+    def bfloat16_enabled(self):
+        return False
+
+    def fp16_enabled(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 2
+
+    def gradient_accumulation_steps(self):
+        return self.ga
+
+    def gradient_clipping(self):
+        return 0.0
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def step(self):
+        self.skipped_steps += self.optimizer.step(next(self.plan))
+
+
+SCALED_STEPS = ("clean", "grow early", "clean", "overflow", "clean", "grow late", "clean", "shrink early")
+
+
+@pytest.mark.parametrize("driven_by", ["step_end", "watch_engine"])
+def test_a_step_whose_loss_scale_changed_before_its_read_is_named_and_a_skipped_step_is_said(tmp_path, driven_by):
+    """fp16's dynamic loss scale (docs/watch.md): a step whose scale changed between its backward passes and its
+    read applies the gradient x old / new scale, affected and named 'global mean x old / new loss scale', its record
+    stating the change (0.5 where it doubled, 2 where it halved); a scale that changes before the step's first
+    backward (after an overflow, or after the previous step's growth) or after its read changes nothing of the step:
+    not-affected, no change stated; a step the scaler skipped on an overflow applied nothing and is said
+    ``skipped``, never judged. Driven as the Trainer's callback drives it (``step_end()`` after each step, a skip
+    seen as nothing consumed) and as ``watch_engine`` does (the engine's ``skipped_steps``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler, crit = _Fp16Scaler(opt, 1024.0), nn.MSELoss()
+    options = dict(criterion=crit, out=tmp_path, every=1, poll=0, log=None)
+    if driven_by == "watch_engine":
+        engine = watch_engine(_Fp16Engine(model, scaler, 4), **options)
+        engine.plan, w = iter(SCALED_STEPS), engine.gradkit_watch
+    else:
+        w = Watch(model, scaler, finalize_on_post=False, **options)
+    data = torch.Generator().manual_seed(1)
+    sizes = [3, 4, 5, 6]
+    for what in SCALED_STEPS:
+        for n in sizes:
+            x, y = torch.randn(n, 8, generator=data), torch.randn(n, 2, generator=data)
+            (crit(model(x), y) * n / sum(sizes) * scaler.loss_scale).backward()
+        if driven_by == "watch_engine":
+            engine.step()
+        else:
+            scaler.step(what)
+            w.step_end()
+        opt.zero_grad()
+    recs = {r["step"]: r for r in w.records}
+    assert sorted(recs) == list(range(1, len(SCALED_STEPS) + 1)), [r["line"] for r in w.records]
+    for k, what in enumerate(SCALED_STEPS, start=1):
+        r = recs[k]
+        if what == "overflow":
+            assert r["verdict"] == "skipped" and "measured" not in r, (what, r["line"])
+            assert "skipped this step (an overflow of the loss scale)" in r["why"], r["why"]
+        elif what.endswith("early"):
+            change = 0.5 if what == "grow early" else 2.0
+            assert r["verdict"] == oracle.AFFECTED and r["matches"] == SCALE_GREW, (what, r["line"])
+            assert r["loss_scale_change"] == change, (what, r.get("loss_scale_change"))
+            assert r["measured"]["metrics"]["norm_ratio"] == pytest.approx(change, rel=1e-5), r["line"]
+        else:
+            assert r["verdict"] == oracle.NOT_AFFECTED, (k, what, r["line"])
+            assert "loss_scale_change" not in r, (k, what, r["loss_scale_change"])
