@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 .venv/bin/python -c "import cosmic_ray" 2>/dev/null || .venv/bin/python -m pip install -q -c constraints.txt cosmic-ray
-export PYTHONDONTWRITEBYTECODE=1 GRADKIT_CACHE="${GRADKIT_CACHE:-$PWD/.gradkit-cache}"
+export PYTHONDONTWRITEBYTECODE=1  # the kit cache: the machine's, as the suite's (tests/conftest.py)
 [ "${1:-}" = "--readme" ] || git diff --quiet -- kit || {
   echo "error: kit/ has uncommitted changes; a mutation run rewrites its files in place" >&2; exit 2; }
 exec .venv/bin/python scripts/mutation_run.py "$@"

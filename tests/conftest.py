@@ -7,8 +7,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import testmap  # noqa: E402  (scripts/testmap.py: the map of which tests reach which code)
 
-# One cache for the whole suite (overlays, JIT-built ops): worlds after the first start warm.
-os.environ.setdefault("GRADKIT_CACHE", str(Path(__file__).resolve().parent.parent / ".gradkit-cache"))
+# The suite uses the kit's own cache of this machine (``GRADKIT_CACHE``, else ~/.cache/gradkit): its overlays, comm
+# ops and extra package sets are keyed by what they are built from (a release, a requirement set, a build environment)
+# and verified by their manifests, so every clone and every run on the machine installs and builds each once. A test
+# that damages a stack does it in a cache of its own (tmp_path).
 
 
 @pytest.fixture(scope="session")

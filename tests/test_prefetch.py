@@ -4,7 +4,6 @@ exist before any kernel starts."""
 import json
 import os
 import shutil
-from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import psutil
 import pytest
 import yaml
 
+from gradkit import config as kconfig
 from gradkit import launch
 from gradkit.notebooks import runall_params
 from gradkit.probes import runner
@@ -65,11 +65,10 @@ def _cold_env(tmp_path) -> dict:
 def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_path, repo):
     env = _cold_env(tmp_path)
     need = prefetch.needs_of([(zero_boundary.PROBE, {})])
-    os.environ["GRADKIT_CACHE"], saved = env["GRADKIT_CACHE"], os.environ.get("GRADKIT_CACHE")
-    try:
+    suite_cache = kconfig.cache_dir()  # the suite's own (tests/conftest.py): the machine's kit cache
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRADKIT_CACHE", env["GRADKIT_CACHE"])
         assert [why for _, why in prefetch.pending(need)] == [runner.first_time({}, zero_boundary.PROBE)] != [""]
-    finally:
-        os.environ["GRADKIT_CACHE"] = saved
 
     # 1. Stopped while it builds: the run-all ends at once, its prefetch, ranks and compiler with it, no notebook ran
     params = tmp_path / "p.yaml"
@@ -94,7 +93,7 @@ def test_a_prefetch_builds_what_a_world_would_build_and_stops_with_the_run(tmp_p
     #    objects of the suite's own build are put in place (ninja then links the op: the build without its ~45 s
     #    compile); the op itself is not.
     key = kversions.Stack({"deepspeed": kversions.installed_version("deepspeed")}).extensions_key
-    suite = Path(os.environ["GRADKIT_CACHE"]) / "torch_extensions" / key
+    suite = suite_cache / "torch_extensions" / key
     if not list(suite.rglob("*.o")):  # a fresh clone where no world has built it yet: the suite needs it anyway
         launch.run_world("gradkit.launch.selftest:ping", {}, world_size=1, timeout_s=600)
     shutil.copytree(suite, tmp_path / "cache" / "torch_extensions" / key, dirs_exist_ok=True,

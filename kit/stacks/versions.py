@@ -176,8 +176,10 @@ def install(target: Path, requirements: list[str]) -> Path:
     moved in whole, its manifest written, ``.complete`` last); the caller holds the folder's lock."""
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    # pip compiles the bytecode once, here: a process that imports the overlay then reads it instead of compiling
+    # every module again (where PYTHONDONTWRITEBYTECODE is set, as on CI's machines, nothing else ever writes it)
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--no-compile", "--target", str(tmp), *requirements]
+           "--target", str(tmp), *requirements]
     env = dict(os.environ, DS_BUILD_OPS="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
     said = " ".join(requirements)
     try:
