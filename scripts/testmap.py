@@ -9,7 +9,8 @@ How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches
 process during a test's call is that test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and
 everything a subprocess runs (ranks, fork servers, kernels, the kit's commands), is its test file's (``F|<file>``),
 since a module's fixtures and warm worlds serve every test of the file. Fork servers, which outlive a file, are
-off while the map is built (``GRADKIT_NO_FORK_SERVER``), so a rank's code is its own file's. A line is keyed by the
+off while the map is built (``GRADKIT_NO_FORK_SERVER``), but for the files that test them, so a rank's code is its
+own file's. A line is keyed by the
 function around it (its qualified name), so the map outlives edits that move lines; a module's top-level code
 (imports, constants) is reached by every test of the module's functions.
 
@@ -33,9 +34,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "runs" / "testmap"
 MAP = OUT / "map.json"
-ENV = "GRADKIT_TESTMAP"  # set while the map is built: tests/conftest.py switches coverage's context per test
+# set while the map is built (tests/conftest.py then switches coverage's context per test); not GRADKIT_*: the kit
+# refuses a variable of that name it does not read
+ENV = "TESTMAP_BUILD"
 TEST = "T|"  # a test's own context: its node id follows
 FILE = "F|"  # a test file's context: its path (tests/...) follows
+NO_FORK = "GRADKIT_NO_FORK_SERVER"  # gradkit.launch.NO_FORK_ENV (the map's code imports nothing of the kit)
+SERVER_TESTS = ("tests/test_forkserver.py", "tests/test_warm_worlds.py", "tests/test_launch.py")  # servers are theirs
 CONTENT = ("notebooks", "examples")  # folders whose files tests find by listing the folder
 WARNINGS = ("module-not-measured", "module-not-python", "no-data-collected", "module-not-imported", "include-ignored",
             "couldnt-parse", "no-ctracer", "already-imported", "dynamic-conflict", "no-sysmon")
@@ -60,6 +65,15 @@ def switch(test_id: str | None, test_file: str) -> None:
             os.environ["COVERAGE_PROCESS_CONFIG"] = base64.b64encode(json.dumps(cfg).encode()).decode()
 
 
+def fork_servers(test_file: str) -> None:
+    """Fork servers off for ``test_file``'s worlds unless it is a test of fork servers themselves: a server outlives
+    the file that started it, and its ranks would count for that file (tests/conftest.py, while the map is built)."""
+    if test_file in SERVER_TESTS:
+        os.environ.pop(NO_FORK, None)
+    else:
+        os.environ[NO_FORK] = "1"
+
+
 def rcfile() -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     rc = OUT / "coveragerc"
@@ -74,7 +88,7 @@ def build(pytest_args: list[str]) -> int:
     for old in OUT.glob(".coverage*"):
         old.unlink()
     rc = rcfile()
-    env = {**os.environ, ENV: "1", "GRADKIT_NO_FORK_SERVER": "1", "COVERAGE_RCFILE": str(rc)}
+    env = {**os.environ, ENV: "1", "COVERAGE_RCFILE": str(rc)}
     t0 = time.monotonic()
     where = [] if any(not a.startswith("-") for a in pytest_args) else ["tests"]  # some test files: a partial map
     code = subprocess.run([sys.executable, "-m", "coverage", "run", f"--rcfile={rc}", "-m", "pytest", "-q", "-n", "2",

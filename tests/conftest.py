@@ -40,12 +40,13 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
 
 
-# While scripts/testmap.py builds its map (GRADKIT_TESTMAP set), coverage's context is the running test during its
+# While scripts/testmap.py builds its map (TESTMAP_BUILD set), coverage's context is the running test during its
 # call, and its file during set-up and tear-down and in every subprocess (a module's fixtures and worlds serve the file).
 if os.environ.get(testmap.ENV):
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(item):
         testmap.switch(None, item.nodeid.split("::")[0])
+        testmap.fork_servers(item.nodeid.split("::")[0])
         yield
 
     @pytest.hookimpl(hookwrapper=True)
