@@ -8,6 +8,7 @@ are in scripts/bench_runs.py, the performance table in scripts/bench_table.py; t
     .venv/bin/python scripts/bench.py --profile    # where one warm explorer Run's time goes (runs/profile.json)
     .venv/bin/python scripts/bench.py --suite      # the test command (bash scripts/test.sh), timed (runs/bench_suite.json)
     python3 scripts/bench.py --suite --repeat 5    # in a fresh clone: five runs in a row, each timed
+    .venv/bin/python scripts/bench.py --suite --cold   # first from an empty kit cache (a new machine's), then warm
     .venv/bin/python scripts/bench.py --bisect     # gradkit bisect of B5's config, overlays cached (runs/bench_bisect.json)
     .venv/bin/python scripts/bench.py --watch      # the watch's cost on a tiny Llama, and at the size users train
                                                    # (runs/bench_watch.json, runs/bench_watch_scale.json)
@@ -28,7 +29,9 @@ Measures, side by side in one run, on this machine:
   every overlay and builds every comm op the notebooks need), each notebook's wall time, the prefetch's;
 - with --suite (runs/bench_suite.json): `bash scripts/test.sh` (setup, then the whole test suite on two xdist
   workers) from a clean environment, as CI runs it; its wall time and pytest's own count and time; with
-  --repeat N, N times in a row (issue 27's check for flaky tests: run it in a fresh clone), every run kept.
+  --repeat N, N times in a row (issue 27's check for flaky tests: run it in a fresh clone), every run kept; with
+  --cold, a first run from an empty kit cache (every overlay, comm op and extra package set installed and built, as
+  on a new machine; pip's own download cache and the venv as they are), then the warm ones.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from bench_table import PERF_PAGE, perf_table, write_readme  # noqa: F401 (perf_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runall", action="store_true", help="only time the default run-all (runs/bench_runall.json)")
-    ap.add_argument("--cold", action="store_true", help="with --runall: also from an empty kit cache")
+    ap.add_argument("--cold", action="store_true", help="with --runall or --suite: also from an empty kit cache")
     ap.add_argument("--noise", action="store_true",
                     help="only measure the noise of correct engines that the oracle's tolerances are set against")
     ap.add_argument("--json", default=None, help="where the numbers go (default runs/bench.json, runs/noise.json)")
@@ -86,7 +89,7 @@ def main() -> int:
     if a.bisect:
         return bisect_bench(a.json or str(REPO / "runs" / "bench_bisect.json"))
     if a.suite:
-        return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"), a.repeat)
+        return suite_bench(a.json or str(REPO / "runs" / "bench_suite.json"), a.repeat, a.cold)
     if a.runall:
         return runall_bench(a.json or str(REPO / "runs" / "bench_runall.json"), a.cold)
     a.json = a.json or str(REPO / "runs" / "bench.json")

@@ -351,35 +351,51 @@ def paths_bench(json_path: str) -> int:
     return 0
 
 
-def suite_bench(json_path: str, repeat: int = 1) -> int:
+def suite_bench(json_path: str, repeat: int = 1, cold: bool = False) -> int:
     """The test command (``bash scripts/test.sh``), as CI runs it (a clean environment), timed from outside; ``repeat`` times in a row
-    (run from a fresh clone, the first run also builds the venv, the overlays and the comm ops). The row of the
-    table is the last run; every run's wall time, count and exit status are kept."""
+    (run from a fresh clone, the first run also builds the venv, the overlays and the comm ops). With ``cold``, a
+    first run from an empty kit cache (``GRADKIT_CACHE`` a new folder: what a new machine installs and builds).
+    The rows of the table are the cold run and the last warm run; every run's wall time, count and exit status are
+    kept."""
     import re
     import subprocess
+    import tempfile
 
-    env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    runs = []
-    for i in range(repeat):
+    def once(label: str, cache: str | None) -> dict:
+        env = {"HOME": os.environ.get("HOME", "/root"), "PATH": "/usr/local/bin:/usr/bin:/bin",
+               **({"GRADKIT_CACHE": cache} if cache else {})}
         t0 = time.monotonic()
         out = subprocess.run(["bash", "scripts/test.sh"], cwd=str(REPO), env=env, capture_output=True, text=True)
         wall = time.monotonic() - t0
         tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
         m = re.search(r"(\d+) passed.* in ([\d.]+)s", tail)
         slowest = re.findall(r"^([\d.]+)s (call|setup|teardown) +(\S+)$", out.stdout, re.M)  # --durations
-        runs.append({"suite_s": round(wall, 1), "exit": out.returncode, "summary": tail,
-                     "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None,
-                     "slowest": [{"s": float(t), "when": w, "test": name} for t, w, name in slowest]})
-        print(f"run {i + 1} of {repeat}: bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode})",
-              flush=True)
+        run = {"suite_s": round(wall, 1), "exit": out.returncode, "summary": tail, "kit_cache": label,
+               "passed": int(m.group(1)) if m else None, "pytest_s": float(m.group(2)) if m else None,
+               "slowest": [{"s": float(t), "when": w, "test": name} for t, w, name in slowest]}
+        print(f"{label}: bash scripts/test.sh: {tail} ({wall:.1f} s with setup, exit {out.returncode})", flush=True)
         if out.returncode:  # what failed, kept (a fresh clone has no runs/ folder yet)
-            log = Path(json_path).with_suffix(f".run{i + 1}.log")
+            log = Path(json_path).with_suffix(f".{label.split()[0]}{len(runs) + 1}.log")
             log.parent.mkdir(parents=True, exist_ok=True)
             log.write_text(out.stdout[-20000:] + out.stderr[-5000:])
+        return run
+
+    runs: list[dict] = []
+    first = None
+    if cold:
+        with tempfile.TemporaryDirectory(prefix="gradkit-cold-cache-") as empty:
+            first = once("empty", empty)
+    for i in range(repeat):
+        runs.append(once(f"warm run {i + 1} of {repeat}", None))
     res = {"cpus": os.cpu_count(), **runs[-1], "repeat": repeat, "runs": runs,
            "passed_runs": sum(r["exit"] == 0 for r in runs), "walls": ", ".join(f"{r['suite_s']:.0f}" for r in runs)}
+    if first is not None:  # without --cold, the cold row keeps its last measurement
+        res.update(cold_suite_s=first["suite_s"], cold_pytest_s=first["pytest_s"], cold_exit=first["exit"],
+                   cold_run=first)
+    elif Path(json_path).exists():
+        res.update({k: v for k, v in json.loads(Path(json_path).read_text()).items() if k.startswith("cold_")})
     path = Path(json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
     print(f"{res['passed_runs']} of {repeat} runs passed ({res['walls']} s); written to {path}")
-    return 0 if res["passed_runs"] == repeat else 1
+    return 0 if res["passed_runs"] == repeat and (first is None or first["exit"] == 0) else 1

@@ -86,9 +86,12 @@ PERF_ROWS = [
      "(every rank the fp32 model twice)", "-", "models"),
     ("bench_watch_scale.json", "stays_most", "left in use after a judged step, the most of any row", "≤ 0.01",
      "models"),
-    ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), suite cache warm",
-     "≤ 720 s", "s"),  # CI's goal: about 12 min from a fresh clone
+    ("bench_suite.json", "suite_s", "test suite, `bash scripts/test.sh` (setup, then {passed} tests), the machine's kit "
+     "cache warm", "≤ 900 s", "s"),  # CI's goal (issue 58): 15 min from a fresh clone on a machine that ran it before
     ("bench_suite.json", "pytest_s", "of which pytest itself", "", "s"),
+    ("bench_suite.json", "cold_suite_s", "the same from an empty kit cache (`--suite --cold`: every overlay, comm op and "
+     "extra package set installed and built, as on a new machine)", "≤ 2400 s", "s"),
+    ("bench_suite.json", "cold_pytest_s", "of which pytest itself", "", "s"),
     ("bench_suite.json", "passed_runs", "the suite run {repeat} time(s) in a row (`--suite --repeat N`; in a fresh "
      "clone the first run also builds the venv, overlays and comm ops), each run's wall time: {walls} s", "every run", "runs"),
 ]

@@ -7,7 +7,6 @@ with rank 0's sentence. The ranks are threads of this process meeting in a fake 
 every collective the watch and the job make, in the order each rank makes them). The same promises on a real 2-rank
 Trainer job are tests/test_watch_trainer_jobs.py's."""
 import json
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.nn as nn
 import gradkit.watch.guard as guard
 from gradkit.judge import oracle
 from gradkit.watch import Watch
+from tests.test_watch_judge import FakeWorld
 
 PHASES = guard.PHASES  # capture, read, copy, reference, judgement, records, report: one judged step each
 SIZES = [[3, 4, 5, 6], [2, 5, 4, 3]]  # each rank's micro-batches (samples), GA 4
@@ -64,15 +64,15 @@ def _loop(model, steps, rank=0, world=1, tmp=None, user_error_at=None):
     return w
 
 
-class FakeDist:
+class FakeDist(FakeWorld):
     """``w`` ranks as threads of this process behind ``torch.distributed``'s functions: ``get_rank`` is the calling
-    thread's rank, and every collective (``all_reduce``, ``all_gather``) meets the other ranks' at a barrier. Ranks
+    thread's rank, and every collective (``all_reduce``, ``all_gather``) meets the other ranks' at a barrier
+    (tests/test_watch_judge.py's world, its ``run`` the ranks' threads). Ranks
     that reach different collectives (a rank waiting in one the others never join) fail the test with both named,
     instead of hanging it."""
 
     def __init__(self, w: int, monkeypatch):
-        self.w, self.me, self.slots = w, threading.local(), [None] * w
-        self.barrier = threading.Barrier(w, timeout=20)
+        super().__init__(w)
         for name, fn in {"is_available": lambda: True, "is_initialized": lambda: True,
                          "get_rank": lambda group=None: self.me.rank, "get_world_size": lambda group=None: self.w,
                          "get_backend": lambda group=None: "gloo", "all_reduce": self.all_reduce,
@@ -95,26 +95,6 @@ class FakeDist:
     def all_gather(self, out, t, group=None, async_op=False):
         for o, x in zip(out, self._meet("all_gather", t)):
             o.copy_(x)
-
-    def run(self, fn) -> list:
-        out, errors = [None] * self.w, []
-
-        def rank(r):
-            self.me.rank = r
-            try:
-                out[r] = fn(r)
-            except BaseException as e:  # noqa: BLE001 -- re-raised below, the others released from the barrier
-                errors.append(e)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.w)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        if errors:
-            raise errors[0]
-        return out
 
 
 def test_a_fault_of_the_watch_in_each_phase_ends_its_step_as_cannot_run_and_the_job_goes_on_unchanged(
