@@ -7,9 +7,9 @@ function): the tests that run the function the mutant is in. They come in two st
 itself that launch no world (seconds) first, and only if the mutant survives them, the world tests (``world``
 marker: real 2-rank worlds) and the files whose fixtures or subprocesses reach it. A mutant no test reaches survives
 ("no test reaches it"). A mutant counts as *killed* when its tests fail or time out (a mutant that hangs a world is
-caught by its timeout) or it does not import; *survived* when every selected test passes. A selection that pytest
-cannot run (a test renamed since the map was built) is not counted: it is said, and the mutant stays pending for
-the next run after ``bash scripts/test.sh --map``. ``--fast`` leaves the world stage out (the score then counts the
+caught by its timeout) or it does not import (pytest's collection fails); *survived* when every selected test
+passes. A selection that pytest cannot find (a test renamed since the map was built) is not counted: it is said, and
+the mutant stays pending for the next run after ``bash scripts/test.sh --map``. ``--fast`` leaves the world stage out (the score then counts the
 first stage's survivors). ``--again`` runs the survivors of an earlier run once more, against the tests as they are
 now (after tests were added for them). Survivors listed in ``scripts/mutation/equivalent.yaml`` (with why they
 cannot change any output) leave the score's denominator. Score = killed / (killed + survived - equivalent).
@@ -143,7 +143,11 @@ def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
     if os.WIFSIGNALED(status):  # the mutant crashed the test process
         return TestOutcome.KILLED, f"pytest died of signal {os.WTERMSIG(status)}: " + out[-1500:]
     code = os.WEXITSTATUS(status)
-    outcome = {0: TestOutcome.SURVIVED, 1: TestOutcome.KILLED, 5: TestOutcome.SURVIVED}.get(code, NOT_RUN)
+    # 2-4: interrupted, internal or usage error; one of them is the mutant's (a module that no longer imports, a
+    # collection it breaks) unless pytest did not find a test the map names (renamed since the map was built)
+    stale = "ERROR: not found:" in out or "no match in any of" in out
+    outcome = {0: TestOutcome.SURVIVED, 1: TestOutcome.KILLED, 5: TestOutcome.SURVIVED}.get(
+        code, NOT_RUN if stale else TestOutcome.KILLED)
     return outcome, f"pytest exit {code}: " + out[-1500:]
 
 
