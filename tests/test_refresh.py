@@ -185,6 +185,42 @@ def test_a_pin_between_two_affected_releases_holds_by_its_measured_step_not_by_i
     assert not [v for v in bisect_known.history_violations(hist) if v.startswith("B1: the pin 5.5.3 -> 5.5.4")]
 
 
+def test_the_newest_release_the_table_vouches_for_is_measured_though_no_pin_names_it(table, monkeypatch):
+    """The table's newest pinned release (``Known.newest_pinned``) is the anchor every newer release is compared with:
+    measured even where no pin has it on a side (the mutation run of refresh.py found this held by no test)."""
+    k = expectations.KNOWN["B5"]
+    monkeypatch.setitem(expectations.KNOWN, "B5", expectations.Known(
+        "B5", "deepspeed", k.report, affected_from="0.15.2", fixed_in="0.19.0", last_affected=None,
+        newest_pinned="0.19.1"))
+    index = ["0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.20.0"]
+    assert refresh.to_measure(table, index, False) == index
+    assert refresh.to_measure(table, ["0.18.9", "0.19.0", "0.19.2"], False) == ["0.18.9", "0.19.0", "0.19.2"]
+
+
+def test_what_moved_names_a_change_no_pin_has_and_never_a_pins_own():
+    """A change the refresh found is news only where no pin sits on exactly its two releases: one on a pin's two
+    releases is that pin measured again; one that shares only a pin's newer release is another change."""
+    pin = Pin("fixed", "0.18.9", "0.19.0", "B5", "c", "f")
+
+    def change(before, after):
+        return {"before": before, "after": after, "between": (), "from": bad(), "to": GOOD}
+
+    others = [change("0.18.6", "0.19.0"), change("0.18.9", "0.19.1")]
+    done = {"recipe": known.RECIPES["B5"], "pins": [{"pin": pin, "holds": True, "why": ""}], "new": [],
+            "anchor": None, "measured": {}, "changes": [change("0.18.9", "0.19.0"), *others]}
+    assert refresh.moved(done) == [f"B5: {search.describe(c)}" for c in others]
+
+
+def test_ranges_only_writes_the_ranges_and_nothing_else_runs(monkeypatch, capsys):
+    monkeypatch.setattr(refresh, "write_ranges", lambda: ["README.md", "docs/bugs.md"])
+    monkeypatch.setattr(refresh, "refresh_one", lambda *a, **k: pytest.fail("--ranges-only measured a recipe"))
+    assert refresh.main(["--ranges-only"]) == 0
+    assert capsys.readouterr().out.strip() == "pinned ranges written into README.md, docs/bugs.md"
+    monkeypatch.setattr(refresh, "write_ranges", lambda: [])
+    assert refresh.main(["--ranges-only"]) == 0
+    assert "no page (no RANGES block found)" in capsys.readouterr().out
+
+
 def test_a_new_release_is_compared_with_the_newest_pinned_one_and_a_different_one_is_bisected_with_its_diff(
         table, monkeypatch):
     index = ["0.18.9", "0.19.0", "0.19.1", "0.19.2", "0.20.0"]
