@@ -4,6 +4,7 @@ tests that run it; and the tests a change needs (``bash scripts/test.sh --change
     .venv/bin/python scripts/testmap.py build [pytest args]   # the suite under coverage -> runs/testmap/map.json
     .venv/bin/python scripts/testmap.py changed [BASE]        # the tests a change since BASE (default HEAD) needs
     .venv/bin/python scripts/testmap.py tests FILE LINE       # the tests that reach that line's function
+    .venv/bin/python scripts/testmap.py remap                 # the map again from the last build's coverage data
 
 How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches them): what runs in the pytest
 process during a test's call is that test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and
@@ -120,7 +121,7 @@ def from_coverage(data_file: Path) -> dict:
         if not path.is_relative_to(REPO / "kit") or not path.exists():
             continue
         rel = path.relative_to(REPO).as_posix()
-        where = functions(path.read_text())
+        where = functions(path.read_text(), signature=False)
         per: dict[str, set[str]] = {}
         for line, contexts in data.contexts_by_lineno(measured).items():
             tests = {c[2:] if c.startswith(TEST) else c[2:] + "::" for c in contexts if c.startswith((TEST, FILE))}
@@ -139,15 +140,19 @@ def world_tests() -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ reading it
 
-def functions(source: str):
-    """A function ``line -> qualname`` of the innermost def or class around that line ("<module>" outside any)."""
+def functions(source: str, signature: bool = True):
+    """A function ``line -> qualname`` of the innermost def or class around that line ("<module>" outside any).
+    ``signature=False`` (what ran): a def's decorators and signature are the enclosing scope's, since they run when
+    that scope does (a module's at its import), and only its body is the function's; ``True`` (what changed): an edit
+    of a def's signature is an edit of that function."""
     spans: list[tuple[int, int, str]] = []
 
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = f"{prefix}{child.name}"
-                first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                first = min([child.lineno, *(d.lineno for d in child.decorator_list)]) if signature else \
+                    child.body[0].lineno
                 spans.append((first, child.end_lineno or child.lineno, name))
                 walk(child, name + ".")
             else:
@@ -270,6 +275,11 @@ def select(base: str, m: dict | None) -> tuple[list[str], list[str]]:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["build"]:
         return build(argv[1:])
+    if argv[:1] == ["remap"]:  # the map again from the last build's coverage data (after a change of this file)
+        old, m = load(), from_coverage(OUT / ".coverage")
+        MAP.write_text(json.dumps({**old, **m}, indent=0, sort_keys=True))
+        print(f"{MAP.relative_to(REPO)}: rebuilt from {OUT.relative_to(REPO) / '.coverage'}")
+        return 0
     m = load()
     if argv[:1] == ["tests"] and len(argv) == 3:
         if m is None:
