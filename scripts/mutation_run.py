@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
         rows = outcomes(session)
         wall = time.monotonic() - t0 + (summary.get(module) or {}).get("wall_s", 0.0)
         summary[module] = {**judge(module, rows, equivalent, wall),
-                           "stages": "its tests (map), fast first" if fast_only else
+                           "stages": "its tests (map), without worlds (--fast)" if fast_only else
                            "its tests (map): fast, then worlds on survivors"}
         summary_path.write_text(json.dumps(summary, indent=1))
         s = summary[module]
