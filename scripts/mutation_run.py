@@ -47,7 +47,7 @@ PAGE = "docs/tests.md"  # the page whose <!-- gradkit:table MUTATION --> block `
 FAST_TIMEOUT_S = 120.0  # per mutant of the fast stage (its tests take seconds: a mutant that loops forever is killed)
 TIMEOUT_S = 600.0  # per mutant of the world stage; a world test that hangs is stopped by the kit's own timeouts before,
 # so a world stage past it is not counted (its selection is too long to judge one mutant: pending, said)
-NOT_RUN = "not run"  # pytest could not run the selection (exit 2-4): the mutant stays pending
+NOT_RUN = "not run"  # pytest could not run the selection (a test the map names is gone): the mutant stays pending
 
 
 def config(module: str, excluded: list[str]) -> Path:
@@ -91,19 +91,17 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
                           for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
 
 
-def stages(m: dict, module: str, line: int, where) -> tuple[list[str], list[str]]:
+def stages(m: dict, module: str, line: int, where, newer: set[str]) -> tuple[list[str], list[str]]:
     """The pytest arguments of a mutant's two stages, from the test map: the tests that reach ``line``'s function
     that run in the pytest process and launch no world, then the world tests and the files whose fixtures or
-    subprocesses reach it (a file's tests of that kind only). Test files changed since the map was built are taken
-    whole in the stage their tests belong to."""
+    subprocesses reach it (a file's tests of that kind only). ``newer``, the test files changed since the map was
+    built (``tests/x.py::``), are taken whole in the stage their tests belong to."""
     reach = testmap.tests_of(m, module, {where(line)})
-    newer = {p + "::" for p in testmap.git("diff", "--name-only", m["commit"], "--", "tests").splitlines()
-             if p.startswith("tests/test_") and (REPO / p).exists()}
     world = set(m["world_tests"])
     world_files = {t.split("::")[0] for t in world}
     files = sorted({t[:-2] for t in reach | (newer if reach else set()) if t.endswith("::")})
     tests = sorted(t for t in reach if not t.endswith("::") and t.split("::")[0] not in files)
-    fast = [t for t in tests if t not in world] + [f"{f}" for f in files]
+    fast = [t for t in tests if t not in world] + files
     slow = [t for t in tests if t in world] + [f for f in files if f in world_files]
     return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world"] if slow else [])
 
@@ -262,12 +260,13 @@ def main(argv: list[str]) -> int:
             forget_survivors(session)
         t0 = time.monotonic()
         where = testmap.functions((REPO / module).read_text())
+        newer = {p + "::" for p in testmap.newer_tests(m)}
         try:
             with use_db(str(session), WorkDB.Mode.open) as db:
                 pending = list(db.pending_work_items)
                 for i, item in enumerate(pending):
                     (mutation,) = item.mutations
-                    args = stages(m, module, mutation.start_pos[0], where)
+                    args = stages(m, module, mutation.start_pos[0], where, newer)
                     t1 = time.monotonic()
                     result = mutate_and_test(module, mutation, args, fast_only)
                     if result is not None:

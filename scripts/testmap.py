@@ -11,9 +11,8 @@ process during a test's call is that test's (``T|<node id>``); what runs during 
 everything a subprocess runs (ranks, fork servers, kernels, the kit's commands), is its test file's (``F|<file>``),
 since a module's fixtures and warm worlds serve every test of the file. Fork servers, which outlive a file, are
 off while the map is built (``GRADKIT_NO_FORK_SERVER``), but for the files that test them, so a rank's code is its
-own file's. A line is keyed by the
-function around it (its qualified name), so the map outlives edits that move lines; a module's top-level code
-(imports, constants) is reached by every test of the module's functions.
+own file's. A line is keyed by the function around it (its qualified name), so the map outlives edits that move
+lines; a module's top-level code (imports, constants) is reached by every test of the module's functions.
 
 A selection is conservative: a function the map does not know (new, or never run) takes every test of its module;
 a changed test file and a test file newer than the map are taken whole; a package's ``__init__`` also takes the test
@@ -208,6 +207,12 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def newer_tests(m: dict) -> list[str]:
+    """The test files changed since the map was built (the working tree included): tests the map cannot know."""
+    return [p for p in git("diff", "--name-only", m["commit"], "--", "tests").splitlines()
+            if p.startswith("tests/test_") and (REPO / p).exists()]
+
+
 def changed_functions(base: str) -> dict[str, set[str]]:
     """``{path: {qualname}}`` of every function that a change since ``base`` touches (the working tree, uncommitted
     changes included): each hunk's lines in the new file and its removed lines in the old one."""
@@ -244,9 +249,8 @@ def select(base: str, m: dict | None) -> tuple[list[str], list[str]]:
                                     "test files that name it"]
     changed = changed_functions(base)
     if m is not None:
-        for p in git("diff", "--name-only", m["commit"], "--", "tests").splitlines():  # tests the map cannot know
-            if p not in changed and p.startswith("tests/test_") and (REPO / p).exists():
-                changed[p] = {"<newer than the map>"}
+        for p in newer_tests(m):  # tests the map cannot know
+            changed.setdefault(p, {"<newer than the map>"})
     for path, names in sorted(changed.items()):
         if path in ("tests/conftest.py", "scripts/test.sh", "scripts/setup.sh", "pyproject.toml", "constraints.txt",
                     "setup.py"):
