@@ -185,3 +185,5 @@ def test_two_environments_sharing_the_cache_build_their_comm_op_in_folders_of_th
         m.setattr(versions, "installed_version", lambda p: "2.99.0" if p == "torch" else real(p))
         assert key() != here  # the same environment with another torch: rebuilt in a folder of its own
     assert key() == here
+    # a patched release's sources sit in its own overlay, and torch's build arguments name them: a folder of its own
+    assert len({key("0.19.8+b9"), key("0.19.8+b9.b10"), here}) == 3

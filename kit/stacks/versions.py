@@ -220,9 +220,12 @@ class Stack:
 
     @property
     def extensions_key(self) -> str:
-        """The folder of this stack's JIT-built ops in the kit's cache: per DeepSpeed release and build environment."""
-        release = patched.split(self.versions.get("deepspeed", "absent"))[0]  # a kit patch touches no op's source
-        return f"deepspeed-{release}-{build_environment()}"
+        """The folder of this stack's JIT-built ops in the kit's cache: per DeepSpeed source tree (a release, or a
+        release the kit patched) and build environment. A patched release has a folder of its own although no kit
+        patch touches an op's source: torch keys a build by its arguments, which name the sources' folder, so a
+        patched overlay and its release sharing a folder rebuilt the op at every switch between them (about 55 s
+        of a core each time; six builds in one warm run of the suite)."""
+        return f"deepspeed-{self.versions.get('deepspeed', 'absent')}-{build_environment()}"
 
 
 def build_environment() -> str:
