@@ -81,3 +81,33 @@ def test_forked_ranks_and_their_server_die_within_seconds_when_the_caller_is_kil
     # the killed caller never removed its warm world's folder: the next launch does (gradkit.launch.remove_stale_worlds)
     launch.remove_stale_worlds()  # (another test's launch, on the other xdist worker, may have done it first)
     assert len(mine) == 1 and not mine[0].exists()
+
+
+WARMED = """
+import sys, torch, torch.distributed as tdist
+from gradkit.launch import worker
+worker.warm_up("deepspeed")  # in a fork server: no process group yet
+before = set(sys.modules)
+tdist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+import deepspeed
+deepspeed.init_distributed("gloo")
+from deepspeed.runtime.zero import utils
+utils.is_zero_supported_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+print(sorted(m for m in set(sys.modules) - before if m.startswith(("deepspeed.runtime", "torch._inductor"))))
+"""
+
+
+@pytest.mark.skipif(not launch.installed_key().startswith("deepspeed-0.19"), reason="the Muon module is 0.19's")
+def test_what_a_ranks_first_zero_optimizer_check_imports_is_imported_by_the_server_before_it_forks():
+    """DeepSpeed 0.19 imports its Muon optimizer (which torch.compiles at import: torch._inductor, ~1.4 s of a core)
+    inside the first ``initialize``'s optimizer check, after asking the process group its rank. The server's warm-up
+    has no group: it imports the optimizers ZeRO knows itself, or every forked rank pays them again."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**launch.rank_env(launch.World(world_size=1), 0, port)}
+    out = subprocess.run([sys.executable, "-c", WARMED, str(port)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -278,13 +278,16 @@ def warm_up(init: str) -> None:
     imports torch._dynamo (~2.5 s on 2 cores), DeepSpeed's first ``initialize`` its engine and ZeRO modules."""
     import torch
 
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)  # the first optimizer imports torch._dynamo
     if init == "deepspeed":
         import deepspeed.runtime.engine  # noqa: F401
-        from deepspeed.runtime.zero import utils as zero_utils
 
-        try:  # imports the optimizers ZeRO knows (in 0.19: the Muon module, which torch.compiles at import)
-            zero_utils.is_zero_supported_optimizer(optimizer)
+        # The optimizers ZeRO knows: in 0.19 the Muon module, which torch.compiles at import (torch._inductor, ~1.4 s
+        # of a core). DeepSpeed imports it inside is_zero_supported_optimizer, after asking the process group its
+        # rank, so calling that here, in a fork server that has no group, raised before the import and every forked
+        # rank paid it again in its first initialize (42 % of one check's CPU): imported here by name instead.
+        try:
+            importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
         except Exception:  # noqa: BLE001 - a release without it: nothing to warm
             pass
 
