@@ -7,11 +7,12 @@ tests that run it; and the tests a change needs (``bash scripts/test.sh --change
     .venv/bin/python scripts/testmap.py remap                 # the map again from the last build's coverage data
 
 How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches them): what runs in the pytest
-process during a test's call is that test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and
-everything a subprocess runs (ranks, fork servers, kernels, the kit's commands), is its test file's (``F|<file>``),
-since a module's fixtures and warm worlds serve every test of the file. Fork servers, which outlive a file, are
-off while the map is built (``GRADKIT_NO_FORK_SERVER``), but for the files that test them, so a rank's code is its
-own file's. A line is keyed by the function around it (its qualified name), so the map outlives edits that move
+process during a test's call, and in every subprocess it starts (ranks, kernels, the kit's commands), is that
+test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and in the subprocesses it starts, is its
+test file's (``F|<file>``), since a module's fixtures serve every test of the file. A warm world a test's call
+started goes when the call ends (the next test's ranks are its own). Fork servers, which outlive a test, are off
+while the map is built (``GRADKIT_NO_FORK_SERVER``), but in the files that test them (``SERVER_TESTS``), whose
+subprocesses count for the file. A line is keyed by the function around it (its qualified name), so the map outlives edits that move
 lines; a module's top-level code (imports, constants) is reached by every test of the module's functions.
 
 A selection is conservative: a function the map does not know (new, or never run) takes every test of its module;
@@ -49,20 +50,32 @@ WARNINGS = ("module-not-measured", "module-not-python", "no-data-collected", "mo
 # ------------------------------------------------------------------------------------------------ while building
 
 def switch(test_id: str | None, test_file: str) -> None:
-    """Coverage's context from now on: ``test_id``'s (None: the file's), and every subprocess started from now on
-    counts for ``test_file``. Called by tests/conftest.py's hooks only while the map is built."""
+    """Coverage's context from now on: ``test_id``'s (None: the file's), in this process and in every subprocess
+    started from now on (the ranks, kernels and commands a test's call starts are that test's), but in the files
+    of ``SERVER_TESTS``, whose fork servers outlive a test: there a subprocess counts for the file. Called by
+    tests/conftest.py's hooks only while the map is built."""
     import coverage
 
     cov = coverage.Coverage.current()
     if cov is None:
         return
-    cov.switch_context(TEST + test_id if test_id else FILE + test_file)
+    here = TEST + test_id if test_id else FILE + test_file
+    cov.switch_context(here)
     serialized = os.environ.get("COVERAGE_PROCESS_CONFIG")
     if serialized:
         cfg = json.loads(base64.b64decode(serialized))
-        if cfg.get("context") != FILE + test_file:
-            cfg["context"] = FILE + test_file
+        sub = FILE + test_file if test_file in SERVER_TESTS else here
+        if cfg.get("context") != sub:
+            cfg["context"] = sub
             os.environ["COVERAGE_PROCESS_CONFIG"] = base64.b64encode(json.dumps(cfg).encode()).decode()
+
+
+def test_done(test_file: str) -> None:
+    """After a test's call: the warm worlds it started go (their ranks count for it; the next test's must count for
+    that one), but in ``SERVER_TESTS``, which test keeping them. Fixtures' warm worlds are the file's and stay."""
+    warm = sys.modules.get("gradkit.launch.warm")
+    if warm is not None and test_file not in SERVER_TESTS:
+        warm.stop_warm_worlds(servers=False)
 
 
 def fork_servers(test_file: str) -> None:

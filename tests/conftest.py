@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
 
 
-# While scripts/testmap.py builds its map (TESTMAP_BUILD set), coverage's context is the running test during its
-# call, and its file during set-up and tear-down and in every subprocess (a module's fixtures and worlds serve the file).
+# While scripts/testmap.py builds its map (TESTMAP_BUILD set), coverage's context is the running test during its call
+# (and in what the call starts), and its file during set-up and tear-down (a module's fixtures serve the whole file).
 if os.environ.get(testmap.ENV):
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(item):
@@ -53,4 +53,5 @@ if os.environ.get(testmap.ENV):
     def pytest_runtest_call(item):
         testmap.switch(item.nodeid, item.nodeid.split("::")[0])
         yield
+        testmap.test_done(item.nodeid.split("::")[0])
         testmap.switch(None, item.nodeid.split("::")[0])
