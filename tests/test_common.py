@@ -744,3 +744,28 @@ def test_a_failed_case_names_the_innermost_phase_its_error_passed_through():
 
     out = judging.run_cases({"cases": [{"name": "bad", "ga": 1}]}, run_one)
     assert out[0]["failed_in"] == "inner"
+
+
+def test_a_cases_loss_scale_is_computed_once_per_rank_and_is_always_the_one_its_own_shape_world_ga_clip_and_masters_give(
+        monkeypatch):
+    """``case_loss_scale`` keeps each answer of ``loss_scale`` (a whole reference gradient) for the next case of a warm
+    world that asks the same; any of what the scale depends on that differs is computed again."""
+    from gradkit.probes.ranks import ds_config
+
+    monkeypatch.setattr(ds_config, "_SCALES", {})
+    calls = []
+    real = ds_config.loss_scale
+    monkeypatch.setattr(ds_config, "loss_scale", lambda *a: calls.append(a) or real(*a))
+
+    def scale(w=2, n=4, clip=1.0, **case):
+        case = {"ga": n, **case}
+        return ds_config.case_loss_scale(case, w, n, clip, shapes.of_case(case))
+
+    first = scale()
+    assert first == real(2, 4, 1.0, shapes.get(shapes.DEFAULT)) and scale() == first and len(calls) == 1
+    others = {"ga 1": scale(n=1), "world 1": scale(w=1), "clip 0.5": scale(clip=0.5),
+              "bf16 masters": scale(clip=0.0, masters_dtype="bf16"),
+              "another shape": scale(model=next(s for s in shapes.registry() if s != shapes.DEFAULT))}
+    assert len(calls) == 6 and len(set(others.values()) | {first}) == 6, others
+    assert others["bf16 masters"] == real(2, 4, 0.0, shapes.get(shapes.DEFAULT), "bf16")
+    assert scale(clip=0.0) == 1.0 and len(calls) == 6  # no clip, fp32 masters: 1, nothing computed

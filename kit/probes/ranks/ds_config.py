@@ -3,6 +3,8 @@ a shape's tiny model (or the plain-torch control loop), every step judged (``com
 named hypotheses ``HYPOTHESES``, each rank's BF16_Optimizer accumulator read where there is one."""
 from __future__ import annotations
 
+import json
+
 from gradkit import shapes
 from gradkit.judge import naming, oracle
 from gradkit.probes.ranks import common as c
@@ -114,6 +116,23 @@ def _step(engine, loop: str, batches, loss_fn, before_step=lambda: None) -> None
 
 
 MASTERS_STEP = 0.25  # low-precision masters: the first step's reference norm, as a share of the weights' norm
+
+
+_SCALES: dict = {}  # loss_scale's answers in this rank: a warm world's cases (a folder's configs) ask the same again
+
+
+def case_loss_scale(case: dict, w: int, n: int, clip: float, shape) -> float:
+    """``loss_scale`` for ``case``, whose ``shape`` is ``shapes.of_case(case)``: computed once per rank for each shape
+    (what ``of_case`` reads), world, GA, clip and masters (a whole reference gradient each time: 13 % of a folder's
+    check)."""
+    masters = case.get("masters_dtype", "fp32")
+    if not clip and masters == "fp32":
+        return 1.0
+    key = json.dumps([case.get("model") or shapes.DEFAULT, case.get("model_config"), case.get("adapter_config"), w, n,
+                      clip, masters], sort_keys=True, default=str)
+    if key not in _SCALES:
+        _SCALES[key] = loss_scale(w, n, clip, shape, masters)
+    return _SCALES[key]
 
 
 def loss_scale(w: int, n: int, clip: float, shape=None, masters_dtype: str = "fp32") -> float:
@@ -277,7 +296,7 @@ def run_case(case: dict) -> dict:
     steps, clip = int(case.get("steps", 1)), float(case.get("clip") or 0.0)
     shape = shapes.of_case(case)
     tp = tp_size(case)  # AutoTP: the ranks of a tensor-parallel group feed the same micro-batches
-    scale = loss_scale(w // tp, n, clip, shape, case.get("masters_dtype", "fp32"))
+    scale = case_loss_scale(case, w // tp, n, clip, shape)
 
     def loss_fn(out, y):
         return shape.loss_fn(out, y) * scale
