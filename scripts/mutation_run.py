@@ -4,17 +4,17 @@ wall time into ``runs/mutation/summary.json``.
 
 Which tests a mutant runs comes from the test map (``scripts/testmap.py``: the suite's coverage, per test, keyed by
 function): the tests that run the function the mutant is in. They come in two stages: the tests of the pytest process
-itself that launch no world (seconds) first, and only if the mutant survives them, the world tests (``world``
-marker: real 2-rank worlds) and the files whose fixtures or subprocesses reach it. A mutant no test reaches survives
-("no test reaches it"). A mutant counts as *killed* when its tests fail or time out (a mutant that hangs a world is
-caught by its timeout) or it does not import (pytest's collection fails); *survived* when every selected test
-passes. A selection that pytest cannot find (a test renamed since the map was built) is not counted: it is said, and
-the mutant stays pending for the next run after ``bash scripts/test.sh --map``. ``--fast`` leaves the world stage out (the score then counts the
-first stage's survivors). ``--again`` runs the survivors of an earlier run once more, against the tests as they are
-now (after tests were added for them). Survivors listed in ``scripts/mutation/equivalent.yaml`` (with why they
-cannot change any output) leave the score's denominator. Score = killed / (killed + survived - equivalent).
-``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's ``<!-- gradkit:table MUTATION -->``
-block (``PAGE``, docs/tests.md, without a file).
+itself that launch no world (seconds) first, and only if the mutant survives them, the world tests (``world`` marker:
+real 2-rank worlds) that reach it, in their own process or in what they start, and the files whose fixtures reach it. A
+mutant no test reaches survives ("no test reaches it"). A mutant counts as *killed* when its tests fail or time out (a
+mutant that hangs a world is caught by its timeout) or it does not import (pytest's collection fails); *survived* when
+every selected test passes. A selection that pytest cannot find (a test renamed since the map was built) is not
+counted: it is said, and the mutant stays pending for the next run after ``bash scripts/test.sh --map``. ``--fast``
+leaves the world stage out (the score then counts the first stage's survivors). ``--again`` runs the survivors of an
+earlier run once more, against the tests as they are now (after tests were added for them). Survivors listed in
+``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator. Score =
+killed / (killed + survived - equivalent). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's
+``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
 
 def stages(m: dict, module: str, line: int, where, newer: set[str]) -> tuple[list[str], list[str]]:
     """The pytest arguments of a mutant's two stages, from the test map: the tests that reach ``line``'s function
-    that run in the pytest process and launch no world, then the world tests and the files whose fixtures or
-    subprocesses reach it (a file's tests of that kind only). ``newer``, the test files changed since the map was
+    that launch no world, then the world tests that reach it (in their process or what they start) and the files
+    whose fixtures do (a file's tests of that kind only). ``newer``, the test files changed since the map was
     built (``tests/x.py::``), are taken whole in the stage their tests belong to."""
     reach = testmap.tests_of(m, module, {where(line)})
     world = set(m["world_tests"])

@@ -6,14 +6,14 @@ tests that run it; and the tests a change needs (``bash scripts/test.sh --change
     .venv/bin/python scripts/testmap.py tests FILE LINE       # the tests that reach that line's function
     .venv/bin/python scripts/testmap.py remap                 # the map again from the last build's coverage data
 
-How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches them): what runs in the pytest
-process during a test's call, and in every subprocess it starts (ranks, kernels, the kit's commands), is that
-test's (``T|<node id>``); what runs during a fixture's set-up or tear-down, and in the subprocesses it starts, is its
-test file's (``F|<file>``), since a module's fixtures serve every test of the file. A warm world a test's call
-started goes when the call ends (the next test's ranks are its own). Fork servers, which outlive a test, are off
-while the map is built (``GRADKIT_NO_FORK_SERVER``), but in the files that test them (``SERVER_TESTS``), whose
-subprocesses count for the file. A line is keyed by the function around it (its qualified name), so the map outlives edits that move
-lines; a module's top-level code (imports, constants) is reached by every test of the module's functions.
+How a test is told apart (coverage.py's contexts, ``tests/conftest.py`` switches them): what runs in the pytest process
+during a test's call, and in every subprocess it starts (ranks, kernels, the kit's commands), is that test's (``T|<node
+id>``); what runs during a fixture's set-up or tear-down, and in the subprocesses it starts, is its test file's
+(``F|<file>``), since a module's fixtures serve every test of the file. A warm world a test's call started goes when
+the call ends (the next test's ranks are its own). Fork servers, which outlive a test, are off while the map is built
+(``GRADKIT_NO_FORK_SERVER``), but in the files that test them (``SERVER_TESTS``), whose subprocesses count for the
+file. A line is keyed by the function around it (its qualified name), so the map outlives edits that move lines; a
+module's top-level code (imports, constants) is reached by every test of the module's functions.
 
 A selection is conservative: a function the map does not know (new, or never run) takes every test of its module;
 a changed test file and a test file newer than the map are taken whole; a package's ``__init__`` also takes the test
