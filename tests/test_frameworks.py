@@ -456,3 +456,66 @@ def test_a_readme_placeholder_is_a_value_not_a_redirection(tmp_path):
     assert (run.precision, run.ga, run.path) == ("bf16", 4, "deepspeed")
     run = frameworks.read_command_line(["torchrun", "train.py", "--deepspeed", str(ds), "<", "input.txt"], cwd=tmp_path)
     assert run.path == "deepspeed"  # a real redirection still ends the command
+
+
+def test_axolotl_is_told_apart_by_one_key_only_axolotl_has_or_two_it_shares():
+    """A strong key (base_model, micro_batch_size, ...) alone names axolotl; of the keys other configs share too, it
+    takes two (a LLaMA-Factory YAML with ``datasets`` alone is not axolotl's)."""
+    from gradkit.frameworks import axolotl
+
+    assert axolotl.is_axolotl({"micro_batch_size": 2})
+    assert axolotl.is_axolotl({"datasets": [], "adapter": "lora"})
+    assert not axolotl.is_axolotl({"datasets": []}) and not axolotl.is_axolotl({"learning_rate": 1e-5, "bf16": True})
+
+
+def test_axolotl_ga_of_one_from_batch_size_is_allowed_and_a_config_without_micro_batch_size_is_refused(tmp_path):
+    """batch_size // micro_batch_size = 1 is GA 1; without micro_batch_size axolotl's two batch checks refuse the
+    config (two of the three fields, not both of GA and batch_size: utils/schemas/validation.py)."""
+    run = frameworks.read(write(tmp_path, "a.yml", "base_model: m\nmicro_batch_size: 4\nbatch_size: 4\n"
+                                                   "gradient_accumulation_steps: null\n"))
+    assert (run.micro_batch, run.ga) == (4, 1)
+    for text in ("gradient_accumulation_steps: 4\nbatch_size: 8\n", "gradient_accumulation_steps: 4\n"):
+        with pytest.raises(ConfigError, match="axolotl"):
+            frameworks.read(write(tmp_path, "b.yml", "base_model: m\n" + text))
+
+
+def test_axolotl_fsdp_version_goes_into_an_fsdp_config_that_lacks_one_and_fsdp_config_alone_turns_fsdp_on(tmp_path):
+    """axolotl's schema moves the top-level ``fsdp_version`` into ``fsdp_config`` (utils/schemas/config.py); an
+    ``fsdp_config`` with no ``fsdp`` list still runs FSDP (axolotl sets TrainingArguments.fsdp)."""
+    base = "base_model: m\nmicro_batch_size: 1\ngradient_accumulation_steps: 2\n"
+    run = frameworks.read(write(tmp_path, "a.yml", base + "fsdp_version: 1\nfsdp_config:\n  reshard_after_forward: true\n"))
+    assert run.path == "fsdp" and any("-> FSDP1" in n for n in run.notes), run.notes
+    said(run, "fsdp_version: 1 -> fsdp_config")
+    run = frameworks.read(write(tmp_path, "b.yml", base + "fsdp_version: 1\nfsdp_config:\n  fsdp_version: 2\n"))
+    assert any("-> FSDP2" in n for n in run.notes) and not any(n.startswith("fsdp_version:") for n in run.notes)
+    run = frameworks.read(write(tmp_path, "c.yml", base + "fsdp_version: 2\n"))
+    assert run.path != "fsdp"  # fsdp_version alone asks for no FSDP
+
+
+def test_axolotl_says_which_quantised_adapter_and_pure_fp16_weights_it_read(tmp_path):
+    base = "base_model: m\nmicro_batch_size: 1\ngradient_accumulation_steps: 2\n"
+    said(frameworks.read(write(tmp_path, "a.yml", base + "adapter: qlora\nload_in_4bit: true\n")), "adapter: qlora (load_in_4bit)")
+    said(frameworks.read(write(tmp_path, "b.yml", base + "adapter: lora\nload_in_8bit: true\n")), "adapter: lora (load_in_8bit)")
+    plain = frameworks.read(write(tmp_path, "c.yml", base + "adapter: lora\n"))
+    said(plain, "adapter: lora")
+    assert not any("load_in" in n for n in plain.notes)
+    said(frameworks.read(write(tmp_path, "d.yml", base)), "adapter: absent -> none (all parameters train)")
+    pure = frameworks.read(write(tmp_path, "e.yml", base + "bf16: false\nfloat16: true\n"))
+    said(pure, "float16: true -> fp16 weights without AMP")
+    assert not any("float16: true" in n for n in frameworks.read(write(tmp_path, "f.yml", base + "bf16: false\n")).notes)
+
+
+def test_axolotl_sets_both_loss_accounting_switches_off_whatever_the_yaml_says(tmp_path):
+    """axolotl 0.19.0: average_tokens_across_devices False (core/builders/base.py) and model_accepts_loss_kwargs False
+    (core/trainers/base.py, axolotl-ai-cloud/axolotl#3982), the Trainer's path check runs the Trainer with both."""
+    run = frameworks.read(write(tmp_path, "a.yml", "base_model: m\nmicro_batch_size: 1\ngradient_accumulation_steps: 2\n"
+                                                   "average_tokens_across_devices: true\n"))
+    assert run.trainer_overrides == {"average_tokens_across_devices": False, "model_accepts_loss_kwargs": False}
+
+
+def test_axolotl_command_line_values_are_read_as_yaml_scalars_over_the_file():
+    from gradkit.frameworks import axolotl
+
+    out = axolotl.overrides({"micro_batch_size": "4", "bf16": "true", "lr": "0.5", "name": "", "flag": True,
+                             "launcher": "torchrun"})
+    assert out == {"micro_batch_size": 4, "bf16": True, "lr": 0.5, "name": "", "flag": True}

@@ -44,12 +44,9 @@ def _batch(data: dict, notes: list) -> tuple[int, int]:
     if data.get("gradient_accumulation_steps") and data.get("batch_size"):
         raise ConfigError("axolotl takes gradient_accumulation_steps or batch_size, not both "
                           "(axolotl utils/schemas/validation.py check_gas_bsz)")
-    if "micro_batch_size" in data:
-        mb = positive_int(data["micro_batch_size"], "micro_batch_size")
-        notes.append(f"micro_batch_size: {mb} -> per_device_train_batch_size {mb} (axolotl core/builders/base.py)")
-    else:
-        mb = 1
-        notes.append(f"micro_batch_size: absent -> 1 ({SCHEMA}) -> per_device_train_batch_size 1")
+    # set: the two checks above leave none without it (two of the three, and not both of the other two)
+    mb = positive_int(data["micro_batch_size"], "micro_batch_size")
+    notes.append(f"micro_batch_size: {mb} -> per_device_train_batch_size {mb} (axolotl core/builders/base.py)")
     if "gradient_accumulation_steps" not in data:
         ga = 1
         extra = ""
