@@ -2,6 +2,7 @@
 (``scripts/refresh_table``), with the measure, the index and the install replaced (the measurements themselves are
 ``gradkit bisect``'s, tested in test_bisect.py on real worlds)."""
 import json
+import re
 
 import pytest
 
@@ -339,3 +340,71 @@ def test_the_pinned_ranges_are_written_into_each_pages_ranges_block_and_the_repo
                            "[B6](docs/reports/B6/report.md) |")  # the report gradkit report --known B6 verified
     assert set(pins.START_SHORT) == set(pins.START_HIDDEN)  # each hidden start said in a few words too
     assert short["B1"].endswith("| 4.46.2 (4.46.1 without it) | 5.10.1 (5.9.0 with it) | 5 | - |")
+
+
+def _done(table, **kw):
+    return {"recipe": table, "measured": {}, "pins": [], "new": [], "anchor": "0.19.0", "changes": [], **kw}
+
+
+def test_the_page_says_when_no_release_is_newer_and_cuts_long_reasons_and_diffs_to_what_a_reader_takes_in(
+        table, monkeypatch):
+    """No newer release: said in one line. A new release's reason: its first 120 characters; a skipped release in the
+    history: its first 100; a change's diff: its first 12 lines."""
+    assert "No release of deepspeed newer than the table's 0.19.0 on the index." in refresh.page([_done(table)], [],
+                                                                                                "d", 1.0, "idx")
+    reason = "".join(f"{i % 10}" for i in range(300))
+    new = [{"release": "0.20.0", "result": {**SKIP, "reason": reason}, "same": None}]
+    text = refresh.page([_done(table, new=new)], [], "d", 1.0, "idx")
+    assert f"- 0.20.0: cannot-run ({reason[:120]}): not compared" in text and "No release of" not in text
+    rows = refresh.history_table({"releases": {"0.18.9": {**SKIP, "reason": reason}, "0.19.0": GOOD}})
+    assert f"| 0.18.9 | cannot-run | skipped: {reason[:100]} | - |" in rows[2] and "| 0.19.0 | not-affected | - |" in rows[3]
+    monkeypatch.setattr(refresh.diff, "diff_text", lambda d: "\n".join(f"line {i}" for i in range(20)))
+    change = {"before": "0.19.1", "after": "0.19.2", "from": GOOD, "to": bad(), "diff": {}}
+    monkeypatch.setattr(refresh.search, "describe", lambda ch: "0.19.1 -> 0.19.2")
+    text = refresh.page([_done(table, changes=[change])], [], "d", 1.0, "idx")
+    assert "    line 11" in text and "    line 12" not in text
+
+
+def test_a_change_among_newer_releases_is_found_when_every_one_differs_and_its_diff_takes_either_sides_optimizer(
+        table, monkeypatch):
+    """Every release newer than the table measures otherwise: the change among them is still searched (from the
+    newest pinned one); its diff follows the optimizer of whichever side names one. Looked up from what was
+    measured, so not re-measured: not said to be confirmed. ``--full`` confirms each change it finds."""
+    index = ["0.18.9", "0.19.0", "0.19.2", "0.20.0"]
+    results = {"0.18.9": bad(), "0.19.0": GOOD, "0.19.2": {**bad("y"), "optimizer": "Adam"}, "0.20.0": bad("y")}
+    monkeypatch.setattr(known, "measure", lambda r, **kw: lambda rel: {**results[rel], "release": rel})
+    opts = []
+    monkeypatch.setattr(refresh.diff, "diff", lambda b, a, opt, package: opts.append(opt) or {"files": []})
+    done = refresh.refresh_one(table, index, False, "cpu", 60)
+    assert [(c["before"], c["after"]) for c in done["changes"]] == [("0.19.0", "0.19.2")]
+    assert opts == ["Adam"] and not done["changes"][0].get("confirmed")
+    done = refresh.refresh_one(table, index, True, "cpu", 60)
+    assert done["changes"] and all(c["confirmed"] for c in done["changes"])
+
+
+def test_the_refresh_command_says_what_it_could_not_prepare_its_time_and_shows_progress_unless_asked_not_to(
+        table, monkeypatch, tmp_path, capsys):
+    index = ["0.18.9", "0.19.0"]
+    monkeypatch.setattr(listing, "index_releases", lambda p: (index, "idx"))
+    monkeypatch.setattr(known, "measure", lambda r, **kw: lambda rel: {**(bad() if rel == "0.18.9" else GOOD),
+                                                                        "release": rel})
+    monkeypatch.setattr(kprefetch, "needs_of", lambda pairs: pairs)
+    monkeypatch.setattr(refresh, "write_ranges", lambda: [])
+    shown = []
+    monkeypatch.setattr(kprefetch, "prefetch", lambda needs, progress: shown.append(progress) or
+                        ({}, ["deepspeed 0.18.9: the index has no wheel"]))
+    args = ["--only", "B5", "--page", str(tmp_path / "p.md"), "--history", str(tmp_path / "h.json")]
+    refresh.main(args)
+    refresh.main(args + ["--no-progress"])
+    assert shown == [True, False]
+    assert "  not prepared: deepspeed 0.18.9: the index has no wheel" in capsys.readouterr().out
+    took = int(re.search(r"on \S+ in (\d+) s", (tmp_path / "p.md").read_text()).group(1))
+    assert 0 <= took < 600  # the seconds the refresh took, not a clock's reading
+
+
+def test_the_refresh_writes_the_sites_page_and_the_repositorys_pages_and_helps_with_its_summary(repo):
+    import inspect
+
+    assert refresh.PAGE == repo / "docs" / "refresh.md"
+    assert inspect.signature(refresh.write_ranges).parameters["root"].default == repo
+    assert refresh.parser().description == refresh.__doc__.split("\n\n")[0] and "refresh" in refresh.parser().description
