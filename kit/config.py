@@ -54,7 +54,8 @@ def cache_dir() -> Path:
 
 LAUNCHERS = ("local", "torchrun", "deepspeed")  # how a world's ranks are started (``gradkit.launch.World.launcher``)
 ENVIRONMENT = ("GRADKIT_CACHE", "GRADKIT_LAUNCHER", "GRADKIT_NNODES", "GRADKIT_HOSTFILE", "GRADKIT_MASTER_ADDR",
-               "GRADKIT_SYNC_TIMEOUT_S", "GRADKIT_RUN_ID", "GRADKIT_PROGRESS", "GRADKIT_NO_FORK_SERVER")
+               "GRADKIT_SYNC_TIMEOUT_S", "GRADKIT_RUN_ID", "GRADKIT_PROGRESS", "GRADKIT_NO_FORK_SERVER",
+               "GRADKIT_WARM_JOBS")
 
 
 def check_environment() -> None:
