@@ -109,8 +109,8 @@ def _rank(req: dict, fds: list[int]) -> None:
     try:
         os.setsid()  # its own process group: killed as one, with what it starts, when its client goes
         die_with_parent()  # the server
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)  # SIGPIPE stays ignored, as the interpreter sets it at start
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
@@ -140,7 +140,10 @@ def _rank(req: dict, fds: list[int]) -> None:
             if e.code is not None and not isinstance(e.code, int):
                 print(e.code, file=sys.stderr)
         except BaseException:  # noqa: BLE001 - what the interpreter prints of an uncaught exception, and its 1
-            sys.excepthook(*sys.exc_info())
+            kind, value, tb = sys.exc_info()
+            while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__, "<frozen runpy>"):
+                tb = tb.tb_next  # from the script's first frame, as the interpreter shows it
+            sys.excepthook(kind, value.with_traceback(tb), tb)
             code = 1
         try:
             threading._shutdown()  # the interpreter waits for the script's non-daemon threads at its end
