@@ -34,9 +34,12 @@ those listed before it:
 - ``ranks``: starting a world's ranks (started, or forked by a fork server) and waiting for them.
 - ``warm``: warm worlds, ranks kept up between calls: ``warm_worlds``, ``prewarm``, ``stop_warm_worlds``.
 - ``lifecycle``: ``run_world``: a job of a warm world or a one-shot world, with its rendezvous retry.
+- ``jobs``: job servers, which fork a user script's torchrun agent and ranks with the stack's imports paid; used by
+  ``scripts`` (a user's own script under torchrun or accelerate launch: reproductions, the watch's jobs, recipes).
 
-``worker`` (every rank's process), ``forkserver`` (a fork server's process) and ``selftest`` (rank functions that check
-the launcher) are run in other processes, never imported here.
+``worker`` (every rank's process), ``forkserver`` (a fork server's process), ``jobserver`` and ``jobclient`` (a job
+server's process, and what torchrun starts as each rank) and ``selftest`` (rank functions that check the launcher) are
+run in other processes, never imported here.
 
 A limit or timeout is read in the submodule that defines it: set it there (``launch.warm.WARM_IDLE_S``,
 ``launch.servers.SERVER_IDLE_S``, ``launch.cleanup.OWNERLESS_GRACE_S`` ...), not on this package. Callers
