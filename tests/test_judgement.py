@@ -46,6 +46,23 @@ def test_at_ga_2_last_micro_batch_and_all_but_the_first_tie_and_no_bug_is_named(
     assert h4["ambiguous"] == [] and h4["best"] == "last micro-batch / N" and h4["best_matches"]
 
 
+def test_each_named_step_has_its_step_without_the_all_reduce_whatever_comes_before_it():
+    """``naming.local``: every named step of this step's micro-batches, in any order, gets rank r's own rows on rank r's
+    partition (x W); the mean's is B8's own; one that is the mean here, one over an earlier step's micro-batches, and a
+    step given as a function get none, and never stop the ones after them."""
+    w, n = 2, 3
+    k, hyp = w * n, ds_ranks.hypothesis_weights(w, n)
+    last = hyp["last micro-batch / N"]
+    ordered = {"global mean": hyp["global mean"], "the mean again": list(hyp["global mean"]),
+               "an earlier step's too": [1 / k] * (2 * k), "a function": lambda b: b.sum(0), "last micro-batch / N": last}
+    basis = _basis(k, size=10)
+    out = naming.local(ordered, w, n, lambda size: [(0, 4), (4, size)])
+    assert set(out) == {naming.OWN_PARTITION, "last micro-batch / N" + naming.LOCAL}
+    got = out["last micro-batch / N" + naming.LOCAL](basis)
+    x = torch.tensor(last, dtype=torch.float64) * w
+    assert torch.allclose(got[:4], x[:n] @ basis[:n, :4]) and torch.allclose(got[4:], x[n:] @ basis[n:, 4:])
+
+
 def test_an_unknown_step_is_described_by_its_weights():
     w, n, k = 2, 4, 8
     expected = [1 / k] * k
