@@ -733,6 +733,17 @@ def test_the_model_table_keeps_the_specs_order_of_models():
     assert [r.split("|")[1].strip() for r in rows] == ["no_grad_step", "conditional"]
 
 
+def test_the_model_tables_rows_of_one_model_go_by_zero_stage_then_loop_then_offload():
+    spec = _spec(axes={"ga": [2], "model": ["conditional"]})
+    points = [(3, "engine", "none"), (2, "manual", "cpu"), (2, "manual", "none"), (2, "engine", "none")]
+    recs = [{"stack": {}, "point": {"model": "conditional", "loop": loop,
+                                    "zero_optimization.offload_optimizer.device": off},
+             "zero_stage": stage, "dtype": "fp32", "verdict": oracle.NOT_AFFECTED} for stage, loop, off in points]
+    rows = sweep_tables.model_table(spec, recs).splitlines()[4:]
+    assert [tuple(c.strip() for c in r.split("|")[2:5]) for r in rows] == \
+        [("2", "engine", "none"), ("2", "manual", "cpu"), ("2", "manual", "none"), ("3", "engine", "none")]
+
+
 def test_a_run_shows_its_bar_makes_its_folder_and_writes_its_spec(tmp_path, monkeypatch, capsys):
     spec = _spec(axes={"ga": [2]})
 
