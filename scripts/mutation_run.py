@@ -126,15 +126,21 @@ def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
                 sys.stderr.flush()
                 os._exit(code)
         deadline = time.monotonic() + timeout_s
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    return TestOutcome.KILLED, f"timed out after {timeout_s:.0f} s"
+                time.sleep(0.05)
+        except BaseException:  # a stop (SIGTERM, Ctrl-C) while the child runs: it goes too, with its worlds
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                return TestOutcome.KILLED, f"timed out after {timeout_s:.0f} s"
-            time.sleep(0.05)
+            raise
         with contextlib.suppress(ProcessLookupError):  # ranks or servers the tests left behind
             os.killpg(pid, signal.SIGKILL)
         log.seek(0)
