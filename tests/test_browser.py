@@ -230,19 +230,21 @@ def test_the_explorer_in_jupyterlab_runs_redraws_and_stops(releases_ready, lab, 
 def test_the_site_of_a_run_opens_with_its_figures(browser, shots, tmp_path):
     folder, timings = shots
     out = tmp_path / "run"
-    assert runall.main(["07_without_deepspeed", "--params", str(runall.REPO / "scripts/params/quick.yaml"), "--out", str(out),
+    # the site of a run-all of one small notebook (its probe worlds take seconds; the full run's site is the
+    # notebooks test's): the same pages, figures and contents links as any notebook's
+    assert runall.main(["03_zero_boundary", "--params", str(runall.REPO / "scripts/params/quick.yaml"), "--out", str(out),
                         "--no-progress"]) == 0
     loaded = "return [...document.images].map(i => i.complete && i.naturalWidth > 0)"
     browser.get((out / "site" / "index.html").as_uri())
     images = browser.execute_script(loaded)
     assert images and all(images), images  # the verdict matrix
     browser.save_screenshot(str(folder / "5-site-index.png"))
-    browser.find_element(By.CSS_SELECTOR, "a[href='07_without_deepspeed.html']").click()
-    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("07_without_deepspeed.html"))
+    browser.find_element(By.CSS_SELECTOR, "a[href='03_zero_boundary.html']").click()
+    WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("03_zero_boundary.html"))
     images = browser.execute_script(loaded)
     assert images and all(images), images  # the notebook's figures
     toc = browser.find_elements(By.CSS_SELECTOR, "a[href^='#']")
-    target = next(a for a in toc if a.text.startswith("The matrix"))
+    target = next(a for a in toc if a.text.startswith("2 · The mechanism in numbers"))
     target.click()
     top = browser.execute_script(LANDED)
     assert top is not None and abs(top) < 50, top  # the contents link landed on its heading

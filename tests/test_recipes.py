@@ -50,9 +50,23 @@ def tiny_llama(folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """What the runs of one framework share: the Hugging Face home and LLaMA-Factory's torchaudio stand-in. The job
+    server that forks their ranks is keyed by the ranks' whole environment (transformers reads HF_HOME at import):
+    one folder for every run lets the runs of a framework fork from one server instead of importing the stack each.
+    Each run's data, model, cache of prepared rows and output stay its own."""
+    folder = tmp_path_factory.mktemp("recipes")
+    # LLaMA-Factory imports torchaudio at start for audio data; no torchaudio release loads with torch 2.13 (the
+    # newest, 2.11.0, fails to load its library): an empty module stands in for it, a text-only run never calls it
+    (folder / "shim" / "torchaudio").mkdir(parents=True)
+    (folder / "shim" / "torchaudio" / "__init__.py").write_text("")
+    return {"hf": folder / "hf", "shim": folder / "shim"}
+
+
 @pytest.mark.world
 @pytest.mark.parametrize("entry", ["script", "attach"])
-def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judged_exact(tmp_path, entry):
+def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judged_exact(tmp_path, entry, shared):
     """LLaMA-Factory 0.9.5 (its newest release; an extra package set, not the kit's environment) runs the recipe's
     YAML, LoRA on DeepSpeed ZeRO-2, through ``run_exp(callbacks=[gradkit.watch.Callback()])``; the CPU overrides are
     ``key=value`` arguments, as LLaMA-Factory takes them. The watch judges the Trainer's steps of LLaMA-Factory's
@@ -63,10 +77,6 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
     data.mkdir()
     (data / "rows.json").write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in ROWS]))
     (data / "dataset_info.json").write_text(json.dumps({"rows": {"file_name": "rows.json"}}))
-    # LLaMA-Factory imports torchaudio at start for audio data; no torchaudio release loads with torch 2.13 (the
-    # newest, 2.11.0, fails to load its library): an empty module stands in for it, this text-only run never calls it
-    (tmp_path / "shim" / "torchaudio").mkdir(parents=True)
-    (tmp_path / "shim" / "torchaudio" / "__init__.py").write_text("")
     out = tmp_path / "out"
     overrides = {"model_name_or_path": tiny_llama(tmp_path / "model"), "trust_remote_code": "false",
                  "dataset_dir": data, "dataset": "rows", "template": "default", "cutoff_len": 64,
@@ -79,9 +89,9 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
                      ("gradkit.watch.attach", ["llamafactory.launcher", *args]))
     rc, stdout, stderr = scripts.torchrun(
         program, argv, module=entry == "attach", packages=("deepspeed", "transformers", "accelerate"), timeout_s=600, cwd=REPO,
-        paths=[extras.ensure("llamafactory"), tmp_path / "shim"],
+        paths=[extras.ensure("llamafactory"), shared["shim"]],
         env={"DISABLE_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-             "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"})
+             "HF_HOME": str(shared["hf"]), "TOKENIZERS_PARALLELISM": "false"})
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (out / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "logged_norm" not in r]
@@ -93,7 +103,7 @@ def test_llamafactory_sft_on_zero2_with_the_watch_in_run_exps_callbacks_is_judge
 @pytest.mark.world
 @pytest.mark.parametrize("rows", ["even", "uneven", "uneven+fix"])
 def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged_and_its_mean_of_means_named(
-        tmp_path, rows):
+        tmp_path, rows, shared):
     """What ``axolotl train lora.yml`` launches (``-m axolotl.cli.train``, axolotl 0.19.0, an extra package set), with
     ``-m gradkit.watch.attach`` before it, on 2 ranks (DDP, gloo): the recipe's YAML with the model, the data, two
     steps of GA 2 and the CPU keys (no bf16 or flash attention; axolotl's Triton LoRA kernels off; ``max_memory``,
@@ -124,7 +134,7 @@ def test_axolotls_own_entry_point_with_the_watch_attached_on_two_ranks_is_judged
         "gradkit.watch.attach", ["axolotl.cli.train", tmp_path / "lora.yml"], module=True, timeout_s=600,
         packages=("deepspeed", "transformers", "accelerate"), cwd=tmp_path, paths=[extras.ensure("axolotl"), AXOLOTL],
         env={"ACCELERATE_USE_CPU": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-             "HF_HOME": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false", "AXOLOTL_DO_NOT_TRACK": "1",
+             "HF_HOME": str(shared["hf"]), "TOKENIZERS_PARALLELISM": "false", "AXOLOTL_DO_NOT_TRACK": "1",
              "DO_NOT_TRACK": "1", "WANDB_MODE": "disabled"})
     assert rc == 0, (stdout + stderr)[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "out" / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]

@@ -7,7 +7,8 @@ default. A warm world serves one target only (one probe): jobs of the same targe
 world already are, while another probe's job could inherit global state (B2's pipeline topology broke a B4 job
 that followed it in the same ranks). At most ``WARM_MAX`` are kept (the least recently used is stopped). A job
 that fails in any way takes its warm world down with it (the next call starts a fresh one); the ranks die with
-their caller (parent-death signal), on ``stop_warm_worlds()`` and after ``WARM_IDLE_S``.
+their caller (parent-death signal), on ``stop_warm_worlds()`` (asked to leave between jobs, killed after
+``STOP_GRACE_S``) and after ``WARM_IDLE_S``.
 """
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ from gradkit.launch.results import read_partials
 from gradkit.launch.servers import (Forked, forget_unstarted, server_for, server_key, server_keys, stack_fields,
                                 stop_servers)
 from gradkit.launch.spec import LaunchError, World
+from gradkit.launch.worker import SERVE_POLL_S, STOP_FILE
 
 WARM_IDLE_S = 600.0
 WARM_MAX = 2
+STOP_GRACE_S = 1.0  # how long a warm world's ranks have to leave by themselves before they are killed
 _WARM_FLAG = threading.local()
 
 
@@ -126,6 +129,13 @@ def prewarm(world: World, target: str) -> _Warm:
 def _discard(key: str) -> None:
     w = _WARM.pop(key, None)
     if w is not None:
+        # asked to leave first: an idle rank ends as a one-shot one does (its exit handlers run: a coverage run
+        # measures it); one busy in a job or hung is killed after STOP_GRACE_S
+        with contextlib.suppress(OSError):
+            (w.job / STOP_FILE).write_text("")
+        deadline = time.monotonic() + STOP_GRACE_S
+        while any(p.poll() is None for p in w.procs) and time.monotonic() < deadline:
+            time.sleep(SERVE_POLL_S)
         kill_groups(w.procs)
         release_port(w.holder)
         shutil.rmtree(w.job, ignore_errors=True)

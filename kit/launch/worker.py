@@ -293,6 +293,7 @@ def warm_up(init: str) -> None:
 
 
 SERVE_POLL_S = 0.02
+STOP_FILE = "stop"  # written into a warm world's folder by its caller: each rank leaves between jobs, by itself
 
 
 def serve(job: Path, rank: int, spec: dict, timing: dict) -> int:
@@ -315,8 +316,8 @@ def serve(job: Path, rank: int, spec: dict, timing: dict) -> int:
             _write_result(folder, rank, result, {**timing, "work_s": round(time.time() - t0, 3), "job": k})
             timing = {"process_start_s": 0.0, "imports_s": 0.0, "init_distributed_s": 0.0}  # paid by the first job
             k, idle_since = k + 1, time.monotonic()
-        elif time.monotonic() - idle_since > spec.get("idle_s", 600):
-            return 0
+        elif (job / STOP_FILE).exists() or time.monotonic() - idle_since > spec.get("idle_s", 600):
+            return 0  # asked to leave (the caller wrote STOP_FILE), or idle: leaves as a one-shot rank does
         else:
             time.sleep(SERVE_POLL_S)
 
