@@ -2,8 +2,9 @@
 ``scripts/mutation/targets.yaml``, each run against the tests that reach its line; the score, the survivors and the
 wall time into ``runs/mutation/summary.json``.
 
-Which tests a mutant runs comes from the test map (``scripts/testmap.py``: the suite's coverage, per test, keyed by
-function): the tests that run the function the mutant is in. They come in two stages: the tests of the pytest process
+Which tests a mutant runs comes from the test map (``scripts/testmap.py``: the suite's coverage, per test): the tests
+that ran the mutant's statement (the map's lines, while the module is the one it measured), else those that run the
+function the mutant is in. They come in two stages: the tests of the pytest process
 itself that launch no world (seconds) first, and only if the mutant survives them, the world tests (``world`` marker:
 real 2-rank worlds) that reach it, in their own process or in what they start, and the files whose fixtures reach it. A
 mutant no test reaches survives ("no test reaches it"). A mutant counts as *killed* when its tests fail or time out (a
@@ -12,7 +13,8 @@ every selected test passes. A selection that pytest cannot find (a test renamed 
 counted: it is said, and the mutant stays pending for the next run after ``bash scripts/test.sh --map``. ``--fast``
 leaves the world stage out (the score then counts the first stage's survivors). ``--again`` runs the survivors of an
 earlier run once more, against the tests as they are now (after tests were added for them). Survivors listed in
-``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator. Score =
+``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator, and
+skip the world stage (their fast stage still runs: a listed mutant that a test kills counts as killed). Score =
 killed / (killed + survived - equivalent). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's
 ``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
 """
@@ -91,19 +93,27 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
                           for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
 
 
-def stages(m: dict, module: str, line: int, where, newer: set[str]) -> tuple[list[str], list[str]]:
-    """The pytest arguments of a mutant's two stages, from the test map: the tests that reach ``line``'s function
-    that launch no world, then the world tests that reach it (in their process or what they start) and the files
-    whose fixtures do (a file's tests of that kind only). ``newer``, the test files changed since the map was
-    built (``tests/x.py::``), are taken whole in the stage their tests belong to."""
-    reach = testmap.tests_of(m, module, {where(line)})
+def stages(m: dict, module: str, line: int, where, newer: set[str], source: str) -> tuple[list[str], list[str]]:
+    """The pytest arguments of a mutant's two stages, from the test map: the tests that ran ``line``'s statement
+    (the map's lines, where ``source`` is what it measured; else those that reach its function) that launch no
+    world, then the world tests that reach it (in their process or what they start) and the files whose fixtures
+    do (a file's tests of that kind only). ``newer``, the test files changed since the map was built
+    (``tests/x.py::``), are taken whole in the stage their tests belong to. The world stage goes cheapest first (the
+    map's durations: a mutant a test kills stops there, ``-x``); one of more than one file runs on two workers, a
+    file each (``scripts/test.sh``'s way)."""
+    reach = testmap.tests_of_line(m, module, source, line)
+    if reach is None:
+        reach = testmap.tests_of(m, module, {where(line)})
     world = set(m["world_tests"])
     world_files = {t.split("::")[0] for t in world}
     files = sorted({t[:-2] for t in reach | (newer if reach else set()) if t.endswith("::")})
     tests = sorted(t for t in reach if not t.endswith("::") and t.split("::")[0] not in files)
+    took = m.get("durations") or {}
+    cost = lambda t: took.get(t, sum(v for k, v in took.items() if k.startswith(t + "::")))  # noqa: E731
     fast = [t for t in tests if t not in world] + files
-    slow = [t for t in tests if t in world] + [f for f in files if f in world_files]
-    return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world"] if slow else [])
+    slow = sorted([t for t in tests if t in world] + [f for f in files if f in world_files], key=cost)  # cheap first
+    workers = ["-n", "2", "--dist", "loadfile"] if len({t.split("::")[0] for t in slow}) > 1 else []
+    return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world", *workers] if slow else [])
 
 
 def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
@@ -157,7 +167,8 @@ def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
 
 
 def mutate_and_test(module: str, mutation, args: tuple[list[str], list[str]], fast_only: bool) -> WorkResult | None:
-    """One mutant against its stages (None: pytest could not run a stage; the mutant stays pending)."""
+    """One mutant against its stages (None: pytest could not run a stage; the mutant stays pending). ``fast_only``:
+    no world stage (``--fast``, or a survivor ``equivalent.yaml`` lists, whose reason says no output changes)."""
     operator = get_operator(mutation.operator_name)()
     with use_mutation(Path(module), operator, mutation.occurrence) as (original, mutated):
         if mutated is None:
@@ -265,16 +276,19 @@ def main(argv: list[str]) -> int:
         if again:
             forget_survivors(session)
         t0 = time.monotonic()
-        where = testmap.functions((REPO / module).read_text())
+        source = (REPO / module).read_text()
+        where = testmap.functions(source)
+        listed_here = set(equivalent.get(module) or {})
         newer = {p + "::" for p in testmap.newer_tests(m)}
         try:
             with use_db(str(session), WorkDB.Mode.open) as db:
                 pending = list(db.pending_work_items)
                 for i, item in enumerate(pending):
                     (mutation,) = item.mutations
-                    args = stages(m, module, mutation.start_pos[0], where, newer)
+                    args = stages(m, module, mutation.start_pos[0], where, newer, source)
+                    listed = f"{mutation.start_pos[0]}: {mutation.operator_name}[{mutation.occurrence}]" in listed_here
                     t1 = time.monotonic()
-                    result = mutate_and_test(module, mutation, args, fast_only)
+                    result = mutate_and_test(module, mutation, args, fast_only or listed)
                     if result is not None:
                         db.set_result(item.job_id, result)
                         print(f"  {i + 1}/{len(pending)} line {mutation.start_pos[0]} {mutation.operator_name}"

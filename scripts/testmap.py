@@ -13,7 +13,9 @@ id>``); what runs during a fixture's set-up or tear-down, and in the subprocesse
 the call ends (the next test's ranks are its own). Fork servers, which outlive a test, are off while the map is built
 (``GRADKIT_NO_FORK_SERVER``), but in the files that test them (``SERVER_TESTS``), whose subprocesses count for the
 file. A line is keyed by the function around it (its qualified name), so the map outlives edits that move lines; a
-module's top-level code (imports, constants) is reached by every test of the module's functions.
+module's top-level code (imports, constants) is reached by every test of the module's functions. The map also keeps
+each line's tests for the source as it was measured (with its hash): a mutant, whose module is the measured one but
+for the mutant, runs the tests of its own statement (``tests_of_line``), not of its whole function.
 
 A selection is conservative: a function the map does not know (new, or never run) takes every test of its module;
 a changed test file and a test file newer than the map are taken whole; a package's ``__init__`` also takes the test
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import hashlib
 import json
 import os
 import re
@@ -41,7 +44,8 @@ ENV = "TESTMAP_BUILD"
 TEST = "T|"  # a test's own context: its node id follows
 FILE = "F|"  # a test file's context: its path (tests/...) follows
 NO_FORK = "GRADKIT_NO_FORK_SERVER"  # gradkit.launch.NO_FORK_ENV (the map's code imports nothing of the kit)
-SERVER_TESTS = ("tests/test_forkserver.py", "tests/test_warm_worlds.py", "tests/test_launch.py")  # servers are theirs
+SERVER_TESTS = ("tests/test_forkserver.py", "tests/test_warm_worlds.py", "tests/test_launch.py",
+                "tests/test_jobs.py")  # servers are theirs
 CONTENT = ("notebooks", "examples")  # folders whose files tests find by listing the folder
 WARNINGS = ("module-not-measured", "module-not-python", "no-data-collected", "module-not-imported", "include-ignored",
             "couldnt-parse", "no-ctracer", "already-imported", "dynamic-conflict", "no-sysmon")
@@ -78,6 +82,19 @@ def test_done(test_file: str) -> None:
         warm.stop_warm_worlds(servers=False)
 
 
+_TOOK: dict[str, float] = {}
+DURATIONS = OUT / "durations.json"
+
+
+def took(node_id: str, seconds: float) -> None:
+    """A test's set-up, call or tear-down took ``seconds`` (under coverage): summed per test, for the map."""
+    _TOOK[node_id] = _TOOK.get(node_id, 0.0) + seconds
+
+
+def write_durations() -> None:
+    DURATIONS.write_text(json.dumps({k: round(v, 2) for k, v in sorted(_TOOK.items())}, indent=0))
+
+
 def fork_servers(test_file: str) -> None:
     """Fork servers off for ``test_file``'s worlds unless it is a test of fork servers themselves: a server outlives
     the file that started it, and its ranks would count for that file (tests/conftest.py, while the map is built)."""
@@ -98,8 +115,8 @@ def rcfile() -> Path:
 def build(pytest_args: list[str]) -> int:
     """The suite under coverage (two workers, as scripts/test.sh runs it), then the map. Returns pytest's status;
     the map is written whatever it is (a failing test still shows what it reaches)."""
-    for old in OUT.glob(".coverage*"):
-        old.unlink()
+    for old in [*OUT.glob(".coverage*"), DURATIONS]:
+        old.unlink(missing_ok=True)
     rc = rcfile()
     env = {**os.environ, ENV: "1", "COVERAGE_RCFILE": str(rc)}
     t0 = time.monotonic()
@@ -112,7 +129,8 @@ def build(pytest_args: list[str]) -> int:
     m = from_coverage(OUT / ".coverage")
     m.update(commit=git("rev-parse", "HEAD"), dirty=bool(git("status", "--porcelain", "--", "kit", "tests")),
              built_s=round(time.monotonic() - t0, 1), suite_s=round(suite_s, 1), pytest_status=code,
-             world_tests=world_tests())
+             world_tests=world_tests(),
+             durations=json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {})
     MAP.write_text(json.dumps(m, indent=0, sort_keys=True))
     n = sum(len(v) for v in m["functions"].values())
     print(f"{MAP.relative_to(REPO)}: {n} functions of {len(m['functions'])} modules, "
@@ -122,25 +140,49 @@ def build(pytest_args: list[str]) -> int:
 
 
 def from_coverage(data_file: Path) -> dict:
-    """``{"functions": {module path: {qualname: [test ids and test files]}}}`` from a combined coverage file."""
+    """``{"functions": {module path: {qualname: [test ids and test files]}}, "lines": {module path: {"sha": the
+    source's hash, "by_line": {line: [indices into "ids"]}}}, "ids": [test ids and test files]}`` from a combined
+    coverage file: by function (what survives edits), and by line for the source as it was measured (a mutant's)."""
     import coverage
 
     data = coverage.CoverageData(str(data_file))
     data.read()
     out: dict[str, dict[str, list[str]]] = {}
+    lines: dict[str, dict] = {}
+    ids: dict[str, int] = {}
     for measured in data.measured_files():
         path = Path(measured)
         if not path.is_relative_to(REPO / "kit") or not path.exists():
             continue
         rel = path.relative_to(REPO).as_posix()
-        where = functions(path.read_text(), signature=False)
+        source = path.read_text()
+        where = functions(source, signature=False)
         per: dict[str, set[str]] = {}
+        by_line: dict[str, list[int]] = {}
         for line, contexts in data.contexts_by_lineno(measured).items():
             tests = {c[2:] if c.startswith(TEST) else c[2:] + "::" for c in contexts if c.startswith((TEST, FILE))}
             if tests:
                 per.setdefault(where(line), set()).update(tests)
+                by_line[str(line)] = sorted(ids.setdefault(t, len(ids)) for t in tests)
         out[rel] = {q: sorted(t) for q, t in sorted(per.items())}
-    return {"functions": out}
+        lines[rel] = {"sha": digest(source), "by_line": by_line}
+    return {"functions": out, "lines": lines, "ids": sorted(ids, key=ids.get)}
+
+
+def digest(source: str) -> str:
+    return hashlib.sha1(source.encode()).hexdigest()
+
+
+def statement(source: str, line: int) -> tuple[int, int] | None:
+    """The first and last line of the innermost statement that holds ``line`` (a compound statement's header: the
+    whole statement), where coverage records a line of it."""
+    best = None
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            if best is None or (node.end_lineno or node.lineno) - first < best[1] - best[0]:
+                best = (first, node.end_lineno or node.lineno)
+    return best
 
 
 def world_tests() -> list[str]:
@@ -185,6 +227,21 @@ def functions(source: str, signature: bool = True):
 
 def load() -> dict | None:
     return json.loads(MAP.read_text()) if MAP.exists() else None
+
+
+def tests_of_line(m: dict, module: str, source: str, line: int) -> set[str] | None:
+    """The tests that ran the statement at ``line`` of ``module`` (its whole statement: coverage records a
+    multi-line one on some of its lines), if ``source`` is the text the map measured; None where the map cannot say
+    (the module changed since, no line of the statement was recorded): then ``tests_of`` its function answers."""
+    entry = m.get("lines", {}).get(module)
+    if not entry or entry["sha"] != digest(source):
+        return None
+    try:
+        span = statement(source, line)
+    except SyntaxError:
+        return None
+    hits = [entry["by_line"][str(i)] for i in range(span[0], span[1] + 1) if str(i) in entry["by_line"]] if span else []
+    return {m["ids"][k] for h in hits for k in h} if hits else None
 
 
 def tests_of(m: dict, module: str, qualnames: set[str]) -> set[str]:

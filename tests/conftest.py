@@ -32,11 +32,15 @@ def warm_module():
 # The slowest files first (scripts/test.sh runs xdist with --no-loadscope-reorder, which keeps this order; its
 # default puts the files with the most tests first): the two workers then finish together, instead of one of
 # them running the 2-minute notebook file alone at the end. Measured with `bash scripts/test.sh --durations=0`.
-SLOW_FIRST = ("test_notebooks.py", "test_warm_worlds.py", "test_faults.py", "test_sweep.py", "test_browser.py",
-              "test_runall.py", "test_check.py", "test_forkserver.py", "test_trainer_ga.py")
+SLOW_FIRST = ("test_notebooks.py", "test_check_corpus.py", "test_watch_trainer_jobs.py", "test_faults.py",
+              "test_recipes.py", "test_bisect.py", "test_sweep.py", "test_watch_jobs.py", "test_runall.py",
+              "test_browser.py", "test_watch_sharded.py", "test_docs.py", "test_launch.py", "test_jobs.py",
+              "test_check.py", "test_warm_worlds.py", "test_check_paths.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if any("::" in str(a) for a in config.args):  # a list of tests (a mutant's, cheapest first): kept as given
+        return
     items.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
 
 
@@ -55,3 +59,10 @@ if os.environ.get(testmap.ENV):
         yield
         testmap.test_done(item.nodeid.split("::")[0])
         testmap.switch(None, item.nodeid.split("::")[0])
+
+    def pytest_runtest_logreport(report):  # in the controller too (xdist hands it every worker's reports)
+        testmap.took(report.nodeid, report.duration)
+
+    def pytest_sessionfinish(session):
+        if not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
+            testmap.write_durations()

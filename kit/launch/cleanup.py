@@ -14,14 +14,14 @@ OWNER_FILE = "owner"  # "<pid> <process start time>" of the process that started
 OWNERLESS_GRACE_S = 60.0
 
 
-def new_world_folder(keep_dir: str | None = None) -> Path:
-    """The folder of a world starting now (``keep_dir``, or a fresh ``$TMPDIR/gradkit-world-*``), claimed for this
-    process at once: its ``OWNER_FILE`` is written right after the folder is made, before anything slow (a fork
+def new_world_folder(keep_dir: str | None = None, prefix: str = "gradkit-world-") -> Path:
+    """The folder of a world starting now (``keep_dir``, or a fresh ``$TMPDIR/<prefix>*``; a job server's:
+    ``gradkit-jobs-``), claimed for this process at once: its ``OWNER_FILE`` is written right after the folder is made, before anything slow (a fork
     server's start, the ranks'), and whole (renamed into place), so that ``remove_stale_worlds`` can tell a world
     whose caller is gone from one still starting."""
     import psutil
 
-    job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="gradkit-world-"))
+    job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix=prefix))
     try:
         job.mkdir(parents=True, exist_ok=True)
         tmp = job / (OWNER_FILE + ".tmp")
@@ -93,14 +93,16 @@ def remove_orphan_segments(grace_s: float = ORPHAN_SHM_GRACE_S) -> list[Path]:
 
 
 def remove_stale_worlds() -> list[Path]:
-    """Remove the world folders whose owner is gone (a caller killed with SIGKILL never ran its clean-up), and
-    those that never got an owner (a caller killed between making the folder and claiming it); and the shared-memory
-    segments of DeepSpeed worlds that are gone (``remove_orphan_segments``)."""
+    """Remove the world and job-server folders whose owner is gone (a caller killed with SIGKILL never ran its
+    clean-up, nor did a job server killed so), and those that never got an owner (a caller killed between making the
+    folder and claiming it); and the shared-memory segments of DeepSpeed worlds that are gone
+    (``remove_orphan_segments``)."""
     import psutil
 
     remove_orphan_segments()
     removed = []
-    for folder in Path(tempfile.gettempdir()).glob("gradkit-world-*"):
+    tmp = Path(tempfile.gettempdir())
+    for folder in [*tmp.glob("gradkit-world-*"), *tmp.glob("gradkit-jobs-*")]:
         try:
             pid, started = (folder / OWNER_FILE).read_text().split()
             alive = psutil.pid_exists(int(pid)) and abs(psutil.Process(int(pid)).create_time() - float(started)) < 1

@@ -15,11 +15,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from gradkit.launch.cleanup import new_world_folder
 from gradkit.launch.processes import kill_groups
 from gradkit.launch.servers import NO_FORK_ENV
 
@@ -75,7 +75,7 @@ def client_command(env: dict, packages, device: str) -> list[str]:
 
 
 def _start(env: dict, modules: list[str]) -> _Server:
-    folder = tempfile.mkdtemp(prefix="gradkit-jobs-")
+    folder = str(new_world_folder(prefix="gradkit-jobs-"))  # owned by this process: swept once it is gone
     proc = subprocess.Popen([sys.executable, "-m", "gradkit.launch.jobserver", os.path.join(folder, "s"),
                              json.dumps(modules), str(JOB_SERVER_IDLE_S)], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=folder,

@@ -24,6 +24,7 @@ caller closes its stdin or dies, or after ``idle_s`` without a rank.
 from __future__ import annotations
 
 import array
+import gc
 import importlib
 import json
 import os
@@ -36,6 +37,7 @@ import threading
 import time
 import traceback
 
+from gradkit.launch.cleanup import OWNER_FILE
 from gradkit.launch.processes import die_with_parent
 
 HEADER = struct.Struct("!I")
@@ -173,6 +175,8 @@ def serve(path: str, preload: list[str], idle_s: float) -> int:
         # are still worth a server; its ranks import the rest themselves (their clients wait for the socket)
         os.execv(sys.executable, [sys.executable, "-m", "gradkit.launch.jobserver", path, json.dumps(preload[:safe]),
                                   str(idle_s)])
+    gc.collect()
+    gc.freeze()  # the imported modules stay shared with the forked ranks: their collections do not touch them
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -235,9 +239,10 @@ def serve(path: str, preload: list[str], idle_s: float) -> int:
         for pid in list(ranks):
             _kill(pid)
         listener.close()
-        for remove in (os.unlink, os.rmdir):
+        for remove, what in ((os.unlink, path), (os.unlink, os.path.join(os.path.dirname(path), OWNER_FILE)),
+                             (os.rmdir, os.path.dirname(path))):
             try:
-                remove(path if remove is os.unlink else os.path.dirname(path))
+                remove(what)
             except OSError:
                 pass
 

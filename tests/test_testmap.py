@@ -1,0 +1,86 @@
+"""The test map's answers (scripts/testmap.py), on a small map made here: which tests a mutant's statement or a changed
+function needs. The mutation run (scripts/mutation_run.py) and `bash scripts/test.sh --changed` stand on them: a
+selection that misses a test that reaches the code lets a wrong instrument pass."""
+import importlib
+
+import testmap
+
+SOURCE = '''import os
+
+LIMIT = 3
+
+
+def f(x):
+    if x > LIMIT:
+        return (x +
+                1)
+    return x
+
+
+class C:
+    def g(self):
+        return f(
+            2)
+'''
+
+
+def _map(source=SOURCE):
+    """A map as `from_coverage` writes it: tests a and b ran f's first lines, only b its branch, c the class."""
+    ids = ["tests/test_a.py::test_a", "tests/test_b.py::test_b", "tests/test_c.py::test_c", "tests/test_d.py::"]
+    by_line = {"1": [3], "3": [3], "6": [3], "7": [0, 1], "8": [1], "10": [0], "13": [3], "14": [3], "15": [2]}
+    functions = {"<module>": ["tests/test_d.py::"], "f": ids[:3], "C.g": [ids[2]]}
+    return {"functions": {"kit/m.py": functions}, "ids": ids,
+            "lines": {"kit/m.py": {"sha": testmap.digest(source), "by_line": by_line}}}
+
+
+def test_a_statement_is_the_innermost_one_holding_the_line_and_a_header_takes_its_whole_statement():
+    assert testmap.statement(SOURCE, 8) == (8, 9) and testmap.statement(SOURCE, 9) == (8, 9)  # one return, two lines
+    assert testmap.statement(SOURCE, 7) == (7, 9)  # the if's header: the if with its body
+    assert testmap.statement(SOURCE, 3) == (3, 3)
+    assert testmap.statement(SOURCE, 4) is None  # a blank line between statements
+
+
+def test_a_mutants_line_takes_the_tests_that_ran_its_statement_only():
+    m = _map()
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 8) == {"tests/test_b.py::test_b"}  # the branch: b alone
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 9) == {"tests/test_b.py::test_b"}  # recorded on line 8
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 10) == {"tests/test_a.py::test_a"}
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 7) == {"tests/test_a.py::test_a", "tests/test_b.py::test_b"}
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 16) == {"tests/test_c.py::test_c"}  # f(\n 2): line 15's
+
+
+def test_the_lines_are_not_trusted_for_another_text_or_a_statement_nothing_recorded():
+    m = _map()
+    edited = SOURCE.replace("LIMIT = 3", "LIMIT = 4")  # the mutant's own module is the measured one but for the
+    assert testmap.tests_of_line(m, "kit/m.py", edited, 8) is None  # mutant; any other edit: the function's tests
+    assert testmap.tests_of_line(m, "kit/other.py", SOURCE, 8) is None
+    del m["lines"]["kit/m.py"]["by_line"]["8"]
+    assert testmap.tests_of_line(m, "kit/m.py", SOURCE, 8) is None  # then its function answers, conservatively
+    assert testmap.tests_of(m, "kit/m.py", {"f"}) == set(m["ids"][:3])
+
+
+def test_a_function_takes_its_tests_and_an_unknown_one_or_the_top_level_takes_the_modules_every_test():
+    m = _map()
+    every = set(m["ids"])
+    assert testmap.tests_of(m, "kit/m.py", {"C.g"}) == {"tests/test_c.py::test_c"}
+    assert testmap.tests_of(m, "kit/m.py", {"C.g.inner"}) == {"tests/test_c.py::test_c"}  # its nearest known scope
+    assert testmap.tests_of(m, "kit/m.py", {"h"}) == every
+    assert testmap.tests_of(m, "kit/m.py", {"<module>"}) == every
+
+
+def test_a_mutants_stages_split_its_tests_by_world_and_run_a_world_stage_of_several_files_on_two_workers_cheapest_first():
+    mutation_run = importlib.import_module("mutation_run")
+    m = {**_map(), "world_tests": ["tests/test_b.py::test_b", "tests/test_c.py::test_c"]}
+    where = testmap.functions(SOURCE)
+    fast, world = mutation_run.stages(m, "kit/m.py", 7, where, set(), SOURCE)
+    assert fast == ["tests/test_a.py::test_a", "-m", "not world"]
+    assert world == ["tests/test_b.py::test_b", "-m", "world"]  # one file: one worker
+    fast, world = mutation_run.stages(m, "kit/m.py", 7, where, set(), SOURCE.replace("3", "4"))  # function's tests
+    assert fast == ["tests/test_a.py::test_a", "-m", "not world"]
+    assert world == ["tests/test_b.py::test_b", "tests/test_c.py::test_c", "-m", "world", "-n", "2", "--dist",
+                     "loadfile"]
+    assert mutation_run.stages(m, "kit/m.py", 8, where, {"tests/test_e.py::"}, SOURCE) == (
+        ["tests/test_e.py", "-m", "not world"], ["tests/test_b.py::test_b", "-m", "world"])  # a newer file: whole
+    m["durations"] = {"tests/test_b.py::test_b": 30.0, "tests/test_c.py::test_c": 4.0}
+    fast, world = mutation_run.stages(m, "kit/m.py", 7, where, set(), SOURCE.replace("3", "4"))
+    assert world[:2] == ["tests/test_c.py::test_c", "tests/test_b.py::test_b"]  # the cheapest world test first
