@@ -346,3 +346,21 @@ def test_an_axolotl_config_is_checked_with_what_axolotl_sets_on_its_trainer_and_
     # the flag alone, with one token count over the ranks: what makes the step the mean of micro-batch means
     assert check.main(["--path", "trainer", "--ga", "4", "--average-tokens-across-devices", "true",
                        "--model-accepts-loss-kwargs", "false"]) == 1, capsys.readouterr().out
+
+
+def test_a_path_check_takes_the_ga_and_world_size_its_flags_table_documents_unless_given(repo):
+    """docs/check.md's table of flags: `--ga` 4 where nothing gives it, `--world-size` else 2; a path check's settings
+    are its flags, so those are its run's, and a flag given is taken as given."""
+    from gradkit.commands import check_paths
+
+    rows = {r.split("|")[1].strip(): r.split("|")[2] for r in (repo / "docs/check.md").read_text().splitlines()
+            if r.startswith("| `--")}
+    ga, world = int(rows["`--ga N`"].split(",")[0]), int(rows["`--world-size N`"].split("else ")[1].split()[0])
+    assert (ga, world) == (4, 2)  # the table as written, read apart from the code
+    for path in ("fsdp2", "accelerate", "trainer"):
+        a = check.parser().parse_args(["--path", path])
+        check_paths.settle(a)
+        assert (a.ga, a.world_size) == (ga, world), path
+        a = check.parser().parse_args(["--path", path, "--ga", "3", "--world-size", "4"])
+        check_paths.settle(a)
+        assert (a.ga, a.world_size) == (3, 4), path
