@@ -110,6 +110,111 @@ def test_zero12s_flat_partitions_are_read_back_as_every_parameters_own_gradient_
         assert torch.equal(got[t], grad_of(t, p.numel())), f"parameter {t} read as {got[t].tolist()}"
 
 
+def _read_all(layout, stepped, model, got, seen):
+    for t, start, values in layout.fragments(stepped):
+        assert (values != PAD).all(), f"read padding as parameter {t}'s at {start}"
+        got[t][start:start + values.numel()] += values
+        seen[t][start:start + values.numel()] += 1
+
+
+def _whole_once(model, got, seen):
+    for t, p in enumerate(model.parameters()):
+        assert torch.equal(seen[t], torch.ones(p.numel())), f"parameter {t}: coordinates read {seen[t].tolist()} times"
+        assert torch.equal(got[t], grad_of(t, p.numel())), f"parameter {t} read as {got[t].tolist()}"
+
+
+def test_fp16_optimizers_flat_groups_and_the_unfused_ones_masters_are_each_parameters_gradient_in_order():
+    """DeepSpeed's FP16_Optimizer (ZeRO-0, fp16): one fp32 flat per group, its parameters one after another in the
+    group's order, stepped whole on every rank (replicated); FP16_UnfusedOptimizer: one fp32 master per parameter,
+    ``fp32_groups`` beside ``fp16_groups``."""
+    model = Params(SHAPES)
+    params = list(model.parameters())
+    groups = [[params[t] for t in g] for g in GROUPS]
+    flats = [torch.zeros(sum(p.numel() for p in g), requires_grad=True) for g in groups]
+    for flat, g in zip(flats, GROUPS):
+        flat.grad = torch.cat([grad_of(t, params[t].numel()) for t in g])
+    fused = SimpleNamespace(fp32_groups_flat=flats, fp16_groups=groups)
+    masters = [[torch.zeros(params[t].shape, requires_grad=True) for t in g] for g in GROUPS]
+    for ms, g in zip(masters, GROUPS):
+        for m, t in zip(ms, g):
+            m.grad = grad_of(t, params[t].numel()).reshape(params[t].shape)
+    unfused = SimpleNamespace(fp32_groups=masters, fp16_groups=groups)
+    for wrapper, stepped, kind in ((fused, flats, "fp32 flat groups"),
+                                   (unfused, [m for ms in masters for m in ms], "fp32 masters")):
+        layout = Layout(model, wrapper, torch.optim.SGD(stepped, lr=0.1))
+        assert (layout.kind, layout.replicated) == (kind, True)
+        got = [torch.zeros(p.numel()) for p in params]
+        seen = [torch.zeros(p.numel()) for p in params]
+        _read_all(layout, stepped, model, got, seen)
+        _whole_once(model, got, seen)
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_zero3s_partitions_are_read_back_over_the_ranks_as_every_parameters_gradient_once(monkeypatch, w):
+    """DeepSpeed ZeRO-3: a parameter of ``ds_numel`` coordinates is cut into W partitions of ceil(ds_numel / W)
+    (its ``ds_tensor``, the last padded); rank r's holds coordinates r x size on; a sub-group's fp32 flat is its
+    parameters' partitions one after another. Read on every rank in turn: each coordinate once, no padding."""
+    model = Params(SHAPES)
+    params = list(model.parameters())
+    for p in params:
+        p.ds_numel = p.numel()
+    got = [torch.zeros(p.numel()) for p in params]
+    seen = [torch.zeros(p.numel()) for p in params]
+    for rank in range(w):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        flats, parts = [], []
+        for g in GROUPS:
+            pieces, group_parts = [], []
+            for t in g:
+                size = -(-params[t].numel() // w)
+                whole = torch.cat([grad_of(t, params[t].numel()), torch.full((size * w - params[t].numel(),), PAD)])
+                pieces.append(whole[rank * size:(rank + 1) * size])
+                group_parts.append(SimpleNamespace(ds_numel=size))
+            flat = torch.zeros(sum(x.numel() for x in pieces), requires_grad=True)
+            flat.grad = torch.cat(pieces)
+            flats.append(flat)
+            parts.append(group_parts)
+        wrapper = SimpleNamespace(fp32_partitioned_groups_flat=flats, fp16_groups=[[params[t] for t in g] for g in GROUPS],
+                                  fp16_partitioned_groups=parts)
+        layout = Layout(model, wrapper, torch.optim.SGD(flats, lr=0.1))
+        assert (layout.kind, layout.replicated) == ("fp32 partitions", False)
+        _read_all(layout, flats, model, got, seen)
+    _whole_once(model, got, seen)
+
+
+def test_bf16_optimizers_fragment_links_find_each_pieces_flat_by_its_address_and_read_it_at_its_place():
+    """DeepSpeed's BF16_Optimizer links each parameter to its fragment of a flat fp32 partition (``_hp_mapping``:
+    the fragment itself, its place in the flat, its place in the parameter). Two flats, one per group, each holding
+    a piece of each of its parameters; the flat a fragment lives in is found by the fragment's address. A fragment
+    in no flat the optimizer steps is refused (a read that cannot be placed)."""
+    model = Params(SHAPES)
+    params = list(model.parameters())
+    flats = []
+    for g in GROUPS:  # each parameter's second half, one after another
+        halves = [grad_of(t, params[t].numel())[params[t].numel() // 2:] for t in g]
+        flat = torch.zeros(sum(h.numel() for h in halves), requires_grad=True)
+        flat.grad = torch.cat(halves)
+        k = 0
+        for t, h in zip(g, halves):
+            params[t]._hp_mapping = SimpleNamespace(
+                hp_fragment=flat.data.narrow(0, k, h.numel()),
+                get_hp_fragment_address=lambda k=k, n=h.numel(): SimpleNamespace(start=k, numel=n),
+                lp_fragment_address=SimpleNamespace(start=params[t].numel() // 2, numel=h.numel()))
+            k += h.numel()
+        flats.append(flat)
+    layout = Layout(model, SimpleNamespace(), torch.optim.SGD(flats, lr=0.1))
+    assert (layout.kind, layout.replicated) == ("fp32 partitions", False)
+    assert set(layout.by_tensor) == {id(f) for f in flats}
+    read = {t: (start, values) for t, start, values in layout.fragments(flats)}
+    assert sorted(read) == list(range(len(params)))
+    for t, (start, values) in read.items():
+        n = params[t].numel()
+        assert start == n // 2 and torch.equal(values, grad_of(t, n)[n // 2:]), t
+    params[0]._hp_mapping.hp_fragment = torch.zeros(3)  # a fragment of no stepped flat
+    with pytest.raises(TypeError, match="in no tensor the optimizer steps"):
+        Layout(model, SimpleNamespace(), torch.optim.SGD(flats, lr=0.1))
+
+
 # ---------------------------------------------------------------- FSDP2's chunks of rows
 
 @contextlib.contextmanager
