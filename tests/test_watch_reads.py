@@ -85,34 +85,14 @@ def zero12(model: nn.Module, w: int, rank: int, rr: bool, param_alignment: int, 
     return ds
 
 
-@pytest.mark.parametrize("w,rr,param_alignment,offsets", [(2, True, 8, True), (3, True, 8, True), (4, True, 1, True),
-                                                          (2, False, 1, False), (3, True, 1, False)])
-def test_zero12s_flat_partitions_are_read_back_as_every_parameters_own_gradient_once(monkeypatch, w, rr,
-                                                                                    param_alignment, offsets):
-    """Every rank's pieces of every group's flat, over the ranks: each parameter's gradient whole, each coordinate
-    read once on one rank at its own place, no padding read; partitions that cut parameters in two included."""
-    model = Params(SHAPES)
-    assert not rr or any(round_robin(g, w) != g for g in GROUPS)  # the flat's order is not the groups' own
-    got = [torch.zeros(p.numel()) for p in model.parameters()]
-    seen = [torch.zeros(p.numel()) for p in model.parameters()]
-    for rank in range(w):
-        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
-        monkeypatch.setattr(dist, "get_world_size", lambda group=None: w)
-        ds = zero12(model, w, rank, rr, param_alignment, offsets)
-        layout = Layout(model, ds, ds.optimizer)
-        assert layout.kind == "fp32 partitions" and not layout.replicated, layout.kind
-        for t, start, values in layout.fragments(ds.single_partition_of_fp32_groups):
-            assert (values != PAD).all(), f"rank {rank} read the flat's padding as parameter {t}'s at {start}"
-            got[t][start:start + values.numel()] += values
-            seen[t][start:start + values.numel()] += 1
-    for t, p in enumerate(model.parameters()):
-        assert torch.equal(seen[t], torch.ones(p.numel())), f"parameter {t}: coordinates read {seen[t].tolist()} times"
-        assert torch.equal(got[t], grad_of(t, p.numel())), f"parameter {t} read as {got[t].tolist()}"
+def _nothing_read(model) -> tuple[list, list]:
+    """Per parameter: the values read back at each coordinate (summed), and how many times each was read."""
+    return [torch.zeros(p.numel()) for p in model.parameters()], [torch.zeros(p.numel()) for p in model.parameters()]
 
 
-def _read_all(layout, stepped, model, got, seen):
+def _read_all(layout, stepped, got, seen, who=""):
     for t, start, values in layout.fragments(stepped):
-        assert (values != PAD).all(), f"read padding as parameter {t}'s at {start}"
+        assert (values != PAD).all(), f"{who}read the flat's padding as parameter {t}'s at {start}"
         got[t][start:start + values.numel()] += values
         seen[t][start:start + values.numel()] += 1
 
@@ -121,6 +101,25 @@ def _whole_once(model, got, seen):
     for t, p in enumerate(model.parameters()):
         assert torch.equal(seen[t], torch.ones(p.numel())), f"parameter {t}: coordinates read {seen[t].tolist()} times"
         assert torch.equal(got[t], grad_of(t, p.numel())), f"parameter {t} read as {got[t].tolist()}"
+
+
+@pytest.mark.parametrize("w,rr,param_alignment,offsets", [(2, True, 8, True), (3, True, 8, True), (4, True, 1, True),
+                                                          (2, False, 1, False), (3, True, 1, False)])
+def test_zero12s_flat_partitions_are_read_back_as_every_parameters_own_gradient_once(monkeypatch, w, rr,
+                                                                                    param_alignment, offsets):
+    """Every rank's pieces of every group's flat, over the ranks: each parameter's gradient whole, each coordinate
+    read once on one rank at its own place, no padding read; partitions that cut parameters in two included."""
+    model = Params(SHAPES)
+    assert not rr or any(round_robin(g, w) != g for g in GROUPS)  # the flat's order is not the groups' own
+    got, seen = _nothing_read(model)
+    for rank in range(w):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: w)
+        ds = zero12(model, w, rank, rr, param_alignment, offsets)
+        layout = Layout(model, ds, ds.optimizer)
+        assert layout.kind == "fp32 partitions" and not layout.replicated, layout.kind
+        _read_all(layout, ds.single_partition_of_fp32_groups, got, seen, f"rank {rank} ")
+    _whole_once(model, got, seen)
 
 
 def test_fp16_optimizers_flat_groups_and_the_unfused_ones_masters_are_each_parameters_gradient_in_order():
@@ -143,9 +142,8 @@ def test_fp16_optimizers_flat_groups_and_the_unfused_ones_masters_are_each_param
                                    (unfused, [m for ms in masters for m in ms], "fp32 masters")):
         layout = Layout(model, wrapper, torch.optim.SGD(stepped, lr=0.1))
         assert (layout.kind, layout.replicated) == (kind, True)
-        got = [torch.zeros(p.numel()) for p in params]
-        seen = [torch.zeros(p.numel()) for p in params]
-        _read_all(layout, stepped, model, got, seen)
+        got, seen = _nothing_read(model)
+        _read_all(layout, stepped, got, seen)
         _whole_once(model, got, seen)
 
 
@@ -158,8 +156,7 @@ def test_zero3s_partitions_are_read_back_over_the_ranks_as_every_parameters_grad
     params = list(model.parameters())
     for p in params:
         p.ds_numel = p.numel()
-    got = [torch.zeros(p.numel()) for p in params]
-    seen = [torch.zeros(p.numel()) for p in params]
+    got, seen = _nothing_read(model)
     for rank in range(w):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
         flats, parts = [], []
@@ -174,11 +171,11 @@ def test_zero3s_partitions_are_read_back_over_the_ranks_as_every_parameters_grad
             flat.grad = torch.cat(pieces)
             flats.append(flat)
             parts.append(group_parts)
-        wrapper = SimpleNamespace(fp32_partitioned_groups_flat=flats, fp16_groups=[[params[t] for t in g] for g in GROUPS],
-                                  fp16_partitioned_groups=parts)
+        wrapper = SimpleNamespace(fp32_partitioned_groups_flat=flats, fp16_partitioned_groups=parts,
+                                  fp16_groups=[[params[t] for t in g] for g in GROUPS])
         layout = Layout(model, wrapper, torch.optim.SGD(flats, lr=0.1))
         assert (layout.kind, layout.replicated) == ("fp32 partitions", False)
-        _read_all(layout, flats, model, got, seen)
+        _read_all(layout, flats, got, seen, f"rank {rank} ")
     _whole_once(model, got, seen)
 
 

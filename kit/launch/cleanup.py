@@ -16,9 +16,9 @@ OWNERLESS_GRACE_S = 60.0
 
 def new_world_folder(keep_dir: str | None = None, prefix: str = "gradkit-world-") -> Path:
     """The folder of a world starting now (``keep_dir``, or a fresh ``$TMPDIR/<prefix>*``; a job server's:
-    ``gradkit-jobs-``), claimed for this process at once: its ``OWNER_FILE`` is written right after the folder is made, before anything slow (a fork
-    server's start, the ranks'), and whole (renamed into place), so that ``remove_stale_worlds`` can tell a world
-    whose caller is gone from one still starting."""
+    ``gradkit-jobs-``), claimed for this process at once: its ``OWNER_FILE`` is written right after the folder is
+    made, before anything slow (a fork server's start, the ranks'), and whole (renamed into place), so that
+    ``remove_stale_worlds`` can tell a world whose caller is gone from one still starting."""
     import psutil
 
     job = Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix=prefix))
