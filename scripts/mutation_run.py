@@ -40,6 +40,7 @@ from cosmic_ray.work_db import WorkDB, use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
 import testmap
+import testmap_readers
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "scripts" / "mutation"
@@ -93,15 +94,19 @@ def judge(module: str, rows: list[dict], equivalent: dict, wall_s: float) -> dic
                           for r in survived if f"{r['line']}: {r['operator']}[{r['occurrence']}]" not in eq]}
 
 
-def stages(m: dict, module: str, line: int, where, newer: set[str], source: str) -> tuple[list[str], list[str]]:
-    """The pytest arguments of a mutant's two stages, from the test map: the tests that ran ``line``'s statement
-    (the map's lines, where ``source`` is what it measured; else those that reach its function) that launch no
+def stages(m: dict, module: str, line: int, where, newer: set[str], source: str,
+           col: int | None = None) -> tuple[list[str], list[str]]:
+    """The pytest arguments of a mutant's two stages, from the test map: for a top-level value (a constant, a class
+    attribute), the tests that ran a statement reading it (``testmap_readers``), else the tests that ran ``line``'s
+    statement (the map's lines, where ``source`` is what it measured; else those that reach its function) that launch no
     world, then the world tests that reach it (in their process or what they start) and the files whose fixtures
     do (a file's tests of that kind only). ``newer``, the test files changed since the map was built
     (``tests/x.py::``), are taken whole in the stage their tests belong to. The world stage goes cheapest first (the
     map's durations: a mutant a test kills stops there, ``-x``); one of more than one file runs on two workers, a
     file each (``scripts/test.sh``'s way)."""
-    reach = testmap.tests_of_line(m, module, source, line)
+    reach = testmap_readers.tests_of_readers(m, module, source, line, col)
+    if reach is None:
+        reach = testmap.tests_of_line(m, module, source, line)
     if reach is None:
         reach = testmap.tests_of(m, module, {where(line)})
     world = set(m["world_tests"])
@@ -285,7 +290,8 @@ def main(argv: list[str]) -> int:
                 pending = list(db.pending_work_items)
                 for i, item in enumerate(pending):
                     (mutation,) = item.mutations
-                    args = stages(m, module, mutation.start_pos[0], where, newer, source)
+                    args = stages(m, module, mutation.start_pos[0], where, newer, source,
+                                  mutation.start_pos[1])
                     listed = f"{mutation.start_pos[0]}: {mutation.operator_name}[{mutation.occurrence}]" in listed_here
                     t1 = time.monotonic()
                     result = mutate_and_test(module, mutation, args, fast_only or listed)

@@ -84,3 +84,29 @@ def test_a_mutants_stages_split_its_tests_by_world_and_run_a_world_stage_of_seve
     m["durations"] = {"tests/test_b.py::test_b": 30.0, "tests/test_c.py::test_c": 4.0}
     fast, world = mutation_run.stages(m, "kit/m.py", 7, where, set(), SOURCE.replace("3", "4"))
     assert world[:2] == ["tests/test_c.py::test_c", "tests/test_b.py::test_b"]  # the cheapest world test first
+
+
+def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_followed_through_values_made_from_it(tmp_path):
+    """A mutant of ``LIMIT = 3`` changes the program only where LIMIT is read: in its module (f's branch), in another
+    module that imports it (and a value computed from it there), and in a test that reads it itself. Not the
+    tests that merely imported the module (coverage credits its top level to them)."""
+    readers = importlib.import_module("testmap_readers")
+    (tmp_path / "kit").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "kit" / "m.py").write_text(SOURCE + "\nA, B = 1, 2\n")
+    other = "from gradkit.m import LIMIT\n\nDOUBLE = LIMIT * 2\n\n\ndef h():\n    return DOUBLE\n\n\ndef k():\n    return 0\n"
+    (tmp_path / "kit" / "n.py").write_text(other)
+    (tmp_path / "kit" / "p.py").write_text("from gradkit import other as m\n\n\ndef q():\n    return m.LIMIT\n")
+    (tmp_path / "tests" / "test_e.py").write_text(
+        "from gradkit import m\n\n\ndef test_e():\n    assert m.LIMIT == 3\n\n\ndef test_f():\n    pass\n")
+    m = _map()
+    m["ids"].append("tests/test_n.py::test_h")
+    m["lines"]["kit/n.py"] = {"sha": testmap.digest(other), "by_line": {"1": [3], "3": [3], "7": [4]}}
+    m["functions"]["kit/n.py"] = {"h": ["tests/test_n.py::test_h"]}
+    got = readers.tests_of_readers(m, "kit/m.py", SOURCE, 3, repo=tmp_path)
+    # f's `if x > LIMIT` (a and b), h's DOUBLE (n.py's test), test_e; not test_d (the import), not p.py's other.LIMIT
+    assert got == {"tests/test_a.py::test_a", "tests/test_b.py::test_b", "tests/test_n.py::test_h",
+                   "tests/test_e.py::test_e"}
+    assert readers.bound_names(SOURCE + "\nA, B = 1, 2\n", 18, 10) == ({"B"}, False)  # the tuple's element mutated
+    assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 1, repo=tmp_path) is None  # an import: the map answers
+    assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 8, repo=tmp_path) is None  # a function's body
