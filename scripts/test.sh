@@ -18,7 +18,7 @@ if [ "${1:-}" = "--changed" ]; then
   exec .venv/bin/python -m pytest -q -rs "${workers[@]}" "${picked[@]}" "$@"
 fi
 bash scripts/setup.sh
-if [ "${1:-}" = "--map" ]; then shift; exec .venv/bin/python scripts/testmap.py build "$@"; fi
+if [ "${1:-}" = "--map" ]; then shift; exec .venv/bin/python scripts/testmap_build.py build "$@"; fi
 bash scripts/browser.sh  # Debian's chromium + driver for tests/test_browser.py (root: apt; else the test says so)
 # Two workers, one test file each at a time (a file's module fixtures stay in one process): much of the suite waits
 # on kernels, servers and rank start-up, so two files share 2 cores well.

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import testmap  # noqa: E402  (scripts/testmap.py: the map of which tests reach which code)
+import testmap_build  # noqa: E402  (scripts/testmap_build.py: builds the map of which tests reach which code)
 
 # The suite uses the kit's own cache of this machine (``GRADKIT_CACHE``, else ~/.cache/gradkit): its overlays, comm
 # ops and extra package sets are keyed by what they are built from (a release, a requirement set, a build environment)
@@ -44,25 +44,26 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: SLOW_FIRST.index(item.path.name) if item.path.name in SLOW_FIRST else len(SLOW_FIRST))
 
 
-# While scripts/testmap.py builds its map (TESTMAP_BUILD set), coverage's context is the running test during its call
-# (and in what the call starts), and its file during set-up and tear-down (a module's fixtures serve the whole file).
-if os.environ.get(testmap.ENV):
+# While scripts/testmap_build.py builds the map (TESTMAP_BUILD set), coverage's context is the running test during
+# its call (and in what the call starts), and its file during set-up and tear-down (a module's fixtures serve the
+# whole file).
+if os.environ.get(testmap_build.ENV):
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_setup(item):
-        testmap.switch(None, item.nodeid.split("::")[0])
-        testmap.fork_servers(item.nodeid.split("::")[0])
+        testmap_build.switch(None, item.nodeid.split("::")[0])
+        testmap_build.fork_servers(item.nodeid.split("::")[0])
         yield
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
-        testmap.switch(item.nodeid, item.nodeid.split("::")[0])
+        testmap_build.switch(item.nodeid, item.nodeid.split("::")[0])
         yield
-        testmap.test_done(item.nodeid.split("::")[0])
-        testmap.switch(None, item.nodeid.split("::")[0])
+        testmap_build.test_done(item.nodeid.split("::")[0])
+        testmap_build.switch(None, item.nodeid.split("::")[0])
 
     def pytest_runtest_logreport(report):  # in the controller too (xdist hands it every worker's reports)
-        testmap.took(report.nodeid, report.duration)
+        testmap_build.took(report.nodeid, report.duration)
 
     def pytest_sessionfinish(session):
         if not hasattr(session.config, "workerinput"):  # the controller, or a run without workers
-            testmap.write_durations()
+            testmap_build.write_durations()

@@ -94,7 +94,8 @@ def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_follo
     (tmp_path / "kit").mkdir()
     (tmp_path / "tests").mkdir()
     (tmp_path / "kit" / "m.py").write_text(SOURCE + "\nA, B = 1, 2\n")
-    other = "from gradkit.m import LIMIT\n\nDOUBLE = LIMIT * 2\n\n\ndef h():\n    return DOUBLE\n\n\ndef k():\n    return 0\n"
+    other = ("from gradkit.m import LIMIT\n\nDOUBLE = LIMIT * 2\n\n\ndef h():\n    return DOUBLE\n\n\n"
+             "def k():\n    return 0\n")
     (tmp_path / "kit" / "n.py").write_text(other)
     (tmp_path / "kit" / "p.py").write_text("from gradkit import other as m\n\n\ndef q():\n    return m.LIMIT\n")
     (tmp_path / "tests" / "test_e.py").write_text(
@@ -110,3 +111,24 @@ def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_follo
     assert readers.bound_names(SOURCE + "\nA, B = 1, 2\n", 18, 10) == ({"B"}, False)  # the tuple's element mutated
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 1, repo=tmp_path) is None  # an import: the map answers
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 8, repo=tmp_path) is None  # a function's body
+
+
+def test_test_files_measured_again_replace_what_the_map_said_of_them_and_keep_the_rest():
+    build = importlib.import_module("testmap_build")
+    old = _map()  # b ran lines 7, 8 and f; a ran 7, 10
+    b2 = "tests/test_b.py::test_b2"
+    new = {"functions": {"kit/m.py": {"C.g": [b2]}, "kit/n.py": {"h": [b2]}},
+           "ids": ["tests/test_b.py::test_b2"],
+           "lines": {"kit/m.py": {"sha": testmap.digest(SOURCE), "by_line": {"15": [0]}},
+                     "kit/n.py": {"sha": "n", "by_line": {"2": [0]}}}}
+    got = build.merge(old, new, ["tests/test_b.py"])
+    assert "tests/test_b.py::test_b" not in got["ids"] and "tests/test_b.py::test_b2" in got["ids"]
+    assert got["functions"]["kit/m.py"]["f"] == ["tests/test_a.py::test_a", "tests/test_c.py::test_c"]
+    assert got["functions"]["kit/m.py"]["C.g"] == ["tests/test_b.py::test_b2", "tests/test_c.py::test_c"]
+    assert testmap.tests_of_line(got, "kit/m.py", SOURCE, 8) is None  # only b ran it: nothing recorded now
+    assert testmap.tests_of_line(got, "kit/m.py", SOURCE, 7) == {"tests/test_a.py::test_a"}
+    assert testmap.tests_of_line(got, "kit/m.py", SOURCE, 15) == {"tests/test_c.py::test_c", "tests/test_b.py::test_b2"}
+    assert got["functions"]["kit/n.py"] == {"h": ["tests/test_b.py::test_b2"]} and "kit/n.py" in got["lines"]
+    changed = {**new, "lines": {"kit/m.py": {"sha": "another text", "by_line": {}}}}
+    assert "kit/m.py" not in build.merge(old, changed, ["tests/test_b.py"])["lines"]  # its functions answer
+    assert set(got["merged"]) == {"tests/test_b.py"}
