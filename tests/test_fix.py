@@ -12,7 +12,7 @@ import pytest
 from gradkit import config
 from gradkit.commands import fix, report
 from gradkit.judge import oracle
-from gradkit.stacks import patched
+from gradkit.stacks import fixes, patched
 
 
 def test_a_patch_is_named_by_the_local_label_of_a_release_and_one_that_does_not_apply_is_refused_in_its_own_words(
@@ -116,3 +116,12 @@ def test_the_sweep_of_a_fix_counts_each_point_on_both_sides_and_says_where_anoth
     assert s["points"] == 5 and s["broken"] == ['{"ga": 4}'] and s["fixed"] == ['{"ga": 2}']
     assert s["renamed"] == {"B9 -> B10": 1}  # ga 8: the same bug on both sides; ga 16: not affected on both
     assert s["affected"] == {"0.19.8": 3, "0.19.8+b9": 4} and s["not_run"] == {"0.19.8": 1, "0.19.8+b9": 0}
+
+
+def test_each_fix_is_verified_at_exactly_the_zero_stages_its_committed_report_verified_and_the_table_is_read_only():
+    for bug, f in fixes.FIXES.items():
+        doc = json.loads(config.repo_path(f"docs/reports/{bug}/verification.json").read_text())
+        assert doc["verified"] is True and doc["stages"] == list(f.stages), bug
+        assert fixes.verified_report(bug) == f"docs/reports/{bug}/report.md"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fixes.FIXES["B10"].stages = (2,)

@@ -94,6 +94,17 @@ def test_the_history_keeps_one_result_per_release_and_says_what_moved(tmp_path):
     assert list(history.series(h, "B3")) == ["B3 opt-out"] and list(history.series(h)) == ["B3 opt-out", "B5"]
 
 
+def test_the_history_is_written_as_committed_and_keeps_each_number_to_six_places_and_a_reason_to_200_characters(
+        tmp_path):
+    committed = history.PATH.read_text()
+    history.save(history.load(), tmp_path / "again.json")  # a save of what it read changes nothing (a diff shows
+    assert (tmp_path / "again.json").read_text() == committed  # only what moved)
+    kept = history.compact({"verdict": oracle.AFFECTED, "ratios": [0.12345678, "skipped"], "cosine": 0.987654321,
+                            "misplaced_weight": 0.1234564, "reason": "x" * 300, "metrics": {"big": 1}}, "by", "on")
+    assert kept == {"verdict": oracle.AFFECTED, "ratios": [0.123457, "skipped"], "cosine": 0.987654,
+                    "misplaced_weight": 0.123456, "reason": "x" * 200, "by": "by", "on": "on"}
+
+
 def test_the_committed_history_holds_both_sides_of_every_pin_and_agrees_with_the_table(monkeypatch):
     h = history.load()
     assert bisect_known.history_violations(h) == []
