@@ -56,8 +56,12 @@ NOT_RUN = "not run"  # pytest could not run the selection (a test the map names 
 def config(module: str, excluded: list[str]) -> Path:
     """The cosmic-ray session's config: which module, which operators (its test command is not used: each mutant's
     tests come from the test map)."""
-    name = module.replace("/", "_").removesuffix(".py")
+    name = module.removesuffix(".py").replace("/", ".")  # kit.commands.check.paths, not ..._check_paths: another's
     path = OUT / f"{name}.toml"
+    before = OUT / (module.replace("/", "_").removesuffix(".py") + ".toml")  # sessions named so before: moved, if
+    if not path.exists() and before.exists() and f'module-path = "{module}"' in before.read_text():  # this one's
+        for suffix in (".toml", ".sqlite"):
+            before.with_suffix(suffix).rename(path.with_suffix(suffix))
     ops = ",\n  ".join(json.dumps(e) for e in excluded)
     path.write_text(f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {FAST_TIMEOUT_S}\nexcluded-modules = []\n'
                     f'test-command = "false"\n\n[cosmic-ray.distributor]\nname = "local"\n\n'
