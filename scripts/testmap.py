@@ -130,12 +130,13 @@ def git(*args: str) -> str:
 
 def newer_tests(m: dict) -> list[str]:
     """The test files changed since the map was built (the working tree included): tests the map cannot know; a
-    file measured again since (``testmap_build.py build FILE``: ``merged``, at that commit) counts only if it changed
-    after that."""
+    file measured again since (``testmap_build.py build FILE``: ``merged``, with its text's hash) counts only if its
+    text changed after that."""
     merged = m.get("merged") or {}
-    return [p for p in git("diff", "--name-only", m["commit"], "--", "tests").splitlines()
-            if p.startswith("tests/test_") and (REPO / p).exists() and
-            (p not in merged or git("diff", "--name-only", merged[p], "--", p))]
+    changed = git("diff", "--name-only", m["commit"], "--", "tests").splitlines()
+    changed += git("ls-files", "--others", "--exclude-standard", "--", "tests").splitlines()  # new, not yet added
+    return [p for p in dict.fromkeys(changed) if p.startswith("tests/test_") and (REPO / p).exists() and
+            merged.get(p) != digest((REPO / p).read_text())]
 
 
 def changed_functions(base: str) -> dict[str, set[str]]:

@@ -166,7 +166,7 @@ def from_coverage(data_file: Path) -> dict:
 def merge(old: dict, new: dict, files: list[str]) -> dict:
     """``old`` with what ``new`` measured of the test ``files`` (test files, or node ids of them) in place of what it
     said of them: a module's lines are merged where both measured the same text, else its lines go (its functions
-    answer until the next whole build). The files are noted with the commit they were measured at (``merged``)."""
+    answer until the next whole build). The files are noted with the hash of the text measured (``merged``)."""
     mine = {f.split("::")[0] for f in files}
     ours = lambda t: t.split("::")[0] in mine  # noqa: E731
     functions_: dict[str, dict[str, list[str]]] = {}
@@ -191,9 +191,8 @@ def merge(old: dict, new: dict, files: list[str]) -> dict:
                 keep = {index[names[k]] for k in got if entry is b or not ours(names[k])}
                 by_line.setdefault(line, set()).update(keep)
         lines[module] = {"sha": (a or b)["sha"], "by_line": {k: sorted(v) for k, v in by_line.items() if v}}
-    head = git("rev-parse", "HEAD")
-    return {**old, "functions": functions_, "ids": ids, "lines": lines,
-            "merged": {**(old.get("merged") or {}), **{f: head for f in sorted(mine)}}}
+    texts = {f: digest((REPO / f).read_text()) for f in sorted(mine) if (REPO / f).exists()}
+    return {**old, "functions": functions_, "ids": ids, "lines": lines, "merged": {**(old.get("merged") or {}), **texts}}
 
 
 def world_tests() -> list[str]:
