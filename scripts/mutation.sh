@@ -5,6 +5,7 @@
 #   bash scripts/mutation.sh                       # every module of scripts/mutation/targets.yaml
 #   bash scripts/mutation.sh kit/judge/oracle.py         # one module (a session resumes where it stopped)
 #   bash scripts/mutation.sh --fast --again kit/commands/sweep/grouping.py   # its survivors again, against the tests as they are now
+#   bash scripts/mutation.sh --workers 2 kit/watch/core.py  # its mutants on two checkouts at once (one per core)
 #   bash scripts/mutation.sh --readme [docs/tests.md]    # runs/mutation/summary.json as that page's table
 # Writes runs/mutation/<module>.sqlite (the session) and runs/mutation/summary.json (score and survivors).
 set -euo pipefail

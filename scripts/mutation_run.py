@@ -15,42 +15,33 @@ leaves the world stage out (the score then counts the first stage's survivors). 
 earlier run once more, against the tests as they are now (after tests were added for them). Survivors listed in
 ``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator, and
 skip the world stage (their fast stage still runs: a listed mutant that a test kills counts as killed). Score =
-killed / (killed + survived - equivalent). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's
+killed / (killed + survived - equivalent). ``--workers N`` runs a module's mutants on N checkouts at once
+(``scripts/mutation_workers.py``: one per core). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's
 ``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
 """
 from __future__ import annotations
 
-import contextlib
-import difflib
 import json
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import torch  # noqa: F401  (imported once here, before any mutant: each mutant's pytest is forked from this process)
 import yaml
-from cosmic_ray.mutating import use_mutation
-from cosmic_ray.plugins import get_operator
 from cosmic_ray.work_db import WorkDB, use_db
-from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
 import testmap
 import testmap_readers
+import mutation_workers
+from mutation_mutant import FAST_TIMEOUT_S, mutate_and_test, restore
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "scripts" / "mutation"
 OUT = REPO / "runs" / "mutation"
 BIN = Path(sys.executable).parent
 PAGE = "docs/tests.md"  # the page whose <!-- gradkit:table MUTATION --> block ``--readme`` writes without a file
-FAST_TIMEOUT_S = 120.0  # per mutant of the fast stage (its tests take seconds: a mutant that loops forever is killed)
-TIMEOUT_S = 600.0  # per mutant of the world stage; a world test that hangs is stopped by the kit's own timeouts before,
-# so a world stage past it is not counted (its selection is too long to judge one mutant: pending, said)
-NOT_RUN = "not run"  # pytest could not run the selection (a test the map names is gone): the mutant stays pending
 
 
 def config(module: str, excluded: list[str]) -> Path:
@@ -125,97 +116,12 @@ def stages(m: dict, module: str, line: int, where, newer: set[str], source: str,
     return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world", *workers] if slow else [])
 
 
-def run_tests(args: list[str], timeout_s: float) -> tuple[str, str]:
-    """pytest on ``args`` (stop at the first failure) in a child forked from this process, which has imported torch
-    and pytest but never the kit (so the child imports the mutant, and the ranks it starts do too): ``(outcome,
-    output's tail)``; a hang is a kill, the child's whole process group with it."""
-    with tempfile.TemporaryFile("w+") as log:
-        pid = os.fork()
-        if pid == 0:  # the child: a fresh session, output to the log, pytest as `python -m pytest` runs it
-            code = 3
-            try:
-                os.setsid()
-                os.dup2(log.fileno(), 1)
-                os.dup2(log.fileno(), 2)
-                os.chdir(REPO)
-                sys.path.insert(0, str(REPO))
-                code = int(pytest.main(["-x", "-q", "-p", "no:cacheprovider", *args]))
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    os.killpg(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    return TestOutcome.KILLED, f"timed out after {timeout_s:.0f} s"
-                time.sleep(0.05)
-        except BaseException:  # a stop (SIGTERM, Ctrl-C) while the child runs: it goes too, with its worlds
-            with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                os.killpg(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            raise
-        with contextlib.suppress(ProcessLookupError):  # ranks or servers the tests left behind
-            os.killpg(pid, signal.SIGKILL)
-        log.seek(0)
-        out = log.read()
-    if os.WIFSIGNALED(status):  # the mutant crashed the test process
-        return TestOutcome.KILLED, f"pytest died of signal {os.WTERMSIG(status)}: " + out[-1500:]
-    code = os.WEXITSTATUS(status)
-    # 2-4: interrupted, internal or usage error; one of them is the mutant's (a module that no longer imports, a
-    # collection it breaks) unless pytest did not find a test the map names (renamed since the map was built)
-    stale = "ERROR: not found:" in out or "no match in any of" in out
-    outcome = {0: TestOutcome.SURVIVED, 1: TestOutcome.KILLED, 5: TestOutcome.SURVIVED}.get(
-        code, NOT_RUN if stale else TestOutcome.KILLED)
-    return outcome, f"pytest exit {code}: " + out[-1500:]
-
-
-def mutate_and_test(module: str, mutation, args: tuple[list[str], list[str]], fast_only: bool) -> WorkResult | None:
-    """One mutant against its stages (None: pytest could not run a stage; the mutant stays pending). ``fast_only``:
-    no world stage (``--fast``, or a survivor ``equivalent.yaml`` lists, whose reason says no output changes)."""
-    operator = get_operator(mutation.operator_name)()
-    with use_mutation(Path(module), operator, mutation.occurrence) as (original, mutated):
-        if mutated is None:
-            return WorkResult(worker_outcome=WorkerOutcome.NO_TEST)
-        diff = "".join(difflib.unified_diff(original.splitlines(True), mutated.splitlines(True), module, module))
-        said = []
-        outcome = TestOutcome.SURVIVED
-        for stage, a, limit in (("fast", args[0], FAST_TIMEOUT_S), ("world", args[1], TIMEOUT_S)):
-            if not a or (stage == "world" and fast_only):
-                continue
-            outcome, output = run_tests(a, limit)
-            if stage == "world" and output.startswith("timed out"):  # a world hangs at its own timeout before this:
-                outcome = NOT_RUN  # a selection this long is the map's coarseness (whole files), not the mutant's hang
-            if outcome == NOT_RUN:
-                print(f"  {module} {mutation.operator_name}[{mutation.occurrence}]: pytest could not run its {stage} "
-                      f"selection ({output[:300]}); build the map again (bash scripts/test.sh --map)", flush=True)
-                return None
-            said.append(f"{stage}: {output}")
-            if outcome == TestOutcome.KILLED:
-                break
-        if not any(args):
-            said.append("no test reaches it")
-    return WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome, output="\n".join(said), diff=diff)
-
-
 def forget_survivors(session: Path) -> None:
     """Mark every survivor of ``session`` as not run, so that the next run runs it again."""
     import sqlite3
 
     with sqlite3.connect(session) as db:
         db.execute("DELETE FROM work_results WHERE upper(test_outcome) = 'SURVIVED'")
-
-
-def restore(module: str) -> None:
-    """A run stopped mid-mutant leaves the mutant on disk: the module is put back from git (the script refuses to
-    start with uncommitted changes in kit/, so git holds the truth)."""
-    if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=REPO).returncode:
-        subprocess.run(["git", "checkout", "--", module], cwd=REPO, check=True)
 
 
 def table(summary: dict, page: str = PAGE, earlier: list[str] = ()) -> str:
@@ -262,6 +168,14 @@ def main(argv: list[str]) -> int:
     equivalent = yaml.safe_load((HERE / "equivalent.yaml").read_text()) or {}
     fast_only, again = "--fast" in argv, "--again" in argv
     argv = [a for a in argv if a not in ("--fast", "--again")]
+    workers = 1
+    if "--workers" in argv:
+        at = argv.index("--workers")
+        if at + 1 >= len(argv) or not argv[at + 1].isdigit() or int(argv[at + 1]) < 1:
+            print("error: --workers takes a number of checkouts, 1 or more (one per core)", file=sys.stderr)
+            return 2
+        workers = int(argv[at + 1])
+        argv = argv[:at] + argv[at + 2:]
     modules = argv or list(spec["targets"])
     unknown = [m for m in modules if m not in spec["targets"]]
     if unknown:
@@ -291,19 +205,28 @@ def main(argv: list[str]) -> int:
         newer = {p + "::" for p in testmap.newer_tests(m)}
         try:
             with use_db(str(session), WorkDB.Mode.open) as db:
-                pending = list(db.pending_work_items)
-                for i, item in enumerate(pending):
+                todo = []
+                for item in db.pending_work_items:
                     (mutation,) = item.mutations
-                    args = stages(m, module, mutation.start_pos[0], where, newer, source,
-                                  mutation.start_pos[1])
+                    args = stages(m, module, mutation.start_pos[0], where, newer, source, mutation.start_pos[1])
                     listed = f"{mutation.start_pos[0]}: {mutation.operator_name}[{mutation.occurrence}]" in listed_here
-                    t1 = time.monotonic()
-                    result = mutate_and_test(module, mutation, args, fast_only or listed)
-                    if result is not None:
-                        db.set_result(item.job_id, result)
-                        print(f"  {i + 1}/{len(pending)} line {mutation.start_pos[0]} {mutation.operator_name}"
-                              f"[{mutation.occurrence}]: {(result.test_outcome or result.worker_outcome).value} "
-                              f"({time.monotonic() - t1:.1f} s)", flush=True)
+                    todo.append((item.job_id, mutation, args, fast_only or listed))
+
+                def record(i, job_id, result, seconds, todo=todo, db=db):
+                    if result is None:
+                        return
+                    db.set_result(job_id, result)
+                    mutation = todo[i][1]
+                    print(f"  {i + 1}/{len(todo)} line {mutation.start_pos[0]} {mutation.operator_name}"
+                          f"[{mutation.occurrence}]: {(result.test_outcome or result.worker_outcome).value} "
+                          f"({seconds:.1f} s)", flush=True)
+
+                if workers > 1 and len(todo) > 1:
+                    mutation_workers.run(module, todo, workers, record)
+                else:
+                    for i, (job_id, mutation, args, fast) in enumerate(todo):
+                        t1 = time.monotonic()
+                        record(i, job_id, mutate_and_test(module, mutation, args, fast), time.monotonic() - t1)
         finally:
             restore(module)
         rows = outcomes(session)
