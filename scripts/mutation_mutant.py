@@ -108,5 +108,5 @@ def mutate_and_test(module: str, mutation, args: tuple[list[str], list[str]], fa
 def restore(module: str, root: Path = REPO) -> None:
     """A run stopped mid-mutant leaves the mutant on disk: the module is put back from git (the script refuses to
     start with uncommitted changes in kit/, so git holds the truth)."""
-    if subprocess.run(["git", "diff", "--quiet", "--", module], cwd=root).returncode:
+    if subprocess.run(["git", "--no-optional-locks", "diff", "--quiet", "--", module], cwd=root).returncode:
         subprocess.run(["git", "checkout", "--", module], cwd=root, check=True)
