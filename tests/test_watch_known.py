@@ -32,6 +32,12 @@ def test_each_bug_the_table_expects_on_the_jobs_releases_is_said_and_two_are_a_t
     assert trainer("5.10.1") == ("not explained by a known bug: B1, HFT not expected on transformers 5.10.1, "
                                  "transformers 5.10.1 (the step is 'none'); look at your own loss, collator and loop")
     assert acc("0.30.1", True) == _said("ACC", "0.30.1")
+    # ACC's sync_each_batch needs GA >= 2 (the table's rule): the GA the job declared, else the Trainer's
+    for rec in ({"declared_ga": 1}, {"trainer_ga": 1}):
+        one = known.from_table({"versions": {"accelerate": "0.30.1"}, "sync_each_batch": True, **rec}, "accelerate")
+        assert one.startswith("not explained by a known bug: ACC not expected on accelerate 0.30.1"), rec
+    assert known.from_table({"versions": {"accelerate": "0.30.1"}, "sync_each_batch": True, "declared_ga": 4,
+                             "trainer_ga": 1}, "accelerate") == _said("ACC", "0.30.1")
     assert acc("0.30.1", False).startswith("not explained by a known bug: ACC not expected on accelerate 0.30.1")
     assert acc("0.31.0", True).startswith("not explained by a known bug: ACC not expected on accelerate 0.31.0")
     assert known.from_table({"versions": {}}, "accelerate").startswith("not explained by a known bug: ACC not "
