@@ -134,3 +134,37 @@ def test_the_attach_runs_its_target_as_main_with_its_own_arguments_and_the_train
     assert [r["step"] for r in steps] == [1, 2], [r["line"] for r in recs]
     assert all(r["verdict"] == oracle.NOT_AFFECTED and r["loss"] == "mean over label tokens" for r in steps), \
         [r["line"] for r in steps]
+
+
+def test_the_target_sees_what_python_would_give_it_and_the_wrapped_init_is_the_trainers_to_inspect(tmp_path,
+                                                                                                   monkeypatch):
+    """As ``python script.py`` / ``python -m module``: a script's own folder first on ``sys.path``; a module's
+    ``sys.argv[0]`` its file and ``__main__`` itself; the arguments from ``sys.argv`` when ``main`` is given none.
+    The wrapper keeps ``Trainer.__init__``'s name and signature (transformers and frameworks inspect it), and a
+    second attach leaves the first wrapper in place."""
+    import inspect
+
+    original = Trainer.__init__
+    seen = tmp_path / "seen.json"
+    script = tmp_path / "scripted" / "job.py"
+    script.parent.mkdir()
+    report = ("import json, sys\nfrom pathlib import Path\n"
+              f"Path({str(seen)!r}).write_text(json.dumps({{'path0': sys.path[0], 'argv': sys.argv, "
+              "'main': sys.modules['__main__'].__dict__.get('__file__')}))\n")
+    script.write_text(report)
+    monkeypatch.setattr(sys, "argv", ["attach", "--every", "2", str(script), "a", "b"])
+    assert attach.main() == 0
+    got = json.loads(seen.read_text())
+    assert got["path0"] == str(script.parent) and got["argv"] == [str(script), "a", "b"]
+    (tmp_path / "pkg_attach_target").mkdir()
+    (tmp_path / "pkg_attach_target" / "__init__.py").write_text("")
+    (tmp_path / "pkg_attach_target" / "job.py").write_text(report)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert attach.main(["pkg_attach_target.job", "c"]) == 0
+    got = json.loads(seen.read_text())
+    module_file = str(tmp_path / "pkg_attach_target" / "job.py")
+    assert got["argv"] == [module_file, "c"] and got["main"] == module_file
+    wrapped = Trainer.__init__  # main attached it
+    assert wrapped is not original and wrapped.__name__ == "__init__" and wrapped.__wrapped__ is original
+    assert inspect.signature(wrapped) == inspect.signature(original)
+    assert attach.attach({"every": 5}) and Trainer.__init__ is wrapped
