@@ -16,7 +16,8 @@ def test_the_local_cluster_runs_one_cell_at_a_time_in_a_process_of_its_own_and_r
 
     def client_for(scheduler):
         client, cluster = real(scheduler)
-        made.append((client, cluster))
+        workers = client.scheduler_info()["workers"].values()
+        made.append((client, cluster, [w["nthreads"] for w in workers], list(client.run(os.getpid).values())))
         return client, cluster
 
     real = matrix.client_for
@@ -26,17 +27,9 @@ def test_the_local_cluster_runs_one_cell_at_a_time_in_a_process_of_its_own_and_r
     said = []
     assert matrix.run(cells, "dask", said.append) == cells
     assert sorted(said, key=str) == sorted(cells, key=str)
-    ((client, cluster),) = made
+    ((client, cluster, threads, pids),) = made
+    assert threads == [1] and len(pids) == 1 and pids != [os.getpid()]  # one worker of one thread, a process apart
     assert cluster.status.name == "closed" and client.status == "closed"
-
-    client, cluster = real("dask")
-    try:
-        workers = client.scheduler_info()["workers"].values()
-        assert [w["nthreads"] for w in workers] == [1]
-        assert list(client.run(os.getpid).values()) != [os.getpid()]  # a process of its own
-    finally:
-        client.close()
-        cluster.close()
 
 
 def test_a_cell_refused_before_its_launch_is_bad_input_exit_2_and_a_checked_one_keeps_its_ranks_and_its_time(
