@@ -1,9 +1,9 @@
 """The matrix's cells on a local Dask cluster (``gradkit.commands.check.matrix``), with each cell's task replaced by a
 function Dask's worker can import (``dict``: the cell back as it went): one worker process with one thread (a cell is
 a world of its own ranks: two at once would share the cores), results in the cells' order whatever order they come
-back in, two equal cells run twice, and the cluster gone after; and one cell (``gradkit.commands.check.task``): bad input
-refused before any launch, a checked one's ranks kept for the next cell of its stack. The real cells on that cluster:
-test_check_corpus.py."""
+back in, two equal cells run twice, and the cluster gone after; and one cell (``gradkit.commands.check.task``): bad
+input refused before any launch, a checked one's ranks kept for the next cell of its stack. The real cells on that
+cluster: test_check_corpus.py."""
 import contextlib
 import os
 import types
