@@ -90,6 +90,8 @@ def run(module: str, todo: list, workers: int, record) -> None:
             raise RuntimeError(f"{root}: gradkit is not imported from its own kit/ there; run with --workers 1")
     ctx = multiprocessing.get_context("fork")
     jobs, results = ctx.Queue(), ctx.Queue()
+    for q in (jobs, results):  # a stop must not wait for a queue's buffer to reach a reader that is gone
+        q.cancel_join_thread()
     for index, item in enumerate(todo):
         jobs.put((index, *item))
     for _ in roots:
