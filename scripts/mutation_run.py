@@ -96,9 +96,9 @@ def stages(m: dict, module: str, line: int, where, newer: set[str], source: str,
     statement (the map's lines, where ``source`` is what it measured; else those that reach its function) that launch no
     world, then the world tests that reach it (in their process or what they start) and the files whose fixtures
     do (a file's tests of that kind only). ``newer``, the test files changed since the map was built
-    (``tests/x.py::``), are taken whole in the stage their tests belong to. The world stage goes cheapest first (the
-    map's durations: a mutant a test kills stops there, ``-x``); one of more than one file runs on two workers, a
-    file each (``scripts/test.sh``'s way)."""
+    (``tests/x.py::``), are taken whole in the stage their tests belong to. Each stage goes cheapest first (the
+    map's durations: a mutant a test kills stops there, ``-x``); a world stage of more than one file runs on two
+    workers, a file each (``scripts/test.sh``'s way)."""
     reach = testmap_readers.tests_of_readers(m, module, source, line, col)
     if reach is None:
         reach = testmap.tests_of_line(m, module, source, line)
@@ -110,7 +110,7 @@ def stages(m: dict, module: str, line: int, where, newer: set[str], source: str,
     tests = sorted(t for t in reach if not t.endswith("::") and t.split("::")[0] not in files)
     took = m.get("durations") or {}
     cost = lambda t: took.get(t, sum(v for k, v in took.items() if k.startswith(t + "::")))  # noqa: E731
-    fast = [t for t in tests if t not in world] + files
+    fast = sorted([t for t in tests if t not in world] + files, key=cost)  # cheap first too: -x stops at a kill
     slow = sorted([t for t in tests if t in world] + [f for f in files if f in world_files], key=cost)  # cheap first
     workers = ["-n", "2", "--dist", "loadfile"] if len({t.split("::")[0] for t in slow}) > 1 else []
     return ([*fast, "-m", "not world"] if fast else []), ([*slow, "-m", "world", *workers] if slow else [])

@@ -84,6 +84,9 @@ def test_a_mutants_stages_split_its_tests_by_world_and_run_a_world_stage_of_seve
     m["durations"] = {"tests/test_b.py::test_b": 30.0, "tests/test_c.py::test_c": 4.0}
     fast, world = mutation_run.stages(m, "kit/m.py", 7, where, set(), SOURCE.replace("3", "4"))
     assert world[:2] == ["tests/test_c.py::test_c", "tests/test_b.py::test_b"]  # the cheapest world test first
+    m["durations"].update({"tests/test_a.py::test_a": 5.0, "tests/test_e.py::test_x": 1.0})
+    fast, _ = mutation_run.stages(m, "kit/m.py", 7, where, {"tests/test_e.py::"}, SOURCE)
+    assert fast == ["tests/test_e.py", "tests/test_a.py::test_a", "-m", "not world"]  # the fast stage too
 
 
 def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_followed_through_values_made_from_it(tmp_path):
