@@ -29,6 +29,18 @@ def warm_module():
         yield
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo world in this process (a HashStore: no port, no file), for the module's tests that run a rank's
+    code here (``test_common.py``, ``test_ds_config_here.py``, ``test_watch_sharded_here.py``)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 # The slowest files first (scripts/test.sh runs xdist with --no-loadscope-reorder, which keeps this order; its
 # default puts the files with the most tests first): the two workers then finish together, instead of one of
 # them running the 2-minute notebook file alone at the end. Measured with `bash scripts/test.sh --durations=0`.

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from gradkit import shapes
 from gradkit.judge import oracle, records, tolerances
@@ -16,13 +15,7 @@ from gradkit.probes.ranks import judging
 SEED, HIDDEN, MB, DEPTH = 0, 8, 3, 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    """A one-rank gloo world in this process (a HashStore: no port, no file)."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # tests/conftest.py: a one-rank gloo world in this process
 
 
 def loop(ga, steps=2, div=None, keep_grads=False, drop_last=False, clip=0.0, scale=1.0, shape="mlp", **kw):

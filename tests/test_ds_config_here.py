@@ -7,7 +7,6 @@ needs two ranks (a partition, a rank's own boundary) stays the world tests'."""
 import importlib
 
 import pytest
-import torch.distributed as dist
 
 from gradkit import config as kconfig
 from gradkit import shapes
@@ -20,9 +19,9 @@ MB = {"train_micro_batch_size_per_gpu": 4}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def here():
-    """A one-rank world in this process: DeepSpeed's environment as a rank gets it, a gloo group over a HashStore,
-    and ``run_world`` calling the rank's target here."""
+def here(one_rank):
+    """A one-rank world in this process: DeepSpeed's environment as a rank gets it, ``one_rank``'s gloo group
+    (tests/conftest.py), and ``run_world`` calling the rank's target here."""
     from deepspeed.accelerator import get_accelerator
 
     def run_here(target, payload, world=None, on_partial=None, **kw):
@@ -38,13 +37,10 @@ def here():
                      }.items():
             mp.setenv(k, v)
         mp.setattr(runner.launch, "run_world", run_here)
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         yield
-        dist.destroy_process_group()
     import deepspeed.comm.comm as ds_comm
 
-    ds_comm.cdb = None  # DeepSpeed's handle on the group just destroyed
+    ds_comm.cdb = None  # DeepSpeed's handle on the group (``one_rank``'s), destroyed next
     if fp16 is None:  # allow_fp16_on_cpu's answer goes with the rank
         accelerator.__dict__.pop("is_fp16_supported", None)
 

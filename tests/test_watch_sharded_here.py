@@ -4,17 +4,11 @@ user's FSDP2 and on ZeRO-3's layout; the control catching a read that shifts or 
 left after the judged step), in seconds, so that a defect in the sharded reference fails the mutation run's fast
 stage. What needs two ranks (a rank's chunk, ranks with unequal micro-batches) stays the worlds'."""
 import pytest
-import torch.distributed as dist
 
 import tests.test_watch_sharded as worlds
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")  # tests/conftest.py: a one-rank gloo world in this process
 
 
 @pytest.fixture(autouse=True)
