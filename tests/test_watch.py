@@ -385,3 +385,20 @@ def test_a_step_whose_loss_scale_changed_before_its_read_is_named_and_a_skipped_
         else:
             assert r["verdict"] == oracle.NOT_AFFECTED, (k, what, r["line"])
             assert "loss_scale_change" not in r, (k, what, r["loss_scale_change"])
+
+
+def test_a_records_held_bytes_count_its_sketches_and_inputs_and_a_short_window_is_said(tmp_path):
+    """What a judged step held, as the record states it: the sketches (float64: 8 bytes a value, one row of the
+    sketch's size per micro-batch) and the window's inputs (every argument's bytes); a window shorter than the GA the
+    job declared is said; the engine's logged norm is judged once, for a judged step only."""
+    from gradkit.watch.sketch import SIZE
+
+    w = _job(tmp=tmp_path, steps=2, every=1, context={"declared_ga": 6})
+    r = w.records[0]
+    assert r["held_bytes"]["sketches"] == 4 * SIZE * 8
+    assert r["held_bytes"]["inputs"] == (3 + 4 + 5 + 6) * 8 * 4  # each micro-batch's x: 3..6 rows of 8 fp32
+    assert r["short_window"].startswith("the optimizer stepped after 4 of the 6 micro-batches")
+    assert "short_window" not in _job(tmp=tmp_path / "b", steps=1, every=1, context={"declared_ga": 4}).records[0]
+    assert w.judge_logged_norm(99, 1.0) is None  # not a judged step
+    said = w.judge_logged_norm(2, 1.0)
+    assert said["step"] == 2 and said["logged_norm"] == 1.0 and w.judge_logged_norm(2, 1.0) is None  # once
