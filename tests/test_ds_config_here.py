@@ -285,3 +285,33 @@ def test_each_loop_style_calls_the_engine_as_that_loop_does():
     assert run("manual") == [("backward", 0.5), ("backward", 1.0), ("before",), ("step",)]
     fn = ranks.overflowing(lambda out, y: out)
     assert [fn(1.0, 0), fn(1.0, 0)] == [ranks.OVERFLOW, 1.0]  # the first micro-batch only
+
+
+def test_a_release_without_managed_accumulation_refuses_the_unmanaged_loop_only_and_every_engine_is_released(
+        monkeypatch):
+    class Older:  # the engine as a release before 0.19.4 has it: no managed_gradient_accumulation
+        def __init__(self, engine):
+            self.__dict__["engine"] = engine
+
+        def __getattr__(self, name):
+            if name == "managed_gradient_accumulation":
+                raise AttributeError(name)
+            return getattr(self.engine, name)
+
+        def __call__(self, *args, **kwargs):
+            return self.engine(*args, **kwargs)
+
+    lenient = ranks.initialize_leniently
+    monkeypatch.setattr(ranks, "initialize_leniently", lambda *a: (Older(lenient(*a)[0]), []))
+    released = []
+    real = ranks.judging.release
+    monkeypatch.setattr(ranks.judging, "release", lambda engine: released.append(engine) or real(engine))
+    recs = check({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}, 2, ("engine", "unmanaged"))
+    assert records.one(recs, case="engine")["verdict"] == oracle.NOT_AFFECTED
+    unmanaged = records.one(recs, case="unmanaged")
+    assert unmanaged["verdict"] == oracle.CANNOT_RUN and unmanaged["reason"] == (
+        "not available: RuntimeError: this DeepSpeed has no managed_gradient_accumulation (added in "
+        f"{ranks.UNMANAGED_SINCE})")
+    assert len(released) == 2 and all(e is not None for e in released)  # each engine freed; the control has none
+    control = records.one(recs, case="control")  # fp32, no scaler: no loss-scale facts on any step
+    assert steps_of(control, "loss_scale") == [None] * STEPS and steps_of(control, "skipped") == [None] * STEPS
