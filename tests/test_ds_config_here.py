@@ -100,6 +100,7 @@ def test_a_dynamic_fp16_scale_skips_its_overflow_on_both_sides_and_the_step_wher
     assert all(s["matches"] == "global mean" for s in others)
     assert fix["verdict"] == oracle.NOT_AFFECTED and set(steps_of(fix, "loss_scale")) == {ds_config.FIX_SCALE}
     assert control["verdict"] == oracle.NOT_AFFECTED and control["optimizer"] == "torch.optim.SGD"
+    assert steps_of(control, "loss_scale") == steps_of(control, "loss_scale_after") == [None] * ds_config.DYNAMIC_STEPS
     # a key this release's parser refuses is dropped, said, and the rest judged
     assert engine["config_stripped"] == ["fp16.opt_level: Extra inputs are not permitted"]
     assert any("refuses fp16.opt_level" in n for n in engine["config_notes"])
@@ -117,6 +118,16 @@ def test_a_clip_is_made_to_act_in_every_step_and_the_engine_is_judged_against_th
     assert ranks.case_loss_scale({"clip": 1.0}, 1, 2, 1.0, sh) == scale != 1.0
     assert ranks.loss_scale(1, 2, 0.0, sh) == 1.0 and ranks.case_loss_scale({}, 1, 2, 0.0, sh) == 1.0
     assert ranks.loss_scale(1, 2, 2.0, sh) == pytest.approx(2 * scale)
+    # bf16 / fp16 masters, no clip: the first step a fixed share of the weights' norm, far above their rounding
+    # (2**-9 of the weights in bf16) and well below the weights themselves
+    model = sh.build(ranks.SEED, ranks.HIDDEN, ranks.DEPTH)
+    every = [b for b in sh.micro_batches(ranks.SEED, 0, 2, ranks.MICRO_BATCH, ranks.HIDDEN, 0)]
+    reference = ranks.oracle.reference_gradients(model, every, sh.loss_fn)[2]
+    share = ranks.loss_scale(1, 2, 0.0, sh, "bf16") * reference.norm().item() / ranks.c.flat_params(model).norm().item()
+    assert share == pytest.approx(ranks.MASTERS_STEP) and 64 * 2 ** -9 < share < 0.5
+    # one cached scale per shape: two shapes never share one
+    tied = shapes.get("tied")
+    assert ranks.case_loss_scale({"model": "tied"}, 1, 2, 1.0, tied) == ranks.loss_scale(1, 2, 1.0, tied) != scale
 
 
 def test_the_controls_own_broken_loops_are_judged_as_what_they_break():
@@ -151,6 +162,14 @@ def test_a_refusal_of_the_config_the_kit_runs_is_put_to_deepspeed_as_written_and
     said = ranks.ask_as_written(deepspeed, case, shapes.get("mlp").build(0, 8, 2), ValueError("the kit's"))
     assert isinstance(said, ranks.RefusedAsWritten) and "stage" in str(said)
     assert ranks.ask_as_written(deepspeed, {}, None, ValueError("as it was")).args == ("as it was",)
+
+    class Refuses:  # DeepSpeed's own sentence, cut at 400 characters
+        @staticmethod
+        def initialize(**kw):
+            raise ValueError("x" * 1000)
+
+    said = ranks.ask_as_written(Refuses, case, shapes.get("mlp").build(0, 8, 2), ValueError("the kit's"))
+    assert str(said) == "ValueError: " + "x" * 400
 
 
 def test_each_named_step_weighs_the_rank_major_basis_as_its_definition_says():
@@ -200,6 +219,7 @@ def test_an_fp16_optimizers_own_scale_is_read_from_whichever_attribute_its_relea
     assert ranks.own_loss_scale(Scaled(loss_scale_config=Scaled(cur_scale=8.0))) == 8.0
     assert ranks.own_loss_scale(Scaled(loss_scale="dynamic", cur_scale=4.0)) == 4.0  # not a number: the next
     assert ranks.own_loss_scale(Scaled(loss_scale=0.0)) == 1.0 and ranks.own_loss_scale(Scaled()) == 1.0
+    assert ranks.own_loss_scale(Scaled(loss_scale=0.5)) == 0.5  # a scale below 1 is a scale (DeepSpeed's minimum)
 
 
 def test_the_tensor_parallel_degree_is_the_configs_autotp_size_and_one_for_the_control():
