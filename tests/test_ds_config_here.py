@@ -171,6 +171,14 @@ def test_a_refusal_of_the_config_the_kit_runs_is_put_to_deepspeed_as_written_and
     said = ranks.ask_as_written(Refuses, case, shapes.get("mlp").build(0, 8, 2), ValueError("the kit's"))
     assert str(said) == "ValueError: " + "x" * 400
 
+    class Accepts:  # the config as written passes: the kit's change is to blame, its error cut alike
+        @staticmethod
+        def initialize(**kw):
+            return object(), None, None, None
+
+    said = ranks.ask_as_written(Accepts, case, shapes.get("mlp").build(0, 8, 2), KeyError("y" * 1000))
+    assert isinstance(said, ranks.RefusedAsRun) and str(said) == "KeyError: '" + "y" * 399
+
 
 def test_each_named_step_weighs_the_rank_major_basis_as_its_definition_says():
     k = 6  # W = 2 ranks x N = 3 micro-batches, rank r's micro-batch i at r * 3 + i; seen from rank 1
