@@ -213,6 +213,7 @@ def test_the_stepwise_steps_are_b11s_carried_update_and_at_zero_1_2_b8s_partitio
     seen = {}
     monkeypatch.setattr(ranks.naming, "local", lambda named, w, n, split: seen.update(split=split, w=w) or {"B8": 1})
     assert ranks.stepwise_hypotheses(2, 3, None, 2, {"global mean": []}) == {"B8": 1}
+    assert ranks.stepwise_hypotheses(2, 3, None, 1, {"global mean": []}) == {"B8": 1}  # ZeRO-1 partitions alike
     assert seen["split"](10) == [(0, 6), (6, 10)] and seen["split"](3) == [(0, 2), (2, 3)]  # padded to 2 W
     assert ranks.stepwise_hypotheses(1, 3, None, 1, {}) == {} and ranks.stepwise_hypotheses(2, 3, None, 3, {}) == {}
 
