@@ -47,7 +47,7 @@ PAGE = "docs/tests.md"  # the page whose <!-- gradkit:table MUTATION --> block `
 def config(module: str, excluded: list[str]) -> Path:
     """The cosmic-ray session's config: which module, which operators (its test command is not used: each mutant's
     tests come from the test map)."""
-    name = module.removesuffix(".py").replace("/", ".")  # kit.commands.check.paths, not ..._check_paths: another's
+    name = module.removesuffix(".py").replace("/", ".")  # one name per module (check/paths.py vs check_paths.py)
     path = OUT / f"{name}.toml"
     before = OUT / (module.replace("/", "_").removesuffix(".py") + ".toml")  # sessions named so before: moved, if
     if not path.exists() and before.exists() and f'module-path = "{module}"' in before.read_text():  # this one's
