@@ -41,6 +41,32 @@ def one_rank():
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def deepspeed_here(one_rank):
+    """DeepSpeed's engine in this process, as one rank: the environment a rank gets (its rank variables, the CPU
+    accelerator, the installed release's comm-op build folder) over ``one_rank``'s gloo group; afterwards DeepSpeed's
+    handle on that group dropped and the CPU accelerator's fp16 answer (``allow_fp16_on_cpu``) put back."""
+    from deepspeed.accelerator import get_accelerator
+
+    from gradkit import config as kconfig
+    from gradkit.launch import spec
+
+    accelerator = get_accelerator()
+    fp16 = accelerator.__dict__.get("is_fp16_supported")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": "29500", "DS_ACCELERATOR": "cpu",
+                     "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / spec.installed_key())
+                     }.items():
+            mp.setenv(k, v)
+        yield mp
+    import deepspeed.comm.comm as ds_comm
+
+    ds_comm.cdb = None  # DeepSpeed's handle on one_rank's group, destroyed next
+    if fp16 is None:
+        accelerator.__dict__.pop("is_fp16_supported", None)
+
+
 # The slowest files first (scripts/test.sh runs xdist with --no-loadscope-reorder, which keeps this order; its
 # default puts the files with the most tests first): the two workers then finish together, instead of one of
 # them running the 2-minute notebook file alone at the end. Measured with `bash scripts/test.sh --durations=0`.

@@ -8,10 +8,8 @@ import importlib
 
 import pytest
 
-from gradkit import config as kconfig
 from gradkit import shapes
 from gradkit.judge import naming, oracle, records
-from gradkit.launch import spec
 from gradkit.probes import ds_config, runner
 from gradkit.probes.ranks import ds_config as ranks
 
@@ -19,30 +17,15 @@ MB = {"train_micro_batch_size_per_gpu": 4}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def here(one_rank):
-    """A one-rank world in this process: DeepSpeed's environment as a rank gets it, ``one_rank``'s gloo group
-    (tests/conftest.py), and ``run_world`` calling the rank's target here."""
-    from deepspeed.accelerator import get_accelerator
-
+def here(deepspeed_here):
+    """A one-rank world in this process (tests/conftest.py's ``deepspeed_here``), ``run_world`` calling the rank's
+    target here."""
     def run_here(target, payload, world=None, on_partial=None, **kw):
         module, fn = target.split(":")
         return [getattr(importlib.import_module(module), fn)(payload)]
 
-    accelerator = get_accelerator()
-    fp16 = accelerator.__dict__.get("is_fp16_supported")
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": "29500", "DS_ACCELERATOR": "cpu",
-                     "TORCH_EXTENSIONS_DIR": str(kconfig.cache_dir() / "torch_extensions" / spec.installed_key())
-                     }.items():
-            mp.setenv(k, v)
-        mp.setattr(runner.launch, "run_world", run_here)
-        yield
-    import deepspeed.comm.comm as ds_comm
-
-    ds_comm.cdb = None  # DeepSpeed's handle on the group (``one_rank``'s), destroyed next
-    if fp16 is None:  # allow_fp16_on_cpu's answer goes with the rank
-        accelerator.__dict__.pop("is_fp16_supported", None)
+    deepspeed_here.setattr(runner.launch, "run_world", run_here)
+    yield
 
 
 STEPS = 2  # a step, and one with what the first left behind
