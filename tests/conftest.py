@@ -61,8 +61,16 @@ def deepspeed_here(one_rank):
             mp.setenv(k, v)
         yield mp
     import deepspeed.comm.comm as ds_comm
+    import deepspeed.utils.groups as ds_groups
 
-    ds_comm.cdb = None  # DeepSpeed's handle on one_rank's group, destroyed next
+    ds_comm.cdb = None  # DeepSpeed's handles on one_rank's group (and groups made from it), destroyed next
+    for name, value in list(vars(ds_groups).items()):
+        if not (name.startswith("_") and name.strip("_").replace("_", "").isupper()) or isinstance(value, str):
+            continue
+        if isinstance(value, dict):
+            value.clear()
+        else:
+            setattr(ds_groups, name, None)
     if fp16 is None:
         accelerator.__dict__.pop("is_fp16_supported", None)
 
