@@ -179,3 +179,14 @@ def test_faults_agree_says_every_ranks_fault_in_rank_order_and_nothing_where_non
     got = world.run(rank)
     want = "rank 0's read: ZeroDivisionError: division by zero; rank 2's read: ZeroDivisionError: division by zero"
     assert got == [["", want, ""]] * 3, got
+
+
+def test_a_faults_sentence_is_cut_at_400_characters_and_a_failed_steps_at_600():
+    faults = guard.Faults()
+    faults.note("read", RuntimeError("x" * 1000))
+    assert faults.first == ("read: RuntimeError: " + "x" * 1000)[:400] and len(faults.first) == 400
+    faults.note("copy", RuntimeError("a second fault"))  # the first is the step's
+    assert faults.first.startswith("read: ")
+    said = guard.failed("y" * 1000)
+    assert said == ("the watch failed (" + "y" * 1000)[:600] and len(said) == 600
+    assert guard.failed("short") == "the watch failed (short); training went on"
