@@ -1,0 +1,58 @@
+"""The watch's Trainer callback (``gradkit.watch.hf``) in this process, on transformers' own ``Trainer``: the batches
+a loader makes also reach the watch (its collate function wrapped once; not with worker processes, which make them
+elsewhere), and the callback's defaults taken from the Trainer's arguments: the records under
+``<output_dir>/gradkit-watch``, the clip, the precision, the GA and token-averaging setting in every record; an
+affected step stops training where asked. Real framework jobs on two ranks: test_recipes.py,
+test_watch_trainer_jobs.py."""
+import json
+import types
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from gradkit.judge import oracle
+from gradkit.watch import hf
+
+
+def test_every_batch_a_loader_makes_reaches_the_watch_once_and_a_loader_with_workers_is_left_alone():
+    fed = []
+    loader = torch.utils.data.DataLoader(list(range(6)), batch_size=2)
+    assert hf.feed(loader, fed.append) and hf.feed(loader, fed.append)  # the second changes nothing
+    batches = [b.tolist() for b in loader]
+    assert [b.tolist() for b in fed] == batches == [[0, 1], [2, 3], [4, 5]]
+    accelerated = types.SimpleNamespace(base_dataloader=torch.utils.data.DataLoader([1, 2], batch_size=2))
+    assert hf.feed(accelerated, fed.append) and accelerated.base_dataloader.collate_fn._gradkit_fed
+    workers = torch.utils.data.DataLoader([1, 2], batch_size=2, num_workers=1)
+    assert not hf.feed(workers, fed.append) and not getattr(workers.collate_fn, "_gradkit_fed", False)
+    assert not hf.feed(types.SimpleNamespace(), fed.append)  # no collate function to wrap
+
+
+class Summing(Trainer):
+    """A compute_loss that forgets to divide by the accumulation (the loss of the whole window's tokens, summed)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs) * self.args.gradient_accumulation_steps
+
+
+def test_the_callback_takes_its_defaults_from_the_trainers_arguments_and_stops_on_an_affected_step(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 32, (8,), generator=g) for _ in range(12)]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, save_strategy="no",
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
+                             max_grad_norm=7.0)
+    callback = hf.Callback(stop=True, every=1)
+    trainer = Summing(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+                      callbacks=[callback])
+    trainer.train()
+    recs = [json.loads(x) for x in (tmp_path / "gradkit-watch" / "watch.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "logged_norm" not in r]
+    assert [r["verdict"] for r in steps] == [oracle.AFFECTED], [r["line"] for r in recs]  # stopped after step 1
+    assert trainer.state.global_step == 1
+    r = steps[0]
+    assert r["trainer_ga"] == 2 and r["average_tokens_across_devices"] == args.average_tokens_across_devices
+    assert r["loss"] == "mean over label tokens" and r["dtype"] == "fp32"
+    assert r["versions"]["transformers"] and r["versions"]["accelerate"] and r["versions"]["torch"]
+    assert callback.watch.recorder._handles == [] and callback.watch.clip == 7.0  # removed at the end; the clip
