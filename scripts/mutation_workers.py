@@ -39,8 +39,9 @@ def checkout(i: int) -> Path:
     if not (d / ".git").exists():
         CHECKOUTS.mkdir(parents=True, exist_ok=True)
         git("worktree", "add", "--detach", "--force", str(d), head)
-    else:  # a lock a stopped run left in this worker's own checkout is stale: nothing else works there
-        (d / git("rev-parse", "--git-path", "index.lock", cwd=d)).unlink(missing_ok=True)  # (d / an absolute path is that path)
+    else:  # a lock a stopped run left in this worker's own checkout is stale: nothing else works there (an
+        # absolute path joined to d is itself)
+        (d / git("rev-parse", "--git-path", "index.lock", cwd=d)).unlink(missing_ok=True)
         git("checkout", "--detach", "--force", head, cwd=d)
     for rel in git("ls-files", "--cached", "--others", "--exclude-standard").splitlines():
         src, dst = mm.REPO / rel, d / rel
