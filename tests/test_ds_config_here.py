@@ -163,6 +163,19 @@ def test_a_refusal_of_the_config_the_kit_runs_is_put_to_deepspeed_as_written_and
     assert isinstance(said, ranks.RefusedAsRun) and str(said) == "KeyError: '" + "y" * 399
 
 
+def test_fp16_is_declared_supported_on_a_cpu_only_and_where_it_is_not_already(monkeypatch):
+    import types
+
+    for device, supported, want in (("cpu", False, True), ("cuda", False, False), ("cpu", True, True)):
+        accelerator = types.SimpleNamespace(device_name=lambda device=device: device,
+                                            is_fp16_supported=lambda supported=supported: supported)
+        monkeypatch.setattr("deepspeed.accelerator.get_accelerator", lambda accelerator=accelerator: accelerator)
+        before = accelerator.is_fp16_supported
+        ranks.allow_fp16_on_cpu()
+        assert accelerator.is_fp16_supported() is want, device
+        assert (accelerator.is_fp16_supported is before) is (device != "cpu" or supported)  # left as it was
+
+
 def test_each_named_step_weighs_the_rank_major_basis_as_its_definition_says():
     k = 6  # W = 2 ranks x N = 3 micro-batches, rank r's micro-batch i at r * 3 + i; seen from rank 1
     h = ranks.hypothesis_weights(2, 3, own=1)
