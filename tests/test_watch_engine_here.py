@@ -64,9 +64,29 @@ def test_a_step_the_fp16_scaler_skips_is_said_as_skipped(tmp_path):
     assert [r["verdict"] for r in recs] == [oracle.NOT_AFFECTED, "skipped", oracle.NOT_AFFECTED], \
         [r["line"] for r in recs]
     assert recs[0]["engine_dtype"] == "fp16" and recs[0]["loss_scale"] == 256.0
+    assert _run(_engine(2), 2, steps=1, tmp=tmp_path / "fp32")[0]["loss_scale"] == 1.0  # no scaler: 1
 
 
 def test_an_object_that_is_no_engine_comes_back_unwatched_saying_why(capsys):
     thing = object()
     assert watch_engine(thing) is thing
     assert capsys.readouterr().out.startswith("gradkit watch: cannot watch this engine (AttributeError")
+
+
+def test_a_step_is_explained_as_the_check_explains_the_loop_it_came_from(monkeypatch):
+    """GA 1 in the engine's config and more micro-batches than one in the step: the user's manual loop; else the
+    engine's own. The engine's config goes with it, and the user's model (whether a step reaches every parameter is
+    not known)."""
+    from gradkit.watch import deepspeed as wd
+
+    seen = []
+    monkeypatch.setattr(wd.kknown, "explain", lambda rec: seen.append(rec) or ("B3", "the check's sentence"))
+    cfg = {"zero_optimization": {"stage": 2}}
+    for rec, loop in (({"engine_ga": 1, "ga": 4}, "manual"), ({"engine_ga": 1, "ga": 2}, "manual"),
+                      ({"engine_ga": 1, "ga": 1}, "engine"), ({"engine_ga": 1}, "engine"),
+                      ({"engine_ga": 4, "ga": 4}, "engine"), ({"ga": 4}, "engine")):
+        assert wd.explain({**rec, "ds_config": cfg}) == "the check's sentence"
+        assert seen[-1]["config"] == {"loop": loop, "ds_config": cfg, "model_config": "user's"}, rec
+        assert seen[-1]["ga"] == rec.get("ga")
+    wd.explain({"engine_ga": 4, "ga": 4})
+    assert seen[-1]["config"]["ds_config"] == {}

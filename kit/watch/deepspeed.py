@@ -33,8 +33,7 @@ def explain(rec: dict) -> str | None:
     # the user's own model: whether a step reaches every parameter is not known, so B6 and B7 stay candidates
     as_check = {**rec, "config": {"loop": loop, "ds_config": rec.get("ds_config") or {}, "model_config": "user's"},
                 "ga": rec.get("ga")}
-    bug, why = kknown.explain(as_check)
-    return why if bug is None else f"{why}"
+    return kknown.explain(as_check)[1]
 
 
 def watch_engine(engine, **options):
