@@ -5,6 +5,7 @@ elsewhere), and the callback's defaults taken from the Trainer's arguments: the 
 affected step stops training where asked. Real framework jobs on two ranks: test_recipes.py,
 test_watch_trainer_jobs.py."""
 import json
+import sys
 import types
 
 import torch
@@ -56,3 +57,52 @@ def test_the_callback_takes_its_defaults_from_the_trainers_arguments_and_stops_o
     assert r["loss"] == "mean over label tokens" and r["dtype"] == "fp32"
     assert r["versions"]["transformers"] and r["versions"]["accelerate"] and r["versions"]["torch"]
     assert callback.watch.recorder._handles == [] and callback.watch.clip == 7.0  # removed at the end; the clip
+
+
+class _Watch:
+    """A stand-in watch: what its step and its logged norm are judged."""
+
+    def __init__(self, verdict):
+        self.verdict, self.logged = verdict, []
+
+    def step_end(self):
+        return {"verdict": self.verdict}
+
+    def judge_logged_norm(self, step, norm):
+        self.logged.append((step, norm))
+        return {"verdict": self.verdict}
+
+
+def test_an_affected_step_or_logged_norm_stops_training_only_where_asked(monkeypatch, capsys):
+    state, args = types.SimpleNamespace(global_step=3), None
+    for stop in (False, True):
+        for verdict in (oracle.AFFECTED, oracle.NOT_AFFECTED):
+            cb = hf.Callback(stop=stop)
+            cb.watch = _Watch(verdict)
+            for call in (lambda c: cb.on_step_end(args, state, c), lambda c: cb.on_log(args, state, c,
+                                                                                       logs={"grad_norm": 2.5})):
+                control = types.SimpleNamespace(should_training_stop=False)
+                assert call(control) is control
+                assert control.should_training_stop is (stop and verdict == oracle.AFFECTED), (stop, verdict)
+            assert cb.watch.logged == [(3, 2.5)]
+    assert hf.Callback().stop is False  # judging never stops a job unless asked
+    cb = hf.Callback(stop=True)
+    control = types.SimpleNamespace(should_training_stop=False)
+    assert cb.on_step_end(args, state, control) is control and cb.on_log(args, state, control, logs=None) is control
+    cb.watch = _Watch(oracle.AFFECTED)
+    cb.on_log(args, state, control, logs={"loss": 1.0})  # no norm logged: nothing judged
+    assert cb.watch.logged == [] and control.should_training_stop is False
+
+
+def test_a_watch_that_cannot_be_built_leaves_the_job_alone_and_a_loader_without_workers_is_fed(monkeypatch, capsys,
+                                                                                                 tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    cb = hf.Callback(every=0)  # a Watch refuses it
+    control = types.SimpleNamespace()
+    assert cb.on_train_begin(args, None, control, model=torch.nn.Linear(2, 2), optimizer=None) is control
+    assert cb.watch is None and "gradkit watch: cannot watch this job (" in capsys.readouterr().out
+    fed = []
+    plain = types.SimpleNamespace(collate_fn=lambda rows: rows)  # no num_workers: made in this process
+    assert hf.feed(plain, fed.append) and plain.collate_fn([1]) == [1] and fed == [[1]]
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # a Trainer without DeepSpeed
+    assert "deepspeed" not in hf.versions() and hf.versions()["transformers"]
