@@ -34,8 +34,9 @@ def _targets(node: ast.stmt, col: int | None) -> set[str]:
 
 def bound_names(source: str, line: int, col: int | None = None) -> tuple[set[str], bool] | None:
     """The names that the module- or class-level assignment holding ``line`` (``col``: the mutated column) binds,
-    and whether a class binds them (an attribute read on any object then counts); None where ``line`` is in no
-    such statement (a function's body, an import, a bare call)."""
+    and whether a class binds them (an attribute read on any object then counts); a top-level class's header (its
+    decorators, its bases) binds the class's name; None where ``line`` is in no such statement (a function's body,
+    an import, a bare call)."""
     def scan(body: list[ast.stmt], in_class: bool):
         for node in body:
             if not node.lineno <= line <= (node.end_lineno or node.lineno):
@@ -45,6 +46,8 @@ def bound_names(source: str, line: int, col: int | None = None) -> tuple[set[str
                 return (names, in_class) if names else None
             if isinstance(node, ast.ClassDef) and node.body and line >= node.body[0].lineno:
                 return scan(node.body, True)
+            if isinstance(node, ast.ClassDef) and not in_class:  # its decorators or bases: where the class is used
+                return {node.name}, False
             if isinstance(node, (ast.If, ast.Try, ast.With)):  # `if TYPE_CHECKING:`, `try: X = ...`
                 return scan([*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
                              *(s for h in getattr(node, "handlers", []) for s in h.body)], in_class)

@@ -112,6 +112,7 @@ def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_follo
     assert got == {"tests/test_a.py::test_a", "tests/test_b.py::test_b", "tests/test_n.py::test_h",
                    "tests/test_e.py::test_e"}
     assert readers.bound_names(SOURCE + "\nA, B = 1, 2\n", 18, 10) == ({"B"}, False)  # the tuple's element mutated
+    assert readers.bound_names(SOURCE, 13) == ({"C"}, False)  # a class's header: where the class is used
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 1, repo=tmp_path) is None  # an import: the map answers
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 8, repo=tmp_path) is None  # a function's body
 
