@@ -39,7 +39,8 @@ def bound_names(source: str, line: int, col: int | None = None) -> tuple[set[str
     an import, a bare call)."""
     def scan(body: list[ast.stmt], in_class: bool):
         for node in body:
-            if not node.lineno <= line <= (node.end_lineno or node.lineno):
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            if not first <= line <= (node.end_lineno or node.lineno):
                 continue
             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 names = _targets(node, col)

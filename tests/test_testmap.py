@@ -113,6 +113,7 @@ def test_a_top_level_value_takes_the_tests_that_ran_a_statement_reading_it_follo
                    "tests/test_e.py::test_e"}
     assert readers.bound_names(SOURCE + "\nA, B = 1, 2\n", 18, 10) == ({"B"}, False)  # the tuple's element mutated
     assert readers.bound_names(SOURCE, 13) == ({"C"}, False)  # a class's header: where the class is used
+    assert readers.bound_names("@deco\nclass D:\n    x = 1\n", 1) == ({"D"}, False)  # its decorator too
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 1, repo=tmp_path) is None  # an import: the map answers
     assert readers.tests_of_readers(m, "kit/m.py", SOURCE, 8, repo=tmp_path) is None  # a function's body
 
