@@ -106,3 +106,28 @@ def test_a_watch_that_cannot_be_built_leaves_the_job_alone_and_a_loader_without_
     assert hf.feed(plain, fed.append) and plain.collate_fn([1]) == [1] and fed == [[1]]
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # a Trainer without DeepSpeed
     assert "deepspeed" not in hf.versions() and hf.versions()["transformers"]
+
+
+class TakesLabels(Trainer):
+    """A compute_loss that takes the labels out of the batch before the forward (as a custom loss does): the watch
+    gets them from the batch the loader made."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def test_labels_a_compute_loss_takes_out_before_the_forward_reach_the_reference_from_the_loader(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 32, (8,), generator=g) for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
+                             per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    callback = hf.Callback(every=1)
+    TakesLabels(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+                callbacks=[callback]).train()
+    (r,) = [x for x in callback.watch.records if "logged_norm" not in x]
+    assert r["verdict"] == oracle.NOT_AFFECTED, r["line"]  # the reference found its labels, and matches
