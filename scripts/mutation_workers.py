@@ -13,6 +13,7 @@ import contextlib
 import filecmp
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import subprocess
@@ -106,7 +107,7 @@ def run(module: str, todo: list, workers: int, record) -> None:
         while done < len(todo):
             try:
                 got = results.get(timeout=1.0)
-            except Exception:  # noqa: BLE001 - queue.Empty: see whether a worker died
+            except queue.Empty:  # see whether a worker died
                 if not any(p.is_alive() for p in procs):
                     raise RuntimeError("every mutation worker stopped before its mutants were done") from None
                 continue
