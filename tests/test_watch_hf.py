@@ -28,6 +28,15 @@ def test_every_batch_a_loader_makes_reaches_the_watch_once_and_a_loader_with_wor
     assert not hf.feed(types.SimpleNamespace(), fed.append)  # no collate function to wrap
 
 
+def _llama(n_rows: int):
+    """A tiny Llama (transformers' own class) and ``n_rows`` token rows of 8."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(1)
+    return model, [torch.randint(0, 32, (8,), generator=g) for _ in range(n_rows)]
+
+
 class Summing(Trainer):
     """A compute_loss that forgets to divide by the accumulation (the loss of the whole window's tokens, summed)."""
 
@@ -36,11 +45,7 @@ class Summing(Trainer):
 
 
 def test_the_callback_takes_its_defaults_from_the_trainers_arguments_and_stops_on_an_affected_step(tmp_path):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, 32, (8,), generator=g) for _ in range(12)]
+    model, rows = _llama(12)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=3, save_strategy="no",
                              per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
                              max_grad_norm=7.0)
@@ -119,11 +124,7 @@ class TakesLabels(Trainer):
 
 
 def test_labels_a_compute_loss_takes_out_before_the_forward_reach_the_reference_from_the_loader(tmp_path):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, 32, (8,), generator=g) for _ in range(4)]
+    model, rows = _llama(4)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
                              per_device_train_batch_size=2, gradient_accumulation_steps=1)
     callback = hf.Callback(every=1)
