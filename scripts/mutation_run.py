@@ -16,8 +16,8 @@ earlier run once more, against the tests as they are now (after tests were added
 ``scripts/mutation/equivalent.yaml`` (with why they cannot change any output) leave the score's denominator, and
 skip the world stage (their fast stage still runs: a listed mutant that a test kills counts as killed). Score =
 killed / (killed + survived - equivalent). ``--workers N`` runs a module's mutants on N checkouts at once
-(``scripts/mutation_workers.py``: one per core). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into that file's
-``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
+(``scripts/mutation_workers.py``: one per core). ``--readme [FILE]`` (alone) writes ``summary.json``'s table into
+that file's ``<!-- gradkit:table MUTATION -->`` block (``PAGE``, docs/tests.md, without a file).
 """
 from __future__ import annotations
 

@@ -192,7 +192,8 @@ def merge(old: dict, new: dict, files: list[str]) -> dict:
                 by_line.setdefault(line, set()).update(keep)
         lines[module] = {"sha": (a or b)["sha"], "by_line": {k: sorted(v) for k, v in by_line.items() if v}}
     texts = {f: digest((REPO / f).read_text()) for f in sorted(mine) if (REPO / f).exists()}
-    return {**old, "functions": functions_, "ids": ids, "lines": lines, "merged": {**(old.get("merged") or {}), **texts}}
+    merged = {**(old.get("merged") or {}), **texts}
+    return {**old, "functions": functions_, "ids": ids, "lines": lines, "merged": merged}
 
 
 def world_tests() -> list[str]:
